@@ -1,0 +1,85 @@
+"""`jaxmoe <command>`: parses flags and calls the library. Nothing else lives here."""
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from jaxmoe.parallel.sharding import ConfigError
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--config.a.b=v` overrides from ordinary flags."""
+    overrides = [a for a in argv if a.startswith("--config.")]
+    rest = [a for a in argv if not a.startswith("--config.")]
+    return rest, overrides
+
+
+def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator_address", default=None, help="host:port of process 0 (multi-process runs)"
+    )
+    parser.add_argument("--num_processes", type=int, default=None)
+    parser.add_argument("--process_id", type=int, default=None)
+
+
+def _cmd_train(args, overrides) -> int:
+    from jaxmoe.config import load_config
+    from jaxmoe.distributed import initialize
+    from jaxmoe.train import train
+
+    config = load_config(args.config, overrides)
+    initialize(args.coordinator_address, args.num_processes, args.process_id)
+    summary = train(config, args.workdir, progress=not args.no_progress)
+    import jax
+
+    if jax.process_index() == 0:
+        ev = summary["eval"] or {}
+        if summary["stopped"] == "preempted":
+            print(f"preempted at step {summary['step']}: checkpoint saved; rerun to resume")
+        print(
+            f"done: step {summary['step']}, eval loss {ev.get('loss', float('nan')):.4f} "
+            f"(perplexity {ev.get('perplexity', float('nan')):.2f}, "
+            f"accuracy {ev.get('accuracy', float('nan')):.3f})\n"
+            f"checkpoints: {summary['checkpoints']}\n"
+            f"tensorboard: tensorboard --logdir {summary['tensorboard']}\n"
+            f"metrics:     {summary['metrics']}"
+        )
+        print(json.dumps({"step": summary["step"], **{f"eval_{k}": v for k, v in ev.items()}}))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    train = sub.add_parser("train", help="train or resume a model")
+    train.add_argument(
+        "--config", default="configs/default.py", help="config file, optionally with :variant"
+    )
+    train.add_argument("--workdir", required=True, help="checkpoints, metrics, TensorBoard")
+    train.add_argument("--no_progress", action="store_true", help="no progress bar")
+    _add_distributed_flags(train)
+    train.set_defaults(run=_cmd_train)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    rest, overrides = _split_overrides(argv)
+    args = parser_args = build_parser().parse_args(rest)
+    del parser_args
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    try:
+        return args.run(args, overrides)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
+        # One line for the user; JAX internals are not their problem.
+        if os.environ.get("JAXMOE_TRACEBACK"):
+            raise
+        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Multi-head, grouped-query and multi-query attention as one module.
+
+H query heads share K key/value heads (K divides H): K = H is MHA, K = 1 is MQA. Query head
+h reads KV head h // (H // K) (contiguous groups, as in the GQA paper's converters and in
+Llama/Mistral). The grouped einsum reshapes queries to [.., K, G, ..] instead of repeating
+K/V, so memory and bandwidth for K/V scale with K, not H.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.models.layers import fan_in_init, make_param
+
+NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
+
+
+def rope_tables(positions_BL, head_dim: int, theta: float):
+    """cos/sin tables [B, L, head_dim/2] for rotary embeddings in the rotate-half layout."""
+    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    angles = positions_BL.astype(jnp.float32)[..., None] * inv_freq
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x_BLNd, cos_BLh, sin_BLh):
+    """Rotate pairs (i, i + d/2): the Llama / Hugging Face layout."""
+    half = x_BLNd.shape[-1] // 2
+    x1, x2 = x_BLNd[..., :half].astype(jnp.float32), x_BLNd[..., half:].astype(jnp.float32)
+    cos, sin = cos_BLh[:, :, None, :], sin_BLh[:, :, None, :]
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x_BLNd.dtype)
+
+
+def grouped_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None):
+    """softmax(q k^T * scale + bias, masked) v with K/V shared by groups of H // K heads.
+
+    mask: bool, broadcastable to [B, L, S] (True = may attend). bias: [1 or B, H, L, S].
+    Returns [B, L, H, d]. Softmax statistics in f32.
+    """
+    b, l, h, d = q_BLHd.shape
+    kv_heads = k_BSKd.shape[2]
+    groups = h // kv_heads
+    q_BLKGd = q_BLHd.reshape(b, l, kv_heads, groups, d)
+    logits = jnp.einsum("blkgd,bskd->bkgls", q_BLKGd, k_BSKd, preferred_element_type=jnp.float32)
+    if scale is not None:
+        logits = logits * scale
+    if bias_bHLS is not None:
+        bias = bias_bHLS.astype(jnp.float32)
+        logits = logits + bias.reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
+    if mask is not None:
+        logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKd.dtype)
+    out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BSKd)
+    return out.reshape(b, l, h, d)
+
+
+class Attention(nnx.Module):
+    """Self- or cross-attention with `num_kv_heads` key/value heads.
+
+    Parameters: query [D, H, d], key/value [D, K, d], out [H, d, D].
+    `rope_theta` > 0 applies rotary positions; `scale_logits=False` is T5's convention of
+    folding 1/sqrt(d) into the query initialisation.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        rope_theta: float = 0.0,
+        scale_logits: bool = True,
+        rngs: nnx.Rngs,
+    ):
+        if num_heads % num_kv_heads:
+            raise ValueError(
+                f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
+            )
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rope_theta = rope_theta
+        self.scale = head_dim**-0.5 if scale_logits else None
+        q_scale = 1.0 if scale_logits else head_dim**-1.0
+        self.query = make_param(
+            rngs,
+            fan_in_init((0,), q_scale),
+            (d_model, num_heads, head_dim),
+            ("embed", "heads", "head_dim"),
+        )
+        kv_shape, kv_axes = (d_model, num_kv_heads, head_dim), ("embed", "kv_heads", "head_dim")
+        self.key = make_param(rngs, fan_in_init((0,)), kv_shape, kv_axes)
+        self.value = make_param(rngs, fan_in_init((0,)), kv_shape, kv_axes)
+        self.out = make_param(
+            rngs,
+            fan_in_init((0, 1)),
+            (num_heads, head_dim, d_model),
+            ("heads", "head_dim", "embed"),
+        )
+
+    def project_q(self, x_BLD, positions_BL=None):
+        q = jnp.einsum("bld,dhk->blhk", x_BLD, self.query[...].astype(x_BLD.dtype))
+        if self.rope_theta:
+            q = apply_rope(q, *rope_tables(positions_BL, self.head_dim, self.rope_theta))
+        return q
+
+    def project_kv(self, x_BSD, positions_BS=None):
+        dtype = x_BSD.dtype
+        k = jnp.einsum("bsd,dkh->bskh", x_BSD, self.key[...].astype(dtype))
+        v = jnp.einsum("bsd,dkh->bskh", x_BSD, self.value[...].astype(dtype))
+        if self.rope_theta:
+            k = apply_rope(k, *rope_tables(positions_BS, self.head_dim, self.rope_theta))
+        return k, v
+
+    def project_out(self, o_BLHd):
+        return jnp.einsum("blhk,hkd->bld", o_BLHd, self.out[...].astype(o_BLHd.dtype))
+
+    def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None):
+        """Self-attention over x, or cross-attention to `kv_BSD` when given."""
+        if positions_BL is None and self.rope_theta:
+            positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
+        q = self.project_q(x_BLD, positions_BL)
+        if kv_BSD is None:
+            k, v = self.project_kv(x_BLD, positions_BL)
+        else:
+            k, v = self.project_kv(kv_BSD)
+        o = grouped_attention(q, k, v, mask=mask, bias_bHLS=bias, scale=self.scale)
+        return self.project_out(o)

@@ -1,0 +1,102 @@
+"""Dense building blocks. Every parameter carries logical axis names (`axes` metadata).
+
+The names are mapped to mesh axes by one rules table (jaxmoe/parallel/sharding.py), so a
+new parallelism layout is a config change, not a model change.
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+
+
+def fan_in_init(fan_in_axes: tuple[int, ...], scale: float = 1.0) -> Initializer:
+    """Truncated normal with variance scale / fan_in, fan_in taken over `fan_in_axes`."""
+
+    def init(key, shape, dtype):
+        fan_in = 1
+        for axis in fan_in_axes:
+            fan_in *= shape[axis]
+        std = (scale / fan_in) ** 0.5 / 0.87962566103423978  # truncnorm(-2, 2) std correction
+        return std * jax.random.truncated_normal(key, -2.0, 2.0, shape, dtype)
+
+    return init
+
+
+def normal_init(std: float) -> Initializer:
+    return lambda key, shape, dtype: std * jax.random.normal(key, shape, dtype)
+
+
+def make_param(
+    rngs: nnx.Rngs,
+    init: Initializer,
+    shape: tuple[int, ...],
+    axes: tuple[str | None, ...],
+    dtype=jnp.float32,
+) -> nnx.Param:
+    """A parameter initialised by `init` and tagged with one logical axis name per dim."""
+    if len(axes) != len(shape):
+        raise ValueError(f"parameter of shape {shape} got {len(axes)} axis names {axes}")
+    return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
+
+
+def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu":  # T5.1.1 uses the tanh approximation
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "relu":
+        return jax.nn.relu
+    raise ValueError(f"model.activation: unknown activation {name!r} (silu | gelu | relu)")
+
+
+class RMSNorm(nnx.Module):
+    """Root-mean-square norm with a learned scale and no bias (Llama, T5)."""
+
+    def __init__(self, dim: int, *, eps: float = 1e-6, rngs: nnx.Rngs):
+        del rngs
+        self.eps = eps
+        self.scale = nnx.Param(jnp.ones((dim,), jnp.float32), axes=("norm",))
+
+    def __call__(self, x):
+        # Statistics in f32 even under bf16 compute: the mean of squares underflows otherwise.
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return (normed * self.scale[...]).astype(x.dtype)
+
+
+class Embed(nnx.Module):
+    """Token embedding table [V, D]."""
+
+    def __init__(self, vocab_size: int, d_model: int, *, std: float = 1.0, rngs: nnx.Rngs):
+        self.embedding = make_param(
+            rngs, normal_init(std), (vocab_size, d_model), ("vocab", "embed")
+        )
+
+    def __call__(self, ids_BL, dtype):
+        return jnp.take(self.embedding[...], ids_BL, axis=0).astype(dtype)
+
+    def attend(self, x_BLD):
+        """Logits against the embedding table (tied output layer)."""
+        return jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(x_BLD.dtype))
+
+
+class GatedMLP(nnx.Module):
+    """Gated FFN: act(x wi_0) * (x wi_1) wo. SwiGLU with silu, T5.1.1's gated GELU with gelu."""
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, *, rngs: nnx.Rngs):
+        self.act = activation_fn(activation)
+        self.wi_0 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
+        self.wi_1 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
+        self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
+
+    def __call__(self, x_BLD, *, train: bool = False):
+        """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it)."""
+        del train
+        dtype = x_BLD.dtype
+        gate_BLF = self.act(x_BLD @ self.wi_0[...].astype(dtype))
+        up_BLF = x_BLD @ self.wi_1[...].astype(dtype)
+        return (gate_BLF * up_BLF) @ self.wo[...].astype(dtype), {}

@@ -1,0 +1,94 @@
+"""Decoder-only transformer LM: pre-norm blocks of GQA attention and a dense or MoE FFN."""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.models.attention import Attention
+from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param
+
+
+def is_moe_layer(cfg, layer_index: int) -> bool:
+    """MoE in every `moe.every`-th layer, counting from the last of each group (GShard style)."""
+    moe = cfg.moe
+    return moe.num_experts > 0 and (layer_index + 1) % moe.every == 0
+
+
+def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
+    """The FFN slot: a dense gated MLP, or the MoE layer where `is_moe_layer`."""
+    if is_moe_layer(cfg, layer_index):
+        from jaxmoe.models.moe import MoE  # the MoE module pulls in dispatch code
+
+        return MoE(cfg, rngs=rngs)
+    return GatedMLP(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
+
+
+def compute_dtype(cfg):
+    return jnp.dtype(cfg.dtype)
+
+
+class DecoderBlock(nnx.Module):
+    def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.attn = Attention(
+            cfg.d_model,
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+            rope_theta=cfg.rope_theta,
+            rngs=rngs,
+        )
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.ffn = build_ffn(cfg, layer_index, rngs)
+
+    def __call__(self, x_BLD, *, mask, positions_BL, train: bool):
+        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL)
+        y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train)
+        return x_BLD + y_BLD, aux
+
+
+class DecoderLM(nnx.Module):
+    """tokens [B, L] -> logits [B, L, V] (f32), plus per-layer MoE aux outputs."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
+        self.layers = nnx.List([DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(
+                rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
+            )
+
+    def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None):
+        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict}."""
+        cfg = self.cfg
+        b, l = tokens_BL.shape
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
+        mask = jnp.tril(jnp.ones((l, l), bool))[None]
+        x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
+        aux = {}
+        for i, layer in enumerate(self.layers):
+            if cfg.remat:
+                x_BLD, layer_aux = _remat_block(layer, x_BLD, mask, positions_BL, train)
+            else:
+                x_BLD, layer_aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+            if layer_aux:
+                aux[i] = layer_aux
+        x_BLD = self.final_norm(x_BLD)
+        if cfg.tie_embeddings:
+            logits = self.embed.attend(x_BLD)
+        else:
+            logits = x_BLD @ self.lm_head[...].astype(x_BLD.dtype)
+        return logits.astype(jnp.float32), aux
+
+
+@nnx.remat(static_argnums=(4,))
+def _remat_block(layer, x_BLD, mask, positions_BL, train):
+    # Recompute the block in the backward pass: activations of one block live at a time.
+    return layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+
+
+def count_params(state) -> int:
+    return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,137 @@
+"""The device mesh and the one table that maps logical axis names to mesh axes.
+
+Parameters are created with logical names (layers.make_param); `param_shardings` turns the
+names into NamedShardings for a given mesh. A mesh axis that does not divide a dimension is
+dropped for that dimension (e.g. 2 KV heads on a tensor axis of 4 stay replicated), so any
+mesh can hold any model, at worst with some replication.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
+
+# Logical axis -> mesh axes, in order of preference. The batch is split over every axis that
+# does not split weights along it, so expert-parallel devices also share the dense layers' work.
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    "batch": ("data", "fsdp", "expert"),
+    "length": (),
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+    "expert": ("expert",),
+    "expert_mlp": ("tensor",),
+    "relpos_buckets": (),
+}
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported as one line naming the key and the values."""
+
+
+def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
+    """Sizes of the four mesh axes; one axis may be -1 and takes the remaining devices."""
+    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+    fill = [axis for axis, size in sizes.items() if size == -1]
+    if len(fill) > 1:
+        raise ConfigError(f"mesh: only one axis may be -1, got {fill}")
+    for axis, size in sizes.items():
+        if size == 0 or size < -1:
+            raise ConfigError(f"mesh.{axis}={size}: sizes must be positive or -1")
+    fixed = math.prod(size for size in sizes.values() if size != -1)
+    if fill:
+        if num_devices % fixed:
+            raise ConfigError(
+                f"mesh: {num_devices} devices cannot be split with the fixed axes "
+                f"{ {a: s for a, s in sizes.items() if s != -1} } (product {fixed})"
+            )
+        sizes[fill[0]] = num_devices // fixed
+    elif fixed != num_devices:
+        raise ConfigError(
+            f"mesh: data*fsdp*tensor*expert = {fixed} but there are {num_devices} devices "
+            f"({sizes}); set one axis to -1 to take the remaining devices"
+        )
+    return sizes
+
+
+def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A 4-axis mesh (data, fsdp, tensor, expert) over `devices` (default: all devices)."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(mesh_cfg, len(devices))
+    shape = tuple(sizes[axis] for axis in MESH_AXES)
+    if len(devices) == len(jax.devices()):
+        return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    return Mesh(np.array(devices).reshape(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+
+
+def logical_to_spec(
+    axes: Sequence[str | None],
+    shape: Sequence[int],
+    mesh_sizes: Mapping[str, int],
+    rules: Mapping[str, Sequence[str]] = DEFAULT_RULES,
+) -> PartitionSpec:
+    """PartitionSpec for a tensor with logical `axes`; each mesh axis is used at most once."""
+    used: set[str] = set()
+    spec = []
+    for name, dim in zip(axes, shape, strict=True):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in rules:
+            raise ConfigError(f"no sharding rule for logical axis {name!r}")
+        chosen, size = [], 1
+        for mesh_axis in rules[name]:
+            axis_size = mesh_sizes.get(mesh_axis, 1)
+            if mesh_axis in used or axis_size == 1 or dim % (size * axis_size):
+                continue
+            chosen.append(mesh_axis)
+            size *= axis_size
+        used.update(chosen)
+        spec.append(tuple(chosen) if len(chosen) > 1 else (chosen[0] if chosen else None))
+    return PartitionSpec(*spec)
+
+
+def _is_variable(x) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(abstract_state, mesh: Mesh, rules=DEFAULT_RULES):
+    """PartitionSpecs for an nnx State of abstract Params (each with `axes` metadata)."""
+    sizes = dict(mesh.shape)
+
+    def spec(variable):
+        axes = variable.get_metadata().get("axes")
+        shape = variable.get_value().shape
+        if axes is None:
+            return PartitionSpec()
+        return logical_to_spec(axes, shape, sizes, rules)
+
+    return jax.tree.map(spec, abstract_state, is_leaf=_is_variable)
+
+
+def named(mesh: Mesh, specs):
+    """NamedShardings for a pytree of PartitionSpecs."""
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+    )
+
+
+def batch_spec(mesh: Mesh, ndim: int, batch_size: int, rules=DEFAULT_RULES) -> PartitionSpec:
+    """Activation/batch spec: dim 0 over the batch axes, the rest replicated."""
+    names = ("batch",) + (None,) * (ndim - 1)
+    shape = (batch_size,) + (1,) * (ndim - 1)
+    return logical_to_spec(names, shape, dict(mesh.shape), rules)
+
+
+def data_parallel_size(mesh: Mesh, rules=DEFAULT_RULES) -> int:
+    return math.prod(mesh.shape[a] for a in rules["batch"])

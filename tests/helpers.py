@@ -1,0 +1,52 @@
+"""Shared tiny configs and synthetic batches for the tests."""
+
+import numpy as np
+
+from jaxmoe.config import apply_overrides, load_config, validate
+
+CONFIG = "configs/default.py"
+
+
+def tiny_config(*overrides: str, variant: str = ""):
+    """The default config shrunk to compile and run in seconds."""
+    config = load_config(CONFIG + (f":{variant}" if variant else ""))
+    apply_overrides(
+        config,
+        [
+            "model.vocab_size=128",
+            "model.num_layers=2",
+            "model.d_model=32",
+            "model.num_heads=4",
+            "model.num_kv_heads=2",
+            "model.head_dim=8",
+            "model.ffn_dim=64",
+            "model.moe.ffn_dim=32",
+            "model.moe.block_size=8",
+            "train.batch_size=8",
+            "train.seq_len=16",
+            "train.steps=4",
+            "optimizer.warmup_steps=1",
+            "data.vocab_size=128",
+            *overrides,
+        ],
+    )
+    validate(config)
+    return config
+
+
+def synthetic_batches(config, n: int, seed: int = 0) -> list[dict]:
+    """Random token batches with a learnable pattern (next token = token + 1 mod V)."""
+    rng = np.random.default_rng(seed)
+    b, l, v = config.train.batch_size, config.train.seq_len, config.model.vocab_size
+    batches = []
+    for _ in range(n):
+        start = rng.integers(0, v, size=(b, 1))
+        tokens = (start + np.arange(l + 1)) % v
+        batches.append(
+            {
+                "inputs": tokens[:, :-1].astype(np.int32),
+                "targets": tokens[:, 1:].astype(np.int32),
+                "weights": np.ones((b, l), np.float32),
+            }
+        )
+    return batches
