@@ -16,6 +16,7 @@ def get_config(variant: str | None = None) -> ConfigDict:
     m.vocab_size = 0  # 0: take the tokenizer's vocabulary size
     m.num_layers = 4  # decoder layers (encoder_decoder: also the encoder's, unless set below)
     m.num_encoder_layers = 0  # encoder_decoder only; 0: same as num_layers
+    m.encoder_num_kv_heads = 0  # encoder_decoder: encoder KV heads; 0: num_heads (MHA)
     m.d_model = 128  # width of the residual stream
     m.num_heads = 4  # query heads
     m.num_kv_heads = 2  # key/value heads: = num_heads is MHA, 1 is MQA, between is GQA
@@ -86,6 +87,7 @@ def get_config(variant: str | None = None) -> ConfigDict:
     d.source = "embedded"  # embedded | text:GLOB | tfds:NAME
     d.train_split = "train"  # tfds split for training
     d.eval_split = "validation"  # tfds split for evaluation
+    d.validation_fraction = 0.05  # local sources: share of documents held out for evaluation
     d.text_key = "text"  # tfds feature holding the text
     d.vocab_size = 1024  # SentencePiece vocabulary when training one
     d.tokenizer = ""  # path of a SentencePiece .model ("" = train one and cache it)

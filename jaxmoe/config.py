@@ -183,4 +183,7 @@ def validate(config: ConfigDict) -> None:
     for axis in ("data", "fsdp", "tensor", "expert"):
         size = config.mesh[axis]
         need(size == -1 or size >= 1, f"mesh.{axis}={size} must be positive or -1")
-    need(config.data.vocab_size >= 16, f"data.vocab_size={config.data.vocab_size} too small")
+    need(
+        config.data.vocab_size >= 260,
+        f"data.vocab_size={config.data.vocab_size} < 260 (byte fallback)",
+    )

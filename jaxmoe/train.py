@@ -141,14 +141,8 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     optimizer, schedule = make_optimizer(config.optimizer, total_steps)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     batch_shardings = {
-        key: NamedSharding(mesh, batch_spec(mesh, ndim, config.train.batch_size))
-        for key, ndim in (
-            ("inputs", 2),
-            ("targets", 2),
-            ("weights", 2),
-            ("encoder_inputs", 2),
-            ("example_ids", 1),
-        )
+        key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
+        for key, value in data.eval_batches[0].items()
     }
 
     checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)

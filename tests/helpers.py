@@ -26,7 +26,7 @@ def tiny_config(*overrides: str, variant: str = ""):
             "train.seq_len=16",
             "train.steps=4",
             "optimizer.warmup_steps=1",
-            "data.vocab_size=128",
+            "data.vocab_size=512",
             *overrides,
         ],
     )

@@ -1,0 +1,126 @@
+"""From config to prepared data: documents of a split, tokenizer, cached token streams.
+
+Everything is prepared once and cached under `data.cache_dir` (default ~/.cache/jaxmoe):
+  tfds/local/<source hash>/jaxmoe_local_text/...   local documents as array_record
+  tokenizers/spm_<vocab>_<hash>.model              keyed by (train data, vocab size)
+  tokens/<hash>.npy                                keyed by (source, split, tokenizer file)
+Each file appears atomically, so processes sharing the cache never see half a file.
+"""
+
+import dataclasses
+import functools
+import hashlib
+import os
+from collections.abc import Sequence
+
+from jaxmoe.data import corpus, tfds_text
+from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
+from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
+
+# Bump when the token stream layout changes, so old token caches are not reused.
+_PACKING_VERSION = "eos-after-doc-v1"
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitDocuments:
+    """Random-access documents of one split, and a hash that identifies their content."""
+
+    documents: Sequence[str]
+    fingerprint: str
+    split: str
+
+
+def cache_dir(config) -> str:
+    return os.path.abspath(os.path.expanduser(config.data.cache_dir or "~/.cache/jaxmoe"))
+
+
+def data_dir(config) -> str:
+    if config.data.data_dir:
+        return os.path.abspath(os.path.expanduser(config.data.data_dir))
+    return os.path.join(cache_dir(config), "tfds")
+
+
+def validation_fraction(config) -> float:
+    return corpus.check_fraction(
+        config.data.get("validation_fraction", corpus.DEFAULT_VALIDATION_FRACTION)
+    )
+
+
+def _split_key(config, key: str) -> str:
+    """The split named by config key `key` ("train_split"/"eval_split"), checked."""
+    split = config.data[key]
+    spec = corpus.parse_source(config.data.source)
+    if spec.is_local and split not in corpus.LOCAL_SPLITS:
+        raise ValueError(
+            f"data.{key}={split!r}: data.source={config.data.source!r} has splits "
+            f"{corpus.LOCAL_SPLITS}"
+        )
+    return split
+
+
+def open_split(config, split_key: str) -> SplitDocuments:
+    """Documents of the split named by `data.<split_key>`, preparing a local source first."""
+    spec = corpus.parse_source(config.data.source)
+    split = _split_key(config, split_key)
+    text_key = config.data.get("text_key", "text") or "text"
+    if spec.is_local:
+        fraction = validation_fraction(config)
+        source_hash = corpus.local_fingerprint(spec, fraction)
+        local_dir = os.path.join(data_dir(config), "local", source_hash[:20])
+        try:
+            tfds_text.prepare_local_dataset(
+                functools.partial(corpus.local_documents, spec, fraction=fraction), local_dir
+            )
+        except ValueError as e:
+            raise ValueError(
+                f"data.source={config.data.source!r} (data.validation_fraction={fraction}): {e}"
+            ) from None
+        source = tfds_text.TextSource(tfds_text.LOCAL_DATASET_NAME, split, local_dir)
+        identity = f"{source_hash}|{split}"
+    else:
+        tfds_dir = data_dir(config)
+        try:
+            source = tfds_text.TextSource(spec.arg, split, tfds_dir, text_key)
+        except ValueError as e:
+            raise ValueError(f"data.source={config.data.source!r}, data.{split_key}: {e}") from None
+        identity = f"tfds|{spec.arg}|{source.version}|{tfds_dir}|{split}|{text_key}|{len(source)}"
+    fingerprint = hashlib.sha256(identity.encode()).hexdigest()
+    return SplitDocuments(source, fingerprint, split)
+
+
+def load_tokenizer(config) -> Tokenizer:
+    """The tokenizer file named by `data.tokenizer`, or one trained on the train split."""
+    if config.data.tokenizer:
+        return Tokenizer(os.path.expanduser(config.data.tokenizer))
+    train = open_split(config, "train_split")
+    return cached_tokenizer(
+        train.documents, train.fingerprint, int(config.data.vocab_size), cache_dir(config)
+    )
+
+
+def packed_split(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> PackedWindows:
+    """Windows of train.seq_len + 1 tokens over the split named by `data.<split_key>`.
+
+    The split is tokenized once; later calls only memory-map the cached stream.
+    """
+    split = open_split(config, split_key)
+    key = f"{_PACKING_VERSION}|{split.fingerprint}|{tokenizer.sha256}"
+    name = f"{split.split}_{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
+    path = os.path.join(cache_dir(config), "tokens", name)
+    if not os.path.exists(path):
+        write_token_cache(split.documents, tokenizer, path)
+    seq_len = int(config.train.seq_len)
+    if seq_len <= 0:
+        raise ValueError(f"train.seq_len={seq_len} must be positive")
+    windows = PackedWindows(load_tokens(path), seq_len, tokenizer.pad_id, partial_last)
+    if windows.num_tokens < 2:
+        raise ValueError(
+            f"data.{split_key}={split.split!r} of data.source={config.data.source!r} holds "
+            f"{windows.num_tokens} tokens: too little text"
+        )
+    if len(windows) == 0:
+        raise ValueError(
+            f"train.seq_len={seq_len} is longer than the {split.split!r} split of "
+            f"data.source={config.data.source!r} ({windows.num_tokens} tokens)"
+        )
+    return windows

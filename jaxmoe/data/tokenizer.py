@@ -1,0 +1,152 @@
+"""SentencePiece tokenizer: trained once per (train data, vocab size) and cached, or loaded.
+
+Trained models round-trip exactly, decode(encode(text)) == text for any string: no
+normalisation (`identity`), whitespace kept as written, no dummy prefix, and unknown
+characters fall back to their UTF-8 bytes. Ids: pad 0, eos 1, unk 2, no bos.
+"""
+
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import sentencepiece as spm
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
+# Changing any training option below must change this, so stale cached models are not used.
+_TRAINING_RECIPE = "unigram-identity-bytefallback-v1"
+# Fixed, so the trained model does not depend on the machine's core count.
+_TRAINING_THREADS = 4
+# Enough text to learn a vocabulary of a few thousand pieces; larger splits are sampled.
+_TRAINING_CHAR_BUDGET = 50_000_000
+# 256 byte pieces + pad, eos, unk: a smaller vocabulary cannot represent every string.
+MIN_VOCAB_SIZE = 256 + 3 + 1
+
+
+class Tokenizer:
+    """A SentencePiece model file. encode(str) -> list[int]; decode(list[int]) -> str."""
+
+    def __init__(self, path: str):
+        if not os.path.isfile(path):
+            raise ValueError(f"data.tokenizer={path!r} does not exist")
+        with open(path, "rb") as f:
+            model_bytes = f.read()
+        self._sp = spm.SentencePieceProcessor()
+        try:
+            self._sp.LoadFromSerializedProto(model_bytes)
+        except Exception:  # sentencepiece raises RuntimeError / OSError on bad protos
+            raise ValueError(f"data.tokenizer={path!r} is not a SentencePiece model") from None
+        if self._sp.eos_id() < 0:
+            raise ValueError(f"data.tokenizer={path!r} defines no EOS piece (eos_id < 0)")
+        self.path = os.path.abspath(path)
+        self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eos_id(self) -> int:
+        return self._sp.eos_id()
+
+    @property
+    def pad_id(self) -> int:
+        """The model's pad id, or 0 if it has none (padding always carries weight 0)."""
+        return max(self._sp.pad_id(), 0)
+
+    def encode(self, text: str) -> list[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encodes many texts at once, on several threads."""
+        return self._sp.encode(texts, out_type=int, num_threads=os.cpu_count() or 1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._sp.decode([int(i) for i in ids])
+
+    def __repr__(self) -> str:
+        return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def training_lines(documents: Sequence[str], char_budget: int = _TRAINING_CHAR_BUDGET):
+    """Yields the non-empty lines of documents, visited in a fixed pseudo-random order until
+    `char_budget` characters: deterministic, and an even sample of a split too big to use.
+    """
+    order = np.random.default_rng(0).permutation(len(documents))
+    used = 0
+    for index in order:
+        for line in documents[int(index)].split("\n"):
+            if line:
+                yield line
+                used += len(line)
+        if used >= char_budget:
+            return
+
+
+def train_sentencepiece(lines: Iterator[str], vocab_size: int) -> bytes:
+    """Trains a unigram SentencePiece model; returns the serialised model."""
+    if vocab_size < MIN_VOCAB_SIZE:
+        raise ValueError(f"data.vocab_size={vocab_size} must be at least {MIN_VOCAB_SIZE}")
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=lines,
+            model_writer=model,
+            model_type="unigram",
+            vocab_size=vocab_size,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            byte_fallback=True,
+            character_coverage=0.9995,
+            pad_id=PAD_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+            bos_id=-1,
+            input_sentence_size=0,  # use every line given: the sampling is ours, seeded
+            max_sentence_length=1 << 16,
+            num_threads=_TRAINING_THREADS,
+            minloglevel=2,
+        )
+    except RuntimeError as e:
+        # e.g. "Vocabulary size too high (1024). Please set it to a value <= 873."
+        reason = str(e).strip().splitlines()[-1] if str(e).strip() else "training failed"
+        raise ValueError(f"data.vocab_size={vocab_size}: sentencepiece: {reason}") from None
+    return model.getvalue()
+
+
+def write_atomically(path: str, data: bytes) -> None:
+    """Writes a file so that readers see either nothing or all of it, even with racing
+    writers: a private temporary file in the same folder, then an atomic rename.
+    """
+    folder = os.path.dirname(path)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache may be shared
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def cached_tokenizer(
+    train_documents: Sequence[str], train_fingerprint: str, vocab_size: int, cache_dir: str
+) -> Tokenizer:
+    """Loads the tokenizer trained on these documents, training and caching it if needed."""
+    key = hashlib.sha256(
+        f"{_TRAINING_RECIPE}|{train_fingerprint}|{vocab_size}".encode()
+    ).hexdigest()[:20]
+    path = os.path.join(cache_dir, "tokenizers", f"spm_{vocab_size}_{key}.model")
+    if not os.path.exists(path):
+        if len(train_documents) == 0:
+            raise ValueError("cannot train a tokenizer: the train split has no documents")
+        write_atomically(path, train_sentencepiece(training_lines(train_documents), vocab_size))
+    return Tokenizer(path)
