@@ -50,6 +50,20 @@ def _cmd_train(args, overrides) -> int:
     return 0
 
 
+def _cmd_eval(args, overrides) -> int:
+    from jaxmoe.config import load_config
+    from jaxmoe.distributed import initialize
+    from jaxmoe.evaluate import evaluate
+
+    initialize(args.coordinator_address, args.num_processes, args.process_id)
+    config = load_config(args.config, overrides) if args.config else None
+    result = evaluate(
+        args.checkpoint, args.data, config=config, per_example=args.per_example, overrides=overrides
+    )
+    print(json.dumps(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -61,6 +75,18 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no_progress", action="store_true", help="no progress bar")
     _add_distributed_flags(train)
     train.set_defaults(run=_cmd_train)
+
+    ev = sub.add_parser("eval", help="score data with a checkpoint, sharded on the mesh")
+    ev.add_argument("--checkpoint", required=True, help="checkpoint dir (a step or a workdir)")
+    ev.add_argument(
+        "--data", required=True, help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded"
+    )
+    ev.add_argument(
+        "--config", default=None, help="config file (default: the one stored with the checkpoint)"
+    )
+    ev.add_argument("--per_example", action="store_true", help="add per-example losses")
+    _add_distributed_flags(ev)
+    ev.set_defaults(run=_cmd_eval)
     return parser
 
 

@@ -37,6 +37,7 @@ class ModelSpec:
     graphdef: nnx.GraphDef
     abstract_params: dict  # ShapeDtypeStruct leaves
     param_specs: dict  # PartitionSpec leaves
+    param_axes: dict  # (logical axis names, shape) leaves
 
 
 def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
@@ -44,7 +45,24 @@ def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
     graphdef, state = nnx.split(abstract, nnx.Param)
     specs = str_keys(nnx.to_pure_dict(param_specs(state, mesh, rules)))
     shapes = str_keys(nnx.to_pure_dict(state))
-    return ModelSpec(graphdef, shapes, specs)
+    axes = str_keys(
+        nnx.to_pure_dict(
+            jax.tree.map(
+                lambda v: _AxesLeaf(v.get_metadata().get("axes"), v.get_value().shape),
+                state,
+                is_leaf=lambda x: isinstance(x, nnx.Variable),
+            )
+        )
+    )
+    return ModelSpec(graphdef, shapes, specs, axes)
+
+
+@dataclass(frozen=True)
+class _AxesLeaf:
+    """A parameter's logical axis names and shape, kept as one pytree leaf."""
+
+    axes: tuple | None
+    shape: tuple
 
 
 def _path_keys(path) -> tuple[str, ...]:

@@ -135,3 +135,21 @@ def batch_spec(mesh: Mesh, ndim: int, batch_size: int, rules=DEFAULT_RULES) -> P
 
 def data_parallel_size(mesh: Mesh, rules=DEFAULT_RULES) -> int:
     return math.prod(mesh.shape[a] for a in rules["batch"])
+
+
+def strict_param_check(spec, mesh: Mesh, rules=DEFAULT_RULES) -> None:
+    """Refuse a mesh whose axes do not divide the tensors they are meant to split.
+
+    Training tolerates this by replicating; evaluation on a user-chosen mesh reports it,
+    since the user asked for a layout that cannot be laid out.
+    """
+    sizes = dict(mesh.shape)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(spec.param_axes)[0]:
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        for axis_name, dim in zip(leaf.axes or (None,) * len(leaf.shape), leaf.shape, strict=True):
+            for mesh_axis in rules.get(axis_name, ()) if axis_name else ():
+                if sizes.get(mesh_axis, 1) > 1 and dim % sizes[mesh_axis]:
+                    raise ConfigError(
+                        f"mesh.{mesh_axis}={sizes[mesh_axis]} does not divide tensor {name} "
+                        f"(dim {axis_name!r} of size {dim}, shape {tuple(leaf.shape)})"
+                    )
