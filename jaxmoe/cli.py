@@ -22,6 +22,12 @@ def _add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--num_processes", type=int, default=None)
     parser.add_argument("--process_id", type=int, default=None)
+    parser.add_argument(
+        "--init_timeout",
+        type=int,
+        default=None,
+        help="seconds to wait for all processes to join (default 300)",
+    )
 
 
 def _cmd_train(args, overrides) -> int:
@@ -30,7 +36,7 @@ def _cmd_train(args, overrides) -> int:
     from jaxmoe.train import train
 
     config = load_config(args.config, overrides)
-    initialize(args.coordinator_address, args.num_processes, args.process_id)
+    initialize(args.coordinator_address, args.num_processes, args.process_id, args.init_timeout)
     summary = train(config, args.workdir, progress=not args.no_progress)
     import jax
 
@@ -55,7 +61,7 @@ def _cmd_eval(args, overrides) -> int:
     from jaxmoe.distributed import initialize
     from jaxmoe.evaluate import evaluate
 
-    initialize(args.coordinator_address, args.num_processes, args.process_id)
+    initialize(args.coordinator_address, args.num_processes, args.process_id, args.init_timeout)
     config = load_config(args.config, overrides) if args.config else None
     result = evaluate(
         args.checkpoint, args.data, config=config, per_example=args.per_example, overrides=overrides

@@ -94,18 +94,34 @@ class Evaluator:
 
 
 class _Preemption:
-    """SIGTERM (TPU maintenance, SLURM) asks for a checkpoint at the next step boundary."""
+    """SIGTERM (TPU maintenance, SLURM) asks for a checkpoint at the next step boundary.
+
+    With several processes they must agree on the step, or their collective saves would
+    deadlock: JAX's preemption sync point (fed by the coordination service, which also
+    catches SIGTERM) gives every process the same answer for the same step.
+    """
 
     def __init__(self):
         self.requested = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
+        self.multi = jax.process_count() > 1
+        self._previous = None
+        if not self.multi:
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
 
     def _handle(self, signum, frame):
         del signum, frame
         self.requested = True
 
+    def reached(self, step: int) -> bool:
+        if self.multi:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.reached_preemption_sync_point(step)
+        return self.requested
+
     def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 def describe_memory(abstract_state, shardings) -> tuple[int, float]:
@@ -189,45 +205,49 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     tokens_per_step = config.train.batch_size * config.train.seq_len
     preemption = _Preemption()
     pending = None  # (step, metrics) of the last dispatched step, read one step late
-    interval_start, interval_steps = time.perf_counter(), 0
+    timer = _IntervalTimer()
     last_eval = None
     stop_reason = None
+
+    def save(step, state, force=False):
+        checkpoints.save(
+            step, state, {"step": step, "data": data.train.get_state()}, config, force=force
+        )
+
     with jax.set_mesh(mesh):
         step = start
         while step < total_steps:
             batch = to_global(next(data.train), batch_shardings)
             state, metrics = step_fn(state, batch)
             step += 1
-            interval_steps += 1
+            timer.count()
             if pending is not None:
-                stop_reason = _check_and_log(
-                    pending, config, writer, tokens_per_step, interval_start, interval_steps
-                )
+                stop_reason = _check_and_log(pending, config, writer, tokens_per_step, timer)
                 if stop_reason:
                     break
-                if pending[0] % config.train.log_every == 0:
-                    interval_start, interval_steps = time.perf_counter(), 0
             pending = (step, metrics)
             if config.train.eval_every and step % config.train.eval_every == 0:
                 last_eval = evaluator(state["params"])
                 writer.write(step, "eval", last_eval)
-            if preemption.requested or (
+            preempted = preemption.reached(step)
+            if preempted or (
                 config.train.checkpoint_every and step % config.train.checkpoint_every == 0
             ):
-                checkpoints.save(
-                    step, state, {"step": step, "data": data.train.get_state()}, config
-                )
-                if preemption.requested:
-                    stop_reason = "preempted"
+                # Never save a state produced by a non-finite step.
+                stop_reason = _check_and_log(pending, config, writer, tokens_per_step, timer)
+                pending = None
+                if stop_reason:
                     break
+                save(step, state)
+            if preempted:
+                stop_reason = "preempted"
+                break
         if pending is not None and not stop_reason:
             stop_reason = _check_and_log(
-                pending, config, writer, tokens_per_step, interval_start, interval_steps, force=True
+                pending, config, writer, tokens_per_step, timer, force=True
             )
         if stop_reason in (None, "preempted") and checkpoints.latest_step() != step:
-            checkpoints.save(
-                step, state, {"step": step, "data": data.train.get_state()}, config, force=True
-            )
+            save(step, state, force=True)
         checkpoints.wait()
         if stop_reason is None and (last_eval is None or step % max(config.train.eval_every, 1)):
             last_eval = evaluator(state["params"])
@@ -248,25 +268,39 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     return summary
 
 
-def _check_and_log(
-    pending, config, writer, tokens_per_step, interval_start, interval_steps, force=False
-):
+class _IntervalTimer:
+    """Wall time and steps since the last logged step (for tokens_per_s, step_time_s)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.start, self.steps = time.perf_counter(), 0
+
+    def count(self):
+        self.steps += 1
+
+    def step_time(self) -> float:
+        return (time.perf_counter() - self.start) / max(self.steps, 1)
+
+
+def _check_and_log(pending, config, writer, tokens_per_step, timer, force=False):
     """Read a finished step's scalars; log them; return a stop reason on a non-finite loss."""
     step, metrics = pending
     loss, finite = jax.device_get((metrics["loss"], metrics["finite"]))
     if not finite and config.train.nonfinite == "stop":
         return (
-            f"non-finite loss ({float(loss)}) at step {step}; stopping without saving "
-            f"(the last completed checkpoint is intact; set --config.train.nonfinite=skip "
-            f"to skip such steps)"
+            f"non-finite loss ({float(loss)}) at step {step}; stopped without saving it "
+            f"(the last completed checkpoint is intact; --config.train.nonfinite=skip "
+            f"skips such steps instead)"
         )
     if step % config.train.log_every == 0 or force:
-        elapsed = time.perf_counter() - interval_start
         scalars = jax.device_get(
             {k: v for k, v in metrics.items() if k != "routing_BM" and jnp.ndim(v) == 0}
         )
         scalars.pop("finite", None)
-        step_time = elapsed / max(interval_steps, 1)
+        step_time = timer.step_time()
+        timer.reset()
         scalars |= {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
         writer.write(step, "train", scalars)
         writer.progress(step, float(loss), scalars["tokens_per_s"])
