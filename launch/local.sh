@@ -33,7 +33,8 @@ pids=()
 for ((i = 0; i < num_processes; i++)); do
   (
     export JAX_PLATFORMS=cpu
-    export XLA_FLAGS="--xla_force_host_platform_device_count=$devices ${XLA_FLAGS:-}"
+    # Last occurrence wins: this overrides a device count inherited from the caller.
+    export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices"
     cmd=("$python" -m jaxmoe "$@" --coordinator_address "127.0.0.1:$port"
          --num_processes "$num_processes" --process_id "$i")
     if [[ -n "$logdir" ]]; then
