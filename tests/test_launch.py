@@ -1,0 +1,70 @@
+"""The launch scripts: the TPU dry run prints the right sequence; local.sh reports failures."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tpu_pod_dry_run_prints_the_command_sequence():
+    result = subprocess.run(
+        [
+            "bash",
+            "launch/tpu_pod.sh",
+            "--name",
+            "moe",
+            "--zone",
+            "us-east5-a",
+            "--accelerator",
+            "v5p-128",
+            "--dry_run",
+            "--",
+            "train",
+            "--config",
+            "configs/default.py",
+            "--workdir",
+            "gs://bucket/run",
+            "--config.mesh.fsdp=64",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+    assert lines[0].startswith("+ jaxmoe compile --config configs/default.py --topology v5p-128")
+    assert "--config.mesh.fsdp=64" in lines[0]
+    assert "tpu-vm create moe --zone us-east5-a --accelerator-type v5p-128" in lines[1]
+    assert "--version v2-alpha-tpuv5" in lines[1]
+    assert "pip wheel" in lines[2]
+    assert "tpu-vm scp" in lines[3] and "--worker=all" in lines[3]
+    assert "tpu-vm ssh moe --worker=all" in lines[4] and "[tpu]" in lines[4]
+    assert "tpu-vm ssh moe --worker=all" in lines[5]
+    assert (
+        "jaxmoe\\ train\\ --config\\ configs/default.py\\ --workdir\\ gs://bucket/run" in lines[5]
+    )
+
+
+def test_local_launcher_returns_first_failure():
+    result = subprocess.run(
+        [
+            "bash",
+            "launch/local.sh",
+            "2",
+            "--",
+            "train",
+            "--workdir",
+            "/tmp/x",
+            "--config.train.stepz=3",
+        ],
+        cwd=ROOT,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert "unknown config key 'train.stepz'" in result.stdout
