@@ -41,7 +41,7 @@ def test_tpu_pod_dry_run_prints_the_command_sequence():
     assert "--version v2-alpha-tpuv5" in lines[1]
     assert "pip wheel" in lines[2]
     assert "tpu-vm scp" in lines[3] and "--worker=all" in lines[3]
-    assert "tpu-vm ssh moe --worker=all" in lines[4] and "[tpu]" in lines[4]
+    assert "tpu-vm ssh moe --worker=all" in lines[4] and "tpu" in lines[4]
     assert "tpu-vm ssh moe --worker=all" in lines[5]
     assert (
         "jaxmoe\\ train\\ --config\\ configs/default.py\\ --workdir\\ gs://bucket/run" in lines[5]
