@@ -1,0 +1,50 @@
+"""Confine paths named inside checkpoint metadata to the checkpoint's own directory.
+
+A checkpoint is untrusted input: its metadata (T5X TensorStore specs, Orbax placeholders,
+HF index files) names the files that hold each tensor. `resolve_inside` is the single gate
+every reader passes such a name through before opening anything, so a crafted checkpoint
+cannot make jaxmoe read (or write) `/etc/passwd`, a sibling directory or a remote store.
+"""
+
+import os
+import re
+from pathlib import Path
+
+# A URL scheme ("gs://", "file:", "http:") or a Windows drive ("C:") is never a relative path.
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def resolve_inside(root: str | os.PathLike, relative: str | os.PathLike) -> Path:
+    """Returns `root/relative`, fully resolved, after checking that it stays inside `root`.
+
+    Refused (ValueError): empty names, NUL bytes, absolute paths, URLs and drive letters,
+    backslashes, `..` components (even ones that would come back inside), and names
+    whose resolution through symlinks lands outside `root`. Symlinks that stay inside
+    `root` are allowed. The target need not exist.
+    """
+    text = os.fspath(relative)
+    if not isinstance(text, str):
+        raise ValueError(f"path {text!r} is not text")
+    problem = _lexical_problem(text)
+    if problem:
+        raise ValueError(f"path {text!r} {problem}")
+    root_resolved = Path(root).resolve()
+    target = (root_resolved / text).resolve()
+    if not target.is_relative_to(root_resolved):
+        raise ValueError(f"path {text!r} resolves to {target}, outside {root_resolved}")
+    return target
+
+
+def _lexical_problem(text: str) -> str | None:
+    """Why `text` cannot be a relative path below a directory, or None if it can."""
+    if not text:
+        return "is empty"
+    if "\x00" in text:
+        return "contains a NUL byte"
+    if "\\" in text:
+        return "contains a backslash"
+    if text.startswith("/") or _SCHEME.match(text):
+        return "is absolute or a URL"
+    if ".." in text.split("/"):
+        return "has a '..' component"
+    return None
