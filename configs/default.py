@@ -7,95 +7,11 @@ Override any key:  --config.train.steps=100 --config.model.moe.threshold=0.2
 
 from ml_collections import ConfigDict
 
+from jaxmoe.default_config import base_config
+
 
 def get_config(variant: str | None = None) -> ConfigDict:
-    c = ConfigDict()
-
-    c.model = m = ConfigDict()
-    m.arch = "decoder"  # decoder | encoder_decoder
-    m.vocab_size = 0  # 0: take the tokenizer's vocabulary size
-    m.num_layers = 4  # decoder layers (encoder_decoder: also the encoder's, unless set below)
-    m.num_encoder_layers = 0  # encoder_decoder only; 0: same as num_layers
-    m.encoder_num_kv_heads = 0  # encoder_decoder: encoder KV heads; 0: num_heads (MHA)
-    m.d_model = 128  # width of the residual stream
-    m.num_heads = 4  # query heads
-    m.num_kv_heads = 2  # key/value heads: = num_heads is MHA, 1 is MQA, between is GQA
-    m.head_dim = 32  # width of one attention head
-    m.ffn_dim = 512  # hidden size of a dense (gated) FFN
-    m.activation = "silu"  # gated FFN activation: silu (SwiGLU) | gelu (T5.1.1) | relu
-    m.norm_eps = 1e-6  # RMSNorm epsilon
-    m.rope_theta = 10000.0  # rotary base; 0 disables rotary positions
-    m.tie_embeddings = False  # share the input embedding with the output layer
-    m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
-    m.remat = False  # recompute each block in the backward pass (saves memory)
-    m.relpos_buckets = 32  # encoder_decoder: T5 relative-position buckets
-    m.relpos_max_distance = 128  # encoder_decoder: T5 relative-position max distance
-
-    m.moe = moe = ConfigDict()
-    moe.num_experts = 8  # experts per MoE layer; 0 = dense model
-    moe.every = 1  # an MoE FFN in every `every`-th layer (others dense)
-    moe.ffn_dim = 256  # hidden size of one expert
-    moe.gating = "adaptive"  # top1 | top2 | topk | adaptive | top_p
-    moe.threshold = 0.1  # adaptive: two experts when p1 - p2 < threshold
-    moe.top_k = 2  # topk: experts per token
-    moe.top_p = 0.4  # top_p: smallest expert set whose probabilities pass p
-    moe.max_k = 2  # top_p: at most this many experts per token (static shapes)
-    moe.eval_gating = ""  # gate at evaluation time; "" = same as `gating`
-    moe.gap_normalization = "top2"  # adaptive gap on: top2 (p1,p2 renormalised) | none (raw)
-    moe.renormalize = False  # renormalise the chosen experts' weights to sum to one
-    moe.single_weight = "prob"  # weight of a one-expert token: prob | one
-    moe.capacity_factor = 0.0  # 0 = dropless; > 0 = fixed capacity that drops overflow
-    moe.balance_loss_weight = 0.01  # load-balancing loss coefficient
-    moe.z_loss_weight = 0.001  # router z-loss coefficient
-    moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
-    moe.block_size = 256  # rows per expert block in the block dispatch
-    moe.dispatch = "auto"  # auto | blocks | ragged | dense
-
-    c.train = t = ConfigDict()
-    t.steps = 600  # optimizer steps
-    t.batch_size = 16  # global batch (sequences per step)
-    t.seq_len = 128  # tokens per sequence
-    t.seed = 0  # parameter init and data order
-    t.grad_accum = 1  # micro-batches per step (batch_size must divide by it)
-    t.log_every = 20  # steps between train lines in metrics.jsonl
-    t.eval_every = 200  # steps between evaluations (0 = only at the end)
-    t.eval_batches = 0  # validation batches per evaluation (0 = the whole split)
-    t.checkpoint_every = 200  # steps between checkpoints (and one at the end)
-    t.max_to_keep = 3  # checkpoints kept on disk
-    t.init_from = ""  # checkpoint to take parameters from (fresh optimizer state)
-    t.nonfinite = "stop"  # on a non-finite loss: stop | skip
-
-    c.optimizer = o = ConfigDict()
-    o.name = "adamw"  # adamw | adafactor
-    o.learning_rate = 3e-3  # peak learning rate
-    o.schedule = "cosine"  # cosine | rsqrt | constant
-    o.warmup_steps = 50  # linear warmup steps
-    o.min_lr_ratio = 0.1  # cosine: final learning rate / peak
-    o.weight_decay = 0.1  # decoupled weight decay (adamw)
-    o.b1 = 0.9  # first-moment decay
-    o.b2 = 0.95  # second-moment decay
-    o.eps = 1e-8  # adam epsilon
-    o.grad_clip_norm = 1.0  # clip the global gradient norm (0 = off)
-
-    c.mesh = ms = ConfigDict()
-    ms.data = -1  # data-parallel axis (-1 = the remaining devices)
-    ms.fsdp = 1  # parameter-sharded data-parallel axis
-    ms.tensor = 1  # tensor-parallel axis (heads, FFN hidden)
-    ms.expert = 1  # expert-parallel axis (also splits the batch)
-
-    c.data = d = ConfigDict()
-    d.source = "embedded"  # embedded | text:GLOB | tfds:NAME
-    d.train_split = "train"  # tfds split for training
-    d.eval_split = "validation"  # tfds split for evaluation
-    d.validation_fraction = 0.05  # local sources: share of documents held out for evaluation
-    d.text_key = "text"  # tfds feature holding the text
-    d.vocab_size = 1024  # SentencePiece vocabulary when training one
-    d.tokenizer = ""  # path of a SentencePiece .model ("" = train one and cache it)
-    d.cache_dir = ""  # tokenizer / token cache ("" = ~/.cache/jaxmoe)
-    d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)
-    d.shuffle = True  # shuffle examples each epoch (by train.seed and epoch)
-    d.curriculum = "none"  # none | paper | magnitude
-
+    c = base_config()  # every key and its one-line comment live in jaxmoe/default_config.py
     if variant:
         _apply_variant(c, variant)
     return c

@@ -93,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--per_example", action="store_true", help="add per-example losses")
     _add_distributed_flags(ev)
     ev.set_defaults(run=_cmd_eval)
+
+    from jaxmoe.checkpoints import hf, hf_export, t5x_convert
+
+    convert = sub.add_parser("convert", help="convert checkpoints into jaxmoe (t5x, hf, ...)")
+    convert_sub = convert.add_subparsers(dest="format", required=True)
+    t5x_convert.add_parser(convert_sub)
+    hf.add_parser(convert_sub)
+    export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf)")
+    export_sub = export.add_subparsers(dest="target", required=True)
+    hf_export.add_parser(export_sub)
     return parser
 
 

@@ -159,7 +159,7 @@ def evaluate(
     strict_param_check(spec, mesh)
     encoder_decoder = config.model.arch == "encoder_decoder"
     tokenizer = None
-    if config.data.tokenizer or not encoder_decoder:
+    if config.data.tokenizer or not encoder_decoder or not data_spec.startswith("jsonl:"):
         from jaxmoe.data.sources import load_tokenizer
 
         tokenizer = load_tokenizer(config)

@@ -11,6 +11,7 @@ import json
 import logging
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
@@ -116,7 +117,25 @@ def read_config(path: str) -> ConfigDict:
     files = list(config_dir.iterdir()) if config_dir.exists() else []
     if not files:
         raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
-    return ConfigDict(json.loads(files[0].read_text()))
+    return merge_into_defaults(json.loads(files[0].read_text()))
+
+
+def merge_into_defaults(stored: dict) -> ConfigDict:
+    """The stored config on top of today's defaults, so keys added since it was written
+    exist (with their defaults) and can be overridden."""
+    from jaxmoe.default_config import base_config
+
+    def merge(node: ConfigDict, values: dict) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict) and isinstance(node.get(key), ConfigDict):
+                merge(node[key], value)
+            else:
+                node[key] = value
+
+    config = base_config()
+    with config.unlocked():
+        merge(config, stored)
+    return config
 
 
 def restore_params(path: str, abstract_params) -> dict:
@@ -133,9 +152,19 @@ def restore_params(path: str, abstract_params) -> dict:
 
 
 def save_params(path: str, params, config: ConfigDict) -> None:
-    """Write a parameters-only checkpoint (what converters produce)."""
+    """Write a parameters-only checkpoint (what converters produce).
+
+    Host numpy leaves are written without Orbax's defensive deep copy (the save is
+    synchronous), so converting a model never holds a second copy of it in memory.
+    """
+    from orbax.checkpoint import type_handlers
+
     root = epath.Path(path)
-    with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(root / "params", params, force=True)
+    registry = type_handlers.create_type_handler_registry(
+        (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
+    )
+    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+    with ocp.Checkpointer(handler) as checkpointer:
+        checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))

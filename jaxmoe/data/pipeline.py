@@ -1,6 +1,7 @@
 """Batches for training and evaluation: the one entry point is `build_data`.
 
-Examples are packed windows (see packing.py) addressed by integer index. The order of an
+Examples are addressed by integer index: packed LM windows (packing.py), or for
+`model.arch = "encoder_decoder"` span-corrupted windows (seq2seq.py). The order of an
 epoch is an explicit, replaceable function `epoch_order(epoch) -> example ids` (default: a
 shuffle seeded by (train.seed, epoch)); the curriculum supplies its own. A global batch is
 `train.batch_size` consecutive ids of that order; process p of P takes rows
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxmoe.data.packing import PackedWindows
+from jaxmoe.data.seq2seq import EXTRA_IDS, SpanCorruptionExamples, span_corruption_split
 from jaxmoe.data.sources import load_tokenizer, packed_split
 from jaxmoe.data.tokenizer import Tokenizer
 
@@ -23,6 +25,19 @@ if TYPE_CHECKING:
 
 Batch = dict[str, np.ndarray]
 EpochOrder = Callable[[int], np.ndarray]
+Examples = PackedWindows | SpanCorruptionExamples
+
+
+def is_encoder_decoder(config) -> bool:
+    model = config.get("model")
+    return model is not None and model.get("arch") == "encoder_decoder"
+
+
+def split_examples(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> Examples:
+    """The examples of `data.<split_key>` for the model's task (LM or span corruption)."""
+    if is_encoder_decoder(config):
+        return span_corruption_split(config, tokenizer, split_key, partial_last)
+    return packed_split(config, tokenizer, split_key, partial_last)
 
 
 def default_epoch_order(epoch: int, *, num_examples: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -48,7 +63,8 @@ class TrainBatches:
     """Endless iterator over this process's part of each global training batch.
 
     Yields dicts: inputs, targets int32 [B_local, L] (targets = inputs shifted by one),
-    weights float32 [B_local, L] (all 1.0), example_ids int32 [B_local] (global ids).
+    weights float32 [B_local, L] (all 1.0), example_ids int32 [B_local] (global ids); an
+    encoder-decoder adds encoder_inputs (see seq2seq.py).
     Examples left over after the last full global batch of an epoch are skipped.
     """
 
@@ -60,7 +76,7 @@ class TrainBatches:
         process_count: int = 1,
         epoch_order: EpochOrder | None = None,
     ):
-        self.examples = packed_split(config, tokenizer, "train_split", partial_last=False)
+        self.examples = split_examples(config, tokenizer, "train_split", partial_last=False)
         self.num_examples = len(self.examples)
         self.global_batch_size = int(config.train.batch_size)
         self._rows = _local_rows(
@@ -170,10 +186,11 @@ def eval_batches(
 ) -> list[Batch]:
     """All validation windows in order, in batches of train.batch_size (this process's rows).
 
-    Every token of the split after the first is a target with weight 1 exactly once. The
-    last window and the last batch are padded with weight 0 (example_ids -1 on padding rows).
+    LM: every token of the split after the first is a target with weight 1 exactly once.
+    Encoder-decoder: every raw window of the split, span-corrupted, once. The last window
+    and the last batch are padded with weight 0 (example_ids -1 on padding rows).
     """
-    examples = packed_split(config, tokenizer, "eval_split", partial_last=True)
+    examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(
         int(config.train.batch_size), process_index, process_count, "train.batch_size"
     )
@@ -181,7 +198,7 @@ def eval_batches(
 
 
 def _padded_batches(
-    examples: PackedWindows, batch_size: int, rows: slice, max_batches: int | None
+    examples: Examples, batch_size: int, rows: slice, max_batches: int | None
 ) -> list[Batch]:
     """Every example in order, in global batches of batch_size padded with ids -1."""
     num_batches = -(-len(examples) // batch_size)
@@ -211,13 +228,14 @@ def build_data(config, process_index: int = 0, process_count: int = 1) -> DataBu
     """Prepares (idempotently, cached) and opens the data named by `config.data`."""
     tokenizer = load_tokenizer(config)
     train = TrainBatches(config, tokenizer, process_index, process_count)
-    eval_examples = packed_split(config, tokenizer, "eval_split", partial_last=True)
+    eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(train.global_batch_size, process_index, process_count, "train.batch_size")
     return DataBundle(
         tokenizer=tokenizer,
         train=train,
         eval_batches=_padded_batches(eval_examples, train.global_batch_size, rows, None),
-        vocab_size=tokenizer.vocab_size,
+        # Span corruption's sentinels sit above the tokenizer's ids (T5's extra ids).
+        vocab_size=tokenizer.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0),
         num_train_examples=train.num_examples,
         num_eval_examples=len(eval_examples),
         num_train_tokens=train.examples.num_tokens,

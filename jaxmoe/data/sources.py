@@ -13,6 +13,8 @@ import hashlib
 import os
 from collections.abc import Sequence
 
+import numpy as np
+
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
@@ -98,21 +100,31 @@ def load_tokenizer(config) -> Tokenizer:
     )
 
 
-def packed_split(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> PackedWindows:
-    """Windows of train.seq_len + 1 tokens over the split named by `data.<split_key>`.
+def token_stream(config, tokenizer: Tokenizer, split_key: str) -> np.ndarray:
+    """The split named by `data.<split_key>` as one memory-mapped token stream [N].
 
     The split is tokenized once; later calls only memory-map the cached stream.
     """
-    split = open_split(config, split_key)
+    return _cached_stream(config, tokenizer, open_split(config, split_key))
+
+
+def _cached_stream(config, tokenizer: Tokenizer, split: SplitDocuments) -> np.ndarray:
     key = f"{_PACKING_VERSION}|{split.fingerprint}|{tokenizer.sha256}"
     name = f"{split.split}_{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
     path = os.path.join(cache_dir(config), "tokens", name)
     if not os.path.exists(path):
         write_token_cache(split.documents, tokenizer, path)
+    return load_tokens(path)
+
+
+def packed_split(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> PackedWindows:
+    """Windows of train.seq_len + 1 tokens over the split named by `data.<split_key>`."""
+    split = open_split(config, split_key)
     seq_len = int(config.train.seq_len)
     if seq_len <= 0:
         raise ValueError(f"train.seq_len={seq_len} must be positive")
-    windows = PackedWindows(load_tokens(path), seq_len, tokenizer.pad_id, partial_last)
+    tokens = _cached_stream(config, tokenizer, split)
+    windows = PackedWindows(tokens, seq_len, tokenizer.pad_id, partial_last)
     if windows.num_tokens < 2:
         raise ValueError(
             f"data.{split_key}={split.split!r} of data.source={config.data.source!r} holds "

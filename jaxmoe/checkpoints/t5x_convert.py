@@ -1,0 +1,407 @@
+"""`jaxmoe convert t5x SRC DST`: a T5X T5.1.1 checkpoint -> a jaxmoe checkpoint + its config.
+
+The architecture is read off the tensor shapes (format notes: /work/shared/PAPERS.md):
+vocabulary and width from `token_embedder/embedding [V, D]`, layer counts from the
+`layers_<i>` names, FFN width from `mlp/wi_0 [D, F]`, heads from the relative-bias table
+`relpos_bias/rel_embedding [H, buckets]`, head width = query width / H, key/value heads from
+the key width (GQA-uptrained checkpoints convert too). Flags cover the rest (max distance,
+or heads when no table exists). Every tensor is checked against the model that config
+builds before anything is written, so a bad checkpoint fails in one line naming the tensor.
+
+Arrays are then read, reshaped ([D, H*dh] -> [D, H, dh], out [H*dh, D] -> [H, dh, D]) and
+cast one at a time, and handed to Orbax's partial save in groups of about
+G = max(256 MiB, largest tensor, total / 64). Peak memory is a few G (the group plus Orbax's
+copies while it writes; measured ~200 MiB + 2.5 G), never the whole model; an inline legacy
+msgpack file is also held by the reader. The optimizer state is never read.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint.experimental.v1 as ocp_v1
+from flax import nnx
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.t5x import TensorTable, open_t5x
+from jaxmoe.default_config import base_config
+from jaxmoe.models import build_model
+from jaxmoe.train_state import str_keys
+
+OUTPUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+_GROUP_BYTES = 256 << 20
+_MAX_GROUPS = 64  # Orbax's partial save slows down with each call; keep the calls few
+_EMBEDDING = "token_embedder/embedding"
+_LAYER = re.compile(r"(encoder|decoder)/layers_(\d+)/")
+_UNGATED = re.compile(r"(encoder|decoder)/layers_\d+/mlp/wi/kernel")
+
+# jaxmoe parameter path -> T5X name. Top-level parameters:
+_TOP_NAMES = {
+    ("token_embed", "embedding"): _EMBEDDING,
+    ("encoder_relpos", "rel_embedding"): "encoder/relpos_bias/rel_embedding",
+    ("encoder_norm", "scale"): "encoder/encoder_norm/scale",
+    ("decoder_relpos", "rel_embedding"): "decoder/relpos_bias/rel_embedding",
+    ("decoder_norm", "scale"): "decoder/decoder_norm/scale",
+    ("lm_head",): "decoder/logits_dense/kernel",
+}
+# Per-layer modules: jaxmoe name -> T5X name, for each stack.
+_ENCODER_MODULES = {
+    "attn_norm": "pre_attention_layer_norm",
+    "attn": "attention",
+    "ffn_norm": "pre_mlp_layer_norm",
+    "ffn": "mlp",
+}
+_DECODER_MODULES = {
+    "self_attn_norm": "pre_self_attention_layer_norm",
+    "self_attn": "self_attention",
+    "cross_attn_norm": "pre_cross_attention_layer_norm",
+    "cross_attn": "encoder_decoder_attention",
+    "ffn_norm": "pre_mlp_layer_norm",
+    "ffn": "mlp",
+}
+_LAYER_MODULES = {
+    "encoder_layers": ("encoder", _ENCODER_MODULES),
+    "decoder_layers": ("decoder", _DECODER_MODULES),
+}
+_KERNELS = ("query", "key", "value", "out", "wi_0", "wi_1", "wo")
+
+
+def t5x_name(path: tuple[str, ...]) -> str:
+    """The T5X name of the jaxmoe parameter at `path`, e.g. ('decoder_layers', '0',
+    'self_attn', 'key') -> 'decoder/layers_0/self_attention/key/kernel'."""
+    if path in _TOP_NAMES:
+        return _TOP_NAMES[path]
+    if len(path) == 4 and path[0] in _LAYER_MODULES:
+        stack, modules = _LAYER_MODULES[path[0]]
+        index, module, param = path[1:]
+        if module in modules and (param in _KERNELS or param == "scale"):
+            leaf = f"{param}/kernel" if param in _KERNELS else param
+            return f"{stack}/layers_{index}/{modules[module]}/{leaf}"
+    raise CheckpointError(f"jaxmoe parameter {'/'.join(path)} has no T5X counterpart")
+
+
+def t5x_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The T5X shape of a jaxmoe parameter: attention kernels keep heads merged."""
+    if path[-1] in ("query", "key", "value"):  # [D, H, dh] -> [D, H*dh]
+        return (shape[0], shape[1] * shape[2])
+    if path[-1] == "out":  # [H, dh, D] -> [H*dh, D]
+        return (shape[0] * shape[1], shape[2])
+    return tuple(shape)
+
+
+def abstract_params(model_cfg) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Flat {jaxmoe path: shape} of the model `model_cfg` builds (nothing allocated)."""
+    model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+    _, state = nnx.split(model, nnx.Param)
+    flat = {}
+
+    def visit(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                visit(value, (*prefix, key))
+            else:
+                flat[(*prefix, key)] = tuple(value.shape)
+
+    visit(str_keys(nnx.to_pure_dict(state)), ())
+    return flat
+
+
+def _shape(table: TensorTable, name: str, src, why: str) -> tuple[int, int]:
+    """The shape of 2-D tensor `name`, which the inference needs."""
+    if name not in table:
+        raise CheckpointError(f"{src}: missing parameter {name} (needed for {why})")
+    shape = table.shape(name)
+    if len(shape) != 2:
+        raise CheckpointError(f"{src}: tensor {name} has shape {list(shape)}, expected 2-D")
+    return shape
+
+
+def _divide(total: int, part: int, what: str) -> int:
+    if part <= 0 or total % part:
+        raise CheckpointError(f"{what}: {total} is not divisible by {part}")
+    return total // part
+
+
+def infer_model(
+    table: TensorTable,
+    src,
+    *,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+    relpos_max_distance: int = 128,
+) -> dict:
+    """The `model.*` values of a T5.1.1 checkpoint, inferred from its tensor shapes."""
+    names = table.names()
+    ungated = [n for n in names if _UNGATED.fullmatch(n)]
+    if ungated:
+        raise CheckpointError(
+            f"{src}: {ungated[0]} {list(table.shape(ungated[0]))} is a non-gated FFN (T5 v1.0, "
+            "ReLU); jaxmoe converts T5.1.1 checkpoints, whose FFN is gated (mlp/wi_0, mlp/wi_1)"
+        )
+    layers = {"encoder": 0, "decoder": 0}
+    for name in names:
+        if match := _LAYER.match(name):
+            stack, index = match.group(1), int(match.group(2))
+            layers[stack] = max(layers[stack], index + 1)
+    for stack, count in layers.items():
+        if not count:
+            raise CheckpointError(
+                f"{src}: no {stack}/layers_<i>/... tensors: not a T5 encoder-decoder checkpoint"
+            )
+    vocab, d_model = _shape(table, _EMBEDDING, src, "the vocabulary and width")
+    ffn_dim = _shape(table, "encoder/layers_0/mlp/wi_0/kernel", src, "model.ffn_dim")[1]
+
+    tables = [f"{stack}/relpos_bias/rel_embedding" for stack in layers]
+    relpos = next((name for name in tables if name in table), None)
+    if relpos is None:
+        raise CheckpointError(
+            f"{src}: no relpos_bias/rel_embedding table to read the head count and buckets from"
+        )
+    table_heads, buckets = _shape(table, relpos, src, "the head count")
+    if num_heads is not None and num_heads != table_heads:
+        raise CheckpointError(
+            f"{src}: --num_heads={num_heads} but {relpos} {list(table.shape(relpos))} has "
+            f"{table_heads} heads"
+        )
+    heads = table_heads
+    query = "encoder/layers_0/attention/query/kernel"
+    width = _shape(table, query, src, "model.head_dim")[1]
+    if head_dim is None:
+        head_dim = _divide(width, heads, f"{src}: {query} {[d_model, width]} over {heads} heads")
+    elif heads * head_dim != width:
+        raise CheckpointError(
+            f"{src}: {query} is {[d_model, width]} but --head_dim={head_dim} x {heads} heads "
+            f"needs width {heads * head_dim}"
+        )
+
+    def kv_heads(name: str) -> int:
+        key_width = _shape(table, name, src, "the key/value head count")[1]
+        return _divide(key_width, head_dim, f"{src}: {name} width vs head_dim={head_dim}")
+
+    encoder_kv = kv_heads("encoder/layers_0/attention/key/kernel")
+    return {
+        "arch": "encoder_decoder",
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "num_layers": layers["decoder"],
+        "num_encoder_layers": layers["encoder"],
+        "num_heads": heads,
+        "num_kv_heads": kv_heads("decoder/layers_0/self_attention/key/kernel"),
+        "encoder_num_kv_heads": 0 if encoder_kv == heads else encoder_kv,
+        "head_dim": head_dim,
+        "ffn_dim": ffn_dim,
+        "activation": "gelu",
+        "norm_eps": 1e-6,
+        "rope_theta": 0.0,
+        "tie_embeddings": False,
+        "relpos_buckets": buckets,
+        "relpos_max_distance": relpos_max_distance,
+    }
+
+
+def build_config(model_values: dict, overrides=()) -> ConfigDict:
+    """The full jaxmoe config of a converted checkpoint: defaults, the inferred model, a
+    dense FFN (T5.1.1 has no experts), then the user's `--config.*` overrides."""
+    from jaxmoe.config import apply_overrides, validate
+
+    config = base_config()
+    for key, value in model_values.items():
+        config.model[key] = value
+    config.model.moe.num_experts = 0
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str, ...], str, tuple]]:
+    """[(jaxmoe path, T5X name, jaxmoe shape)] for every parameter, after checking that the
+    checkpoint holds exactly these tensors with the shapes the config needs."""
+    expected = abstract_params(model_cfg)
+    plan = [(path, t5x_name(path), shape) for path, shape in expected.items()]
+    known = {name for _, name, _ in plan}
+    problems = [
+        f"unknown parameter {name} {list(table.shape(name))} (no counterpart in the "
+        f"inferred T5.1.1 model)"
+        for name in table.names()
+        if name not in known
+    ]
+    for path, name, shape in plan:
+        want = t5x_shape(path, shape)
+        if name not in table:
+            problems.append(f"missing parameter {name}: jaxmoe {'/'.join(path)} needs {list(want)}")
+        elif table.shape(name) != want:
+            problems.append(
+                f"tensor {name} has shape {list(table.shape(name))} but the model config "
+                f"({_model_summary(model_cfg)}) needs {list(want)}"
+            )
+        elif not _is_float(table.dtype(name)):
+            problems.append(f"tensor {name} has dtype {table.dtype(name)}, not floating point")
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{src}: {problems[0]}{more}")
+    return plan
+
+
+def _model_summary(m) -> str:
+    return (
+        f"d_model={m.d_model}, heads={m.num_heads}x{m.head_dim}, kv_heads={m.num_kv_heads}, "
+        f"ffn_dim={m.ffn_dim}, vocab={m.vocab_size}"
+    )
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def _nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def _groups(plan, itemsize: int) -> list[list]:
+    """Consecutive runs of the plan holding about one group budget of bytes each."""
+    sizes = [int(np.prod(shape)) * itemsize for _, _, shape in plan]
+    budget = max(_GROUP_BYTES, max(sizes), -(-sum(sizes) // _MAX_GROUPS))
+    groups, current, used = [], [], 0
+    for item, size in zip(plan, sizes, strict=True):
+        if current and used + size > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    return [*groups, current] if current else groups
+
+
+def convert_t5x(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+    relpos_max_distance: int = 128,
+    overrides=(),
+) -> ConfigDict:
+    """Converts T5X checkpoint `src` into a new jaxmoe checkpoint directory `dst`
+    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads). Returns the config."""
+    if dtype not in OUTPUT_DTYPES:
+        raise CheckpointError(f"--dtype={dtype!r} is not one of {list(OUTPUT_DTYPES)}")
+    out_dtype = OUTPUT_DTYPES[dtype]
+    dst = Path(dst).absolute()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    table = open_t5x(src)
+    values = infer_model(
+        table,
+        src,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        relpos_max_distance=relpos_max_distance,
+    )
+    config = build_config(values, overrides)
+    plan = plan_conversion(table, config.model, src)
+
+    staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for group in _groups(plan, out_dtype.itemsize):
+            arrays = {
+                path: table.read(name).reshape(shape).astype(out_dtype, copy=False)
+                for path, name, shape in group
+            }
+            ocp_v1.partial.save(staging / "orbax", _nest(arrays))
+            del arrays  # before the next group is read
+        ocp_v1.partial.finalize(staging / "orbax")
+        _tree_directory(staging / "orbax").rename(staging / "params")
+        shutil.rmtree(staging / "orbax")
+        (staging / "config").mkdir()
+        (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        staging.rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return config
+
+
+def _tree_directory(checkpoint: Path) -> Path:
+    """The saved pytree inside an Orbax v1 checkpoint (named `state` by Orbax 0.12), which
+    jaxmoe checkpoints hold as `params`, where `StandardCheckpointer` restores it from."""
+    trees = [d for d in checkpoint.iterdir() if (d / "_METADATA").is_file()]
+    if len(trees) != 1:
+        raise CheckpointError(
+            f"{checkpoint}: expected one saved tree from Orbax's partial save, found "
+            f"{sorted(d.name for d in trees)} (an Orbax layout this converter does not know)"
+        )
+    return trees[0]
+
+
+# --- Command line: `jaxmoe convert t5x SRC DST [flags] [--config.KEY=VALUE ...]` ---
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Registers `t5x` under the `jaxmoe convert` subcommands."""
+    parser = subparsers.add_parser(
+        "t5x",
+        help="T5X T5.1.1 checkpoint -> jaxmoe checkpoint",
+        description=(
+            "Convert a T5X checkpoint (legacy msgpack, TensorStore or Orbax era) of a T5.1.1 "
+            "encoder-decoder. The architecture is inferred from the tensors; --config.KEY=VALUE "
+            "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model)."
+        ),
+    )
+    parser.add_argument("src", help="T5X checkpoint_<step> directory (or its msgpack file)")
+    parser.add_argument("dst", help="new jaxmoe checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.add_argument(
+        "--num_heads", type=int, default=None, help="check against the relpos table"
+    )
+    parser.add_argument("--head_dim", type=int, default=None, help="default: query width / heads")
+    parser.add_argument(
+        "--relpos_max_distance",
+        type=int,
+        default=128,
+        help="T5 relative-position max distance (not stored in T5X checkpoints)",
+    )
+    parser.set_defaults(run=run_convert_t5x)
+    return parser
+
+
+def run_convert_t5x(args, overrides=()) -> int:
+    """Runs the conversion for parsed `args`; prints one JSON line describing DST."""
+    start = time.perf_counter()
+    config = convert_t5x(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        num_heads=args.num_heads,
+        head_dim=args.head_dim,
+        relpos_max_distance=args.relpos_max_distance,
+        overrides=overrides,
+    )
+    m = config.model
+    summary = {
+        "checkpoint": str(Path(args.dst).absolute()),
+        "dtype": args.dtype,
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "layers": [m.num_encoder_layers, m.num_layers],
+        "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
+        "ffn_dim": m.ffn_dim,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    print(json.dumps(summary))
+    return 0
