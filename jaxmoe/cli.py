@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf)")
     export_sub = export.add_subparsers(dest="target", required=True)
     hf_export.add_parser(export_sub)
+
+    from jaxmoe import analysis
+
+    _add_distributed_flags(analysis.add_parser(sub))
     return parser
 
 

@@ -1,0 +1,181 @@
+"""`jaxmoe analyze-routing`: which tokens the router sends to two experts, in every MoE layer.
+
+    jaxmoe analyze-routing --checkpoint runs/default --data embedded --out runs/routing
+
+The checkpoint is restored onto the mesh of its config (`config.mesh`, overridable) and the
+data (`jsonl:FILE`, `NAME/SPLIT` or `embedded`, read as `jaxmoe eval` reads it) is scored in
+batches. For every valid token and MoE layer the gate's decision (one expert or two) comes
+back to the host, where only counters (analysis_counts.py) are kept. Writes routing.json,
+summary.md and PNG plots (analysis_plots.py) into --out.
+
+By default the decision is the one the *training* gate (`model.moe.gating`) makes on the
+layer's input, so a model evaluated with `model.moe.eval_gating=top1` still shows which tokens
+its adaptive gate finds hard; `gate="eval"` reports the evaluation gate instead. The model's
+own forward pass (and so every later layer's input) always uses the evaluation gate, as
+`jaxmoe eval` does. Router jitter is never applied.
+"""
+
+import argparse
+import json
+
+# JAX and the model code are imported inside the functions: the CLI builds its parser
+# without loading them.
+
+GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
+
+
+def piece_namer(tokenizer, encoder_decoder: bool):
+    """id -> the text of that token (special ids, span-corruption sentinels and ids the
+    tokenizer does not know by name)."""
+    from jaxmoe.data.seq2seq import EXTRA_IDS
+
+    if tokenizer is None:
+        return lambda v: f"<id {v}>"
+    specials = {tokenizer.pad_id: "<pad>", tokenizer.eos_id: "</s>"}
+    size = tokenizer.vocab_size
+
+    def piece(v: int) -> str:
+        if v in specials:
+            return specials[v]
+        if v < size:
+            return tokenizer.decode([v])
+        if encoder_decoder and v < size + EXTRA_IDS:  # seq2seq.py numbers them from the top
+            return f"<extra_id_{size + EXTRA_IDS - 1 - v}>"
+        return f"<id {v}>"
+
+    return piece
+
+
+def _data_batches(config, data_spec: str, tokenizer, data_parallel: int):
+    """Global batches of `data_spec`, read by jaxmoe.evaluate's readers."""
+    from jaxmoe.evaluate import batch_examples, packed_batches, read_jsonl
+
+    encoder_decoder = config.model.arch == "encoder_decoder"
+    if data_spec.startswith("jsonl:"):
+        examples = read_jsonl(data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder)
+        batch_size = -(-int(config.train.batch_size) // data_parallel) * data_parallel
+        return batch_examples(examples, batch_size, encoder_decoder)
+    if tokenizer is None:
+        raise ValueError("--data: text data needs a tokenizer (--config.data.tokenizer=FILE)")
+    return packed_batches(config, data_spec, tokenizer)
+
+
+def analyze_routing(
+    checkpoint: str,
+    data_spec: str,
+    out_dir: str,
+    config=None,
+    overrides=(),
+    *,
+    gate: str = "train",
+    min_count: int = 20,
+    top_n: int = 15,
+    max_batches: int = 0,
+) -> dict:
+    """Routing statistics of `checkpoint` on `data_spec`, written into `out_dir`.
+
+    config: the run config (default: the one stored with the checkpoint, with `overrides`).
+    Returns the summary dict that routing.json holds (see analysis_counts.summarize), plus
+    `files`: the paths written (by process 0).
+    """
+    import jax
+
+    from jaxmoe.analysis_counts import summarize
+    from jaxmoe.analysis_plots import write_report
+    from jaxmoe.analysis_probe import collect_counts
+    from jaxmoe.checkpoints.manager import read_config
+    from jaxmoe.config import apply_overrides, validate
+    from jaxmoe.parallel.sharding import data_parallel_size, make_mesh
+
+    if gate not in GATE_CHOICES:
+        raise ValueError(f"--gate={gate!r}: expected one of {GATE_CHOICES}")
+    if config is None:
+        config = read_config(checkpoint)
+        apply_overrides(config, overrides)
+        validate(config)
+    encoder_decoder = config.model.arch == "encoder_decoder"
+    tokenizer = None
+    if config.data.tokenizer or not encoder_decoder:
+        from jaxmoe.data.sources import load_tokenizer
+
+        tokenizer = load_tokenizer(config)
+    dp = data_parallel_size(make_mesh(config.mesh))
+    batches = _data_batches(config, data_spec, tokenizer, dp)
+    counts, num_batches = collect_counts(config, checkpoint, batches, gate, max_batches)
+    summary = summarize(
+        counts, piece_namer(tokenizer, encoder_decoder), min_count=min_count, top_n=top_n
+    )
+    moe = config.model.moe
+    summary |= {
+        "checkpoint": str(checkpoint),
+        "data": data_spec,
+        "gate": moe.gating if gate == "train" else (moe.eval_gating or moe.gating),
+        "threshold": float(moe.threshold),
+        "num_batches": num_batches,
+    }
+    summary["files"] = write_report(summary, out_dir) if jax.process_index() == 0 else []
+    return summary
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `analyze-routing` on the CLI's subparsers; returns the new parser."""
+    parser = subparsers.add_parser(
+        "analyze-routing", help="which tokens each MoE layer sends to two experts"
+    )
+    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (a step or a workdir)")
+    parser.add_argument(
+        "--data", required=True, help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded"
+    )
+    parser.add_argument("--out", required=True, help="directory for routing.json, plots, summary")
+    parser.add_argument(
+        "--config", default=None, help="config file (default: the one stored with the checkpoint)"
+    )
+    parser.add_argument(
+        "--gate",
+        choices=GATE_CHOICES,
+        default="train",
+        help="whose decisions to count: the training gate (default) or the evaluation gate",
+    )
+    parser.add_argument(
+        "--min_count", type=int, default=20, help="pieces ranked only if seen this often"
+    )
+    parser.add_argument("--top", type=int, default=15, help="pieces listed at each end")
+    parser.add_argument("--max_batches", type=int, default=0, help="stop after N batches (0: all)")
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args, overrides) -> int:
+    """The command: analyse, write the files, print one JSON line with the main rates."""
+    import jax
+
+    from jaxmoe.config import load_config
+    from jaxmoe.distributed import initialize
+
+    initialize(
+        getattr(args, "coordinator_address", None),
+        getattr(args, "num_processes", None),
+        getattr(args, "process_id", None),
+        getattr(args, "init_timeout", None),
+    )
+    config = load_config(args.config, overrides) if args.config else None
+    result = analyze_routing(
+        args.checkpoint,
+        args.data,
+        args.out,
+        config=config,
+        overrides=overrides,
+        gate=args.gate,
+        min_count=args.min_count,
+        top_n=args.top,
+        max_batches=args.max_batches,
+    )
+    if jax.process_index() == 0:
+        line = {
+            "top2_rate": {s: v["top2_rate"] for s, v in result["stacks"].items()},
+            "top2_rate_per_layer": {r["layer"]: r["top2_rate"] for r in result["layers"]},
+            "tokens": {s: v["tokens"] for s, v in result["stacks"].items()},
+            "files": result["files"],
+        }
+        print(json.dumps(line))
+    return 0
