@@ -189,9 +189,9 @@ def check_against_reference(cfg, data, *, capacity=None):
 
 LAYER_CASES = {
     "blocks-adaptive": dict(),
-    "blocks-top1-one": dict(gating="top1", single_weight="one"),
-    "blocks-top2-renorm": dict(gating="top2", renormalize=True),
-    "blocks-top3": dict(gating="topk", top_k=3),
+    "dense-top1-one": dict(gating="top1", single_weight="one", dispatch="dense"),
+    "dense-top2-renorm": dict(gating="top2", renormalize=True, dispatch="dense"),
+    "dense-top3": dict(gating="topk", top_k=3, dispatch="dense"),
     "blocks-top_p-renorm": dict(gating="top_p", top_p=0.4, max_k=3, renormalize=True),
     "dense-adaptive-raw-gap": dict(dispatch="dense", threshold=0.05, gap_normalization="none"),
     "ragged-adaptive-renorm": dict(dispatch="ragged", threshold=0.3, renormalize=True),
