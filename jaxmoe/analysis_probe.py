@@ -58,9 +58,11 @@ def layer_name(aux_key) -> tuple[str, str, int]:
     return aux_key, stack, int(index)
 
 
-def routing_masks(params, batch, graphdef, gate: str) -> dict:
+def routing_masks(params, batch, graphdef, gate: str, rest=None) -> dict:
     """{aux key as str: top2_mask_BL} for every MoE layer on one batch."""
-    model = nnx.merge(graphdef, params)
+    from jaxmoe.train_state import merge_model
+
+    model = merge_model(graphdef, params, rest)
     attach_probes(model, gate)
     if "encoder_inputs" in batch:
         _, aux = model(batch["encoder_inputs"], batch["inputs"], train=False)
@@ -124,7 +126,7 @@ def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int
     params = restore_params(checkpoint, abstract)
     # Replicated outputs: every process can read the whole batch's masks.
     step = jax.jit(
-        lambda p, b: routing_masks(p, b, spec.graphdef, gate),
+        lambda p, b: routing_masks(p, b, spec.graphdef, gate, spec.rest),
         out_shardings=NamedSharding(mesh, PartitionSpec()),
     )
     counts = RoutingCounts(

@@ -23,7 +23,7 @@ CHOICES = {
     "model.moe.eval_gating": ("", *GATES),
     "model.moe.gap_normalization": ("top2", "none"),
     "model.moe.single_weight": ("prob", "one"),
-    "model.moe.dispatch": ("auto", "blocks", "ragged", "dense"),
+    "model.moe.dispatch": ("auto", "blocks", "ragged", "dense", "capacity"),
     "optimizer.name": ("adamw", "adafactor"),
     "optimizer.schedule": ("cosine", "rsqrt", "constant"),
     "data.curriculum": ("none", "paper", "magnitude"),

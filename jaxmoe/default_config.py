@@ -36,7 +36,7 @@ def base_config() -> ConfigDict:
     moe.every = 1  # an MoE FFN in every `every`-th layer (others dense)
     moe.ffn_dim = 256  # hidden size of one expert
     moe.gating = "adaptive"  # top1 | top2 | topk | adaptive | top_p
-    moe.threshold = 0.1  # adaptive: two experts when p1 - p2 < threshold
+    moe.threshold = 0.1  # adaptive: two experts when the gap (gap_normalization) < threshold
     moe.top_k = 2  # topk: experts per token
     moe.top_p = 0.4  # top_p: smallest expert set whose probabilities pass p
     moe.max_k = 2  # top_p: at most this many experts per token (static shapes)
@@ -49,7 +49,7 @@ def base_config() -> ConfigDict:
     moe.z_loss_weight = 0.001  # router z-loss coefficient
     moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
     moe.block_size = 256  # rows per expert block in the block dispatch
-    moe.dispatch = "auto"  # auto | blocks | ragged | dense
+    moe.dispatch = "auto"  # auto | blocks | ragged | dense | capacity (GShard fixed buffers)
 
     c.train = t = ConfigDict()
     t.steps = 600  # optimizer steps

@@ -185,7 +185,7 @@ def evaluate(
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()
     }
-    step = jax.jit(functools.partial(eval_step, graphdef=spec.graphdef))
+    step = jax.jit(functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest))
     totals = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
     losses, counts = [], []
     with jax.set_mesh(mesh):

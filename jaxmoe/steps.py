@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from jaxmoe.train_state import merge_model
+
 SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction")
 
 
@@ -27,11 +29,13 @@ class StepFns:
     z_loss_weight: float
     grad_accum: int
     skip_nonfinite: bool
+    rest: nnx.State | None = None  # non-parameter model state (ModelSpec.rest)
+    seed: int = 0  # base of the per-step router-jitter keys
 
 
-def forward(graphdef, params, batch, *, train: bool):
+def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
     """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch."""
-    model = nnx.merge(graphdef, params)
+    model = merge_model(graphdef, params, rest, rng)
     if "encoder_inputs" in batch:
         return model(batch["encoder_inputs"], batch["inputs"], train=train)
     return model(batch["inputs"], train=train)
@@ -54,8 +58,8 @@ def moe_summary(aux: dict) -> dict:
     return out
 
 
-def _loss(params, batch, total_weight, fns: StepFns):
-    logits, aux = forward(fns.graphdef, params, batch, train=True)
+def _loss(params, batch, total_weight, rng, fns: StepFns):
+    logits, aux = forward(fns.graphdef, params, batch, train=True, rest=fns.rest, rng=rng)
     nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
     loss = nll_sum / total_weight
     extra = {"nll_sum": nll_sum}
@@ -74,20 +78,23 @@ def train_step(state, batch, fns: StepFns):
     params = state["params"]
     total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    rng = jax.random.fold_in(jax.random.key(fns.seed), state["step"])
     if fns.grad_accum == 1:
-        (_, extra), grads = grad_fn(params, batch, total_weight, fns)
+        (_, extra), grads = grad_fn(params, batch, total_weight, rng, fns)
     else:
         micro = jax.tree.map(
             lambda x: x.reshape(fns.grad_accum, x.shape[0] // fns.grad_accum, *x.shape[1:]),
             batch,
         )
 
-        def body(grads_sum, micro_batch):
-            (_, extra), grads = grad_fn(params, micro_batch, total_weight, fns)
+        def body(grads_sum, micro_and_index):
+            micro_batch, index = micro_and_index
+            micro_rng = jax.random.fold_in(rng, index)
+            (_, extra), grads = grad_fn(params, micro_batch, total_weight, micro_rng, fns)
             return jax.tree.map(jnp.add, grads_sum, grads), extra
 
         zeros = jax.tree.map(jnp.zeros_like, params)
-        grads, extras = jax.lax.scan(body, zeros, micro)
+        grads, extras = jax.lax.scan(body, zeros, (micro, jnp.arange(fns.grad_accum)))
         extra = {
             key: (
                 jnp.sum(value, 0)
@@ -121,9 +128,9 @@ def train_step(state, batch, fns: StepFns):
     return new_state, metrics
 
 
-def eval_step(params, batch, graphdef):
+def eval_step(params, batch, graphdef, rest=None):
     """Sums over the batch: weighted NLL, correct argmax predictions, target weight."""
-    logits, _ = forward(graphdef, params, batch, train=False)
+    logits, _ = forward(graphdef, params, batch, train=False, rest=rest)
     weights = batch["weights"]
     nll = token_nll(logits, batch["targets"])
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)

@@ -26,7 +26,7 @@ def str_keys(tree):
 
 def model_params(model) -> tuple[nnx.GraphDef, dict]:
     """(graphdef, params as a nested str-keyed dict of arrays) of an nnx model."""
-    graphdef, state = nnx.split(model, nnx.Param)
+    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
     return graphdef, str_keys(nnx.to_pure_dict(state))
 
 
@@ -38,11 +38,12 @@ class ModelSpec:
     abstract_params: dict  # ShapeDtypeStruct leaves
     param_specs: dict  # PartitionSpec leaves
     param_axes: dict  # (logical axis names, shape) leaves
+    rest: dict  # abstract non-parameter state: the MoE jitter RNG streams, or empty
 
 
 def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
     abstract = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
-    graphdef, state = nnx.split(abstract, nnx.Param)
+    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     specs = str_keys(nnx.to_pure_dict(param_specs(state, mesh, rules)))
     shapes = str_keys(nnx.to_pure_dict(state))
     axes = str_keys(
@@ -54,7 +55,7 @@ def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
             )
         )
     )
-    return ModelSpec(graphdef, shapes, specs, axes)
+    return ModelSpec(graphdef, shapes, specs, axes, str_keys(nnx.to_pure_dict(rest)))
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,25 @@ class _AxesLeaf:
 
     axes: tuple | None
     shape: tuple
+
+
+def _materialize(leaf):
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        return jax.random.key(0)
+    return jnp.zeros(leaf.shape, leaf.dtype)
+
+
+def merge_model(graphdef, params, rest=None, rng=None):
+    """The nnx model from its parameters. Models with RNG streams (router jitter) get them
+    re-created inside the trace and, when `rng` is given, seeded from it: the train step
+    derives that key from the step number, so the noise differs every step and a resumed
+    run draws the same noise as an uninterrupted one."""
+    if rest is None or not jax.tree.leaves(rest):
+        return nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params, jax.tree.map(_materialize, rest))
+    if rng is not None:
+        nnx.reseed(model, jitter=rng)
+    return model
 
 
 def _path_keys(path) -> tuple[str, ...]:
@@ -117,7 +137,9 @@ def init_state(model_cfg, seed: int, optimizer, shardings, mesh: Mesh):
     """The initial train state, created already sharded."""
 
     def init(key):
-        _, params = model_params(build_model(model_cfg, rngs=nnx.Rngs(params=key)))
+        _, params = model_params(
+            build_model(model_cfg, rngs=nnx.Rngs(params=key, jitter=jax.random.fold_in(key, 1)))
+        )
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,

@@ -21,7 +21,17 @@ def run_steps(config, devices, n_steps=3):
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
     _, shardings = state_shardings(mesh, spec, optimizer)
     state = init_state(config.model, 0, optimizer, shardings, mesh)
-    fns = StepFns(spec.graphdef, optimizer, schedule, 0.01, 0.001, config.train.grad_accum, False)
+    fns = StepFns(
+        spec.graphdef,
+        optimizer,
+        schedule,
+        0.01,
+        0.001,
+        config.train.grad_accum,
+        False,
+        rest=spec.rest,
+        seed=config.train.seed,
+    )
     batch_sh = {
         k: NamedSharding(mesh, batch_spec(mesh, 2, config.train.batch_size))
         for k in ("inputs", "targets", "weights")
@@ -83,3 +93,16 @@ def test_grad_accumulation_equals_one_big_batch(dense_reference):
     config = tiny_config("model.moe.num_experts=0", "mesh.data=1", "train.grad_accum=2")
     losses, _ = run_steps(config, jax.devices()[:1])
     np.testing.assert_allclose(losses, dense_reference[0], rtol=1e-5, atol=1e-5)
+
+
+def test_router_jitter_is_per_step_and_mesh_independent():
+    """Jitter noise is drawn from (seed, step): the same on any mesh, and it changes training."""
+    plain = tiny_config("mesh.data=1", "model.moe.dispatch=dense")
+    jittered = tiny_config("mesh.data=1", "model.moe.dispatch=dense", "model.moe.jitter=0.5")
+    base, _ = run_steps(plain, jax.devices()[:1])
+    one, _ = run_steps(jittered, jax.devices()[:1])
+    jittered.mesh.data = 2
+    jittered.mesh.expert = 4
+    many, _ = run_steps(jittered, jax.devices())
+    np.testing.assert_allclose(one, many, rtol=1e-5, atol=1e-5)
+    assert np.abs(one[1:] - base[1:]).max() > 1e-4
