@@ -73,7 +73,7 @@ def _wait_for_coordinator(address: str, timeout_s: int) -> None:
         except OSError as error:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"coordinator {address} unreachable after {timeout_s}s ({error.strerror or error}); "
-                    f"is process 0 running and the port open?"
+                    f"coordinator {address} unreachable after {timeout_s}s "
+                    f"({error.strerror or error}); is process 0 running and the port open?"
                 ) from None
             time.sleep(0.5)
