@@ -27,6 +27,7 @@ CHOICES = {
     "optimizer.name": ("adamw", "adafactor"),
     "optimizer.schedule": ("cosine", "rsqrt", "constant"),
     "data.curriculum": ("none", "paper", "magnitude"),
+    "data.curriculum_source": ("previous_epoch", "scoring_pass"),
     "train.nonfinite": ("stop", "skip"),
 }
 

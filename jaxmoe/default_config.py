@@ -95,6 +95,7 @@ def base_config() -> ConfigDict:
     d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)
     d.shuffle = True  # shuffle examples each epoch (by train.seed and epoch)
     d.curriculum = "none"  # none | paper | magnitude
+    d.curriculum_source = "previous_epoch"  # routing from: previous_epoch | scoring_pass
     d.noise_density = 0.15  # encoder_decoder span corruption: share of tokens masked out
     d.mean_noise_span = 3.0  # encoder_decoder span corruption: mean masked span length
     return c

@@ -68,10 +68,10 @@ def to_global(batch: dict, shardings: dict) -> dict:
 class Evaluator:
     """Jitted evaluation over a fixed list of batches; one device->host fetch at the end."""
 
-    def __init__(self, graphdef, mesh, batches: list[dict], param_shardings, batch_shardings):
+    def __init__(self, spec, mesh, batches: list[dict], param_shardings, batch_shardings):
         self.mesh, self.batches, self.batch_shardings = mesh, batches, batch_shardings
         self.fn = jax.jit(
-            functools.partial(eval_step, graphdef=graphdef),
+            functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest),
             in_shardings=(param_shardings, batch_shardings),
         )
 
@@ -147,6 +147,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
             f"train.batch_size={config.train.batch_size} is not divisible by the "
             f"data-parallel size {dp} (mesh {dict(mesh.shape)})"
         )
+    from jaxmoe.data.curriculum_hooks import make_curriculum
     from jaxmoe.data.pipeline import build_data
 
     data = build_data(config, jax.process_index(), jax.process_count())
@@ -160,6 +161,8 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
         for key, value in data.eval_batches[0].items()
     }
+    # Installs its epoch order before set_state below; None (no hooks) for curriculum none.
+    curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
     checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)
     start = checkpoints.latest_step()
@@ -183,6 +186,8 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
         z_loss_weight=config.model.moe.z_loss_weight,
         grad_accum=config.train.grad_accum,
         skip_nonfinite=config.train.nonfinite == "skip",
+        rest=spec.rest,
+        seed=config.train.seed,
     )
     step_fn = jax.jit(
         functools.partial(train_step, fns=fns),
@@ -193,7 +198,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     eval_batches = data.eval_batches
     if config.train.eval_batches:
         eval_batches = eval_batches[: config.train.eval_batches]
-    evaluator = Evaluator(spec.graphdef, mesh, eval_batches, shardings["params"], batch_shardings)
+    evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
 
     writer = MetricsWriter(str(workdir_path), total_steps, start, progress=progress)
     count, per_device = describe_memory(abstract_state, shardings)
@@ -210,6 +215,8 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     stop_reason = None
 
     def save(step, state, force=False):
+        if curriculum:
+            curriculum.before_save(step)
         checkpoints.save(
             step, state, {"step": step, "data": data.train.get_state()}, config, force=force
         )
@@ -217,8 +224,12 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     with jax.set_mesh(mesh):
         step = start
         while step < total_steps:
+            if curriculum:
+                curriculum.before_batch(state["params"])  # orders the next epoch at its start
             batch = to_global(next(data.train), batch_shardings)
             state, metrics = step_fn(state, batch)
+            if curriculum:
+                curriculum.observe(batch, metrics)  # records the previous step's routing
             step += 1
             timer.count()
             if pending is not None:
