@@ -100,9 +100,16 @@ def build_parser() -> argparse.ArgumentParser:
     convert_sub = convert.add_subparsers(dest="format", required=True)
     t5x_convert.add_parser(convert_sub)
     hf.add_parser(convert_sub)
+    from jaxmoe.checkpoints import convert as gqa_upcycle
+
+    gqa_upcycle.add_parsers(convert_sub)
     export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf)")
     export_sub = export.add_subparsers(dest="target", required=True)
     hf_export.add_parser(export_sub)
+
+    from jaxmoe.decode import add_decode_parser
+
+    add_decode_parser(sub)
 
     from jaxmoe import analysis
 

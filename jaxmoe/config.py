@@ -51,6 +51,12 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     except ValueError as error:
         raise ConfigError(str(error)) from error
     apply_overrides(config, overrides)
+    finalize = getattr(module, "finalize", None)  # derived keys, computed after the overrides
+    if finalize is not None:
+        try:
+            finalize(config)
+        except ValueError as error:
+            raise ConfigError(str(error)) from error
     validate(config)
     return config
 

@@ -1,13 +1,18 @@
 """KV caches and the cached forward passes used for autoregressive decoding.
 
-A cache holds, per attention layer, the keys and values of the K KV heads only
-(keys [B, K, d, S], values [B, K, S, d]), so its size and the bandwidth each decode step
-spends reading it scale with K, not with the H query heads. The layouts are the ones XLA on
-CPU reads fastest (measured, 4 x 2080 positions, d 64): heads before positions, so each
-(row, KV head) reads contiguous slabs (the training layout [B, S, K, d] made XLA transpose
-the whole cache every step: 3.7x slower with 64 KV heads), and keys stored transposed, so
-q k^T is a plain [G, d] x [d, S] product for any group size (with keys as [S, d] it ran
-at 1 GB/s for groups of 2-4 query heads; transposed: 17x faster for G = 32).
+A cache holds, per attention layer, the keys and values of the K KV heads only, so its size
+and the bandwidth each decode step spends reading it scale with K, not with the H query
+heads. Its layouts are the ones XLA on CPU handled best (measured at 2048+ positions,
+d = 64): keys k [N, d, S] and values v [N, S, d] with N = B * K rows (row b * K + k is KV head
+k of sequence b).
+- Heads before positions: each (sequence, KV head) reads contiguous slabs; with the
+  training layout [B, S, K, d] XLA transposed the whole cache every step (3.7x slower).
+- Keys transposed: q k^T is a plain [G, d] x [d, S] product for any group size G (with keys
+  as [S, d] it ran at 1 GB/s for groups of 2-4 query heads).
+- One merged N axis: with separate B and K axes, a batch of one made XLA copy the whole
+  cache twice per step around its in-place update (8x slower with 64 KV heads).
+Sharding the N axis over the batch mesh axes and then `tensor` splits it exactly as B over
+the batch axes and K over `tensor` would (major-to-minor order).
 S is fixed per request (prompt bucket + new-token bucket) and new entries are written in
 place with `lax.dynamic_update_slice`, so a whole generation runs inside one compiled loop
 with static shapes.
@@ -33,26 +38,20 @@ from jaxmoe.models.transformer import compute_dtype
 
 
 class LayerCache(NamedTuple):
-    """One attention layer's cache: keys k [B, K, d, S] (transposed), values v [B, K, S, d]."""
+    """One attention layer's cache: keys k [N, d, S], values v [N, S, d]; N = B * K rows."""
 
     k: jax.Array
     v: jax.Array
 
 
-# Logical axis names of each buffer (sharded by the rules table like parameters).
-CACHE_AXES = LayerCache(
-    k=("batch", "kv_heads", "head_dim", "length"), v=("batch", "kv_heads", "length", "head_dim")
-)
-
-
 def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
     """Shapes of one decoder self-attention layer's cache."""
-    kv_heads, head_dim = model_cfg.num_kv_heads, model_cfg.head_dim
-    return LayerCache(k=(batch, kv_heads, head_dim, length), v=(batch, kv_heads, length, head_dim))
+    rows, head_dim = batch * model_cfg.num_kv_heads, model_cfg.head_dim
+    return LayerCache(k=(rows, head_dim, length), v=(rows, length, head_dim))
 
 
 def cache_length(cache: LayerCache) -> int:
-    return cache.v.shape[2]
+    return cache.v.shape[1]
 
 
 def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[LayerCache]:
@@ -69,36 +68,41 @@ def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[Laye
     ]
 
 
-def cached_attention(q_BLHd, k_BKdS, v_BKSd, mask=None, bias_bHLS=None, scale=None):
+def cached_attention(q_BLHd, k_NdS, v_NSd, mask=None, bias_bHLS=None, scale=None):
     """`attention.grouped_attention` for the cache layouts; K/V are never repeated.
 
-    mask: bool, broadcastable to [B, L, S]. bias: [1 or B, H, L, S]. Returns [B, L, H, d].
+    mask: bool [B or 1, L, S]. bias: [B or 1, H, L, S]. Returns [B, L, H, d].
     """
     b, l, h, d = q_BLHd.shape
-    kv_heads = k_BKdS.shape[1]
+    n, s = k_NdS.shape[0], k_NdS.shape[2]
+    kv_heads = n // b
     groups = h // kv_heads
-    q_BKGLd = q_BLHd.reshape(b, l, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
-    logits = jnp.einsum("bkgld,bkds->bkgls", q_BKGLd, k_BKdS, preferred_element_type=jnp.float32)
+    q_NGLd = q_BLHd.reshape(b, l, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
+    q_NGLd = q_NGLd.reshape(n, groups, l, d)
+    logits = jnp.einsum("ngld,nds->ngls", q_NGLd, k_NdS, preferred_element_type=jnp.float32)
     if scale is not None:
         logits = logits * scale
     if bias_bHLS is not None:
-        bias = bias_bHLS.astype(jnp.float32)
-        logits = logits + bias.reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
+        bias = bias_bHLS.astype(jnp.float32).reshape(-1, kv_heads, groups, l, s)
+        bias = jnp.broadcast_to(bias, (b, kv_heads, groups, l, s))
+        logits = logits + bias.reshape(n, groups, l, s)
     if mask is not None:
-        logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BKSd.dtype)
+        mask = jnp.broadcast_to(mask.reshape(-1, 1, 1, l, s), (b, kv_heads, 1, l, s))
+        logits = jnp.where(mask.reshape(n, 1, l, s), logits, NEG_INF)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v_NSd.dtype)
     # Materialise the probabilities: XLA on CPU otherwise fuses the softmax into the
     # probs x V product, which then ran 2-5x slower for groups of 2-8 query heads (measured).
     probs = jax.lax.optimization_barrier(probs)
-    # Output in the operands' order, transposed after: asking the product for [B, L, K, G, d]
-    # directly also made it several times slower for small groups.
-    out_BKGLd = jnp.einsum("bkgls,bksd->bkgld", probs, v_BKSd)
-    return out_BKGLd.transpose(0, 3, 1, 2, 4).reshape(b, l, h, d)
+    out_NGLd = jnp.einsum("ngls,nsd->ngld", probs, v_NSd)
+    return out_NGLd.reshape(b, kv_heads, groups, l, d).transpose(0, 3, 1, 2, 4).reshape(b, l, h, d)
 
 
 def to_cache_layout(k_BSKd, v_BSKd) -> LayerCache:
-    """Projected keys/values [B, S, K, d] in the cache layouts."""
-    return LayerCache(k_BSKd.transpose(0, 2, 3, 1), v_BSKd.transpose(0, 2, 1, 3))
+    """Projected keys/values [B, S, K, d] in the cache layouts [N, d, S] / [N, S, d]."""
+    b, s, kv_heads, d = k_BSKd.shape
+    k_NdS = k_BSKd.transpose(0, 2, 3, 1).reshape(b * kv_heads, d, s)
+    v_NSd = v_BSKd.transpose(0, 2, 1, 3).reshape(b * kv_heads, s, d)
+    return LayerCache(k_NdS, v_NSd)
 
 
 def attend_with_cache(
@@ -111,14 +115,10 @@ def attend_with_cache(
     q_BLHd = attn.project_q(x_BLD, positions_BL)
     new = to_cache_layout(*attn.project_kv(x_BLD, positions_BL))
     zero, index = jnp.zeros((), jnp.int32), jnp.asarray(index, jnp.int32)
-    k_BKdS = jax.lax.dynamic_update_slice(
-        cache.k, new.k.astype(cache.k.dtype), (zero, zero, zero, index)
-    )
-    v_BKSd = jax.lax.dynamic_update_slice(
-        cache.v, new.v.astype(cache.v.dtype), (zero, zero, index, zero)
-    )
-    o_BLHd = cached_attention(q_BLHd, k_BKdS, v_BKSd, mask_BLS, bias, attn.scale)
-    return attn.project_out(o_BLHd), LayerCache(k_BKdS, v_BKSd)
+    k_NdS = jax.lax.dynamic_update_slice(cache.k, new.k.astype(cache.k.dtype), (zero, zero, index))
+    v_NSd = jax.lax.dynamic_update_slice(cache.v, new.v.astype(cache.v.dtype), (zero, index, zero))
+    o_BLHd = cached_attention(q_BLHd, k_NdS, v_NSd, mask_BLS, bias, attn.scale)
+    return attn.project_out(o_BLHd), LayerCache(k_NdS, v_NSd)
 
 
 def _slots(index, length: int):

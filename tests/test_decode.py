@@ -1,0 +1,243 @@
+"""KV-cache decoding against the full forward pass, greedy decoding against a no-cache loop,
+and top-k / top-p filtering against sets computed by hand in numpy."""
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.decode import (
+    Generator,
+    Sampling,
+    add_decode_parser,
+    bucket,
+    decode_main,
+    filter_logits,
+    sample_tokens,
+)
+from jaxmoe.models import build_model
+from jaxmoe.models.kv_cache import (
+    decoder_forward,
+    encode_for_decoding,
+    encoder_decoder_forward,
+    init_caches,
+)
+from jaxmoe.parallel.sharding import make_mesh
+from jaxmoe.train_state import model_params
+from tests.helpers import tiny_config
+
+ATOL = 2e-4
+
+
+def decoder_config(*extra):
+    return tiny_config("model.moe.num_experts=0", "model.num_kv_heads=2", *extra).model
+
+
+def t5_config():
+    return tiny_config(
+        "model.moe.num_experts=0",
+        "model.arch=encoder_decoder",
+        "model.activation=gelu",
+        "model.rope_theta=0.0",
+        "model.num_kv_heads=2",
+        "model.relpos_buckets=8",
+        "model.relpos_max_distance=16",
+    ).model
+
+
+def full_forward(model, length=16):
+    """seqs -> each sequence's full-forward logits, one compiled shape for all lengths
+    (right padding does not change a causal LM's logits at earlier positions)."""
+    graphdef, params = model_params(model)
+    forward = jax.jit(lambda params, tokens: nnx.merge(graphdef, params)(tokens)[0])
+
+    def logits_of(seqs):
+        tokens = np.zeros((len(seqs), length), np.int32)
+        for row, seq in enumerate(seqs):
+            tokens[row, : len(seq)] = seq
+        logits = np.asarray(forward(params, tokens))
+        return [logits[row, : len(seq)] for row, seq in enumerate(seqs)]
+
+    return logits_of
+
+
+def test_cached_decoder_matches_full_forward_at_every_position():
+    """Left-padded prefill, then one token per step (teacher forced), batch of 2 lengths."""
+    cfg = decoder_config()
+    model = build_model(cfg, rngs=nnx.Rngs(0))
+    graphdef, params = model_params(model)
+    rng = np.random.default_rng(0)
+    lengths, prompt_lengths, cache_len = [11, 7], [3, 5], 16
+    seqs = [rng.integers(3, cfg.vocab_size, size=n) for n in lengths]
+    full = full_forward(model)(seqs)
+
+    @jax.jit
+    def step(params, tokens_BL, caches, index, pad_B):
+        return decoder_forward(nnx.merge(graphdef, params), tokens_BL, caches, index, pad_B)
+
+    width = max(prompt_lengths)
+    pad = np.array([width - p for p in prompt_lengths], np.int32)
+    prompt = np.zeros((2, width), np.int32)
+    for row, (s, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
+        prompt[row, width - p :] = s[:p]
+    caches = init_caches(cfg, 2, cache_len)
+    logits, caches = step(params, prompt, caches, 0, pad)
+    for row, p in enumerate(prompt_lengths):
+        np.testing.assert_allclose(logits[row, width - p :], full[row][:p], atol=ATOL)
+    for t in range(max(lengths) - min(prompt_lengths)):
+        # Row r feeds its token number prompt_r + t (or a dummy once its sequence is over).
+        tokens = np.array(
+            [
+                [s[p + t] if p + t < len(s) else 0]
+                for s, p in zip(seqs, prompt_lengths, strict=True)
+            ],
+            np.int32,
+        )
+        logits, caches = step(params, tokens, caches, width + t, pad)
+        for row, (s, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
+            if p + t < len(s):
+                np.testing.assert_allclose(logits[row, 0], full[row][p + t], atol=ATOL)
+
+
+def test_cached_encoder_decoder_matches_full_forward_at_every_position():
+    cfg = t5_config()
+    model = build_model(cfg, rngs=nnx.Rngs(1))
+    graphdef, params = model_params(model)
+    rng = np.random.default_rng(1)
+    encoder = rng.integers(3, cfg.vocab_size, size=(2, 9)).astype(np.int32)
+    encoder[1, 6:] = 0  # padding, masked in both attentions
+    decoder = np.concatenate(
+        [np.zeros((2, 1), np.int32), rng.integers(3, cfg.vocab_size, size=(2, 7))], axis=1
+    ).astype(np.int32)
+    full = np.asarray(jax.jit(lambda e, d: model(e, d)[0])(encoder, decoder))
+
+    @jax.jit
+    def encode(params, encoder):
+        return encode_for_decoding(nnx.merge(graphdef, params), encoder)
+
+    @jax.jit
+    def step(params, tokens_B1, caches, cross, valid, index):
+        model = nnx.merge(graphdef, params)
+        return encoder_decoder_forward(model, tokens_B1, caches, cross, valid, index)
+
+    cross, valid = encode(params, encoder)
+    caches = init_caches(cfg, 2, 16)
+    for t in range(decoder.shape[1]):
+        logits, caches = step(params, decoder[:, t : t + 1], caches, cross, valid, t)
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=ATOL)
+
+
+def greedy_without_cache(forward, prompt, steps):
+    """Reference: re-run the full model on the whole sequence for every new token."""
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(np.argmax(forward([seq])[0][-1])))
+    return seq[len(prompt) :]
+
+
+@pytest.fixture(scope="module")
+def sharded_generation():
+    cfg = decoder_config()
+    model = build_model(cfg, rngs=nnx.Rngs(2))
+    _, params = model_params(model)
+    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 2, "expert": 1})
+    generator = Generator(cfg, params, mesh, eos_id=-1)
+    prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 8, 101, 6, 30, 12]]
+    return full_forward(model), generator, prompts
+
+
+def test_greedy_generation_sharded_matches_no_cache_loop(sharded_generation):
+    forward, generator, prompts = sharded_generation
+    result = generator.generate(prompts, 6)
+    # Batch padded to the data-parallel size 4; the cache's B * K rows split as sequences
+    # over `data` and KV heads over `tensor`.
+    assert generator.batch_multiple == 4
+    state, rows, _ = generator.prefill(prompts, 16)
+    assert rows == 4 and state["caches"][0].k.shape == (4 * 2, 8, 32)
+    assert state["caches"][0].k.sharding.spec[0] == ("data", "tensor")
+    for prompt, new in zip(prompts, result.tokens, strict=True):
+        assert new == greedy_without_cache(forward, prompt, 6)
+    assert result.num_new_tokens == 12 and result.tokens_per_s > 0
+
+
+def test_generation_stops_at_eos(sharded_generation):
+    forward, generator, prompts = sharded_generation
+    expected = greedy_without_cache(forward, prompts[0], 6)
+    stopper = Generator(generator.cfg, generator.params, generator.mesh, eos_id=expected[2])
+    first = expected.index(expected[2])
+    assert stopper.generate(prompts[:1], 6).tokens[0] == expected[: first + 1]
+
+
+def allowed_by_hand(logits, temperature, top_k, top_p):
+    """Numpy: indices of the top-k tokens, then the smallest prefix reaching mass top_p."""
+    order = np.argsort(-logits, kind="stable")
+    keep = order[:top_k] if top_k else order
+    z = logits[keep] / temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    cumulative = np.cumsum(probs)
+    n = int(np.searchsorted(cumulative, top_p - 1e-7) + 1)  # first index reaching top_p
+    return set(keep[: min(n, len(keep))].tolist())
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 3, 1.0), (1.0, 0, 0.5), (0.7, 5, 0.8), (2.0, 0, 0.9)]
+)
+def test_filter_logits_keeps_the_hand_computed_set(temperature, top_k, top_p):
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, 20)).astype(np.float32) * 2
+    sampling = Sampling(temperature, top_k, top_p)
+    filtered = np.asarray(filter_logits(jnp.asarray(logits), sampling))
+    for row in range(4):
+        kept = set(np.flatnonzero(np.isfinite(filtered[row])).tolist())
+        assert kept == allowed_by_hand(logits[row], temperature, top_k, top_p)
+
+
+def test_samples_follow_the_filtered_distribution():
+    logits = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    sampling = Sampling(temperature=1.0, top_p=0.7)  # keeps {0, 1}: renormalised 5/8, 3/8
+    keys = jax.random.split(jax.random.key(0), 4000)
+    draws = np.asarray(jax.vmap(lambda k: sample_tokens(logits, k, sampling))(keys))[:, 0]
+    assert set(np.unique(draws)) == {0, 1}
+    assert abs(np.mean(draws == 0) - 5 / 8) < 0.03
+
+
+def test_bad_sampling_and_buckets():
+    with pytest.raises(ValueError, match=r"--top_p=1\.5"):
+        Sampling(top_p=1.5)
+    with pytest.raises(ValueError, match="--temperature=-1"):
+        Sampling(temperature=-1)
+    assert [bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
+
+
+def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
+    """`jaxmoe decode` as wired by add_decode_parser: text in, text and tokens/s out."""
+    config = tiny_config(
+        "model.moe.num_experts=0",
+        "model.vocab_size=512",
+        "mesh.data=-1",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    )
+    _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
+    save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
+    (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")
+    parser = argparse.ArgumentParser()
+    add_decode_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(
+        ["decode", "--checkpoint", str(tmp_path / "ckpt"), "--prompts_file",
+         str(tmp_path / "prompts.txt"), "--max_new_tokens", "5", "--temperature", "0.8",
+         "--top_k", "20"]
+    )  # fmt: skip
+    assert args.run(args, ["--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    summary = json.loads(lines[-1])
+    assert summary["prompts"] == 2 and 2 <= summary["new_tokens"] <= 10
+    assert lines[0] == "=== 'The first'" and lines[1].startswith("The first")
+    assert "tokens/s" in lines[-2] and "'tensor': 2" in lines[-2]
+    with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):
+        decode_main(str(tmp_path / "ckpt"))
