@@ -325,3 +325,19 @@ def test_bfloat16_compute(data):
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ValueError, match=f"model.moe.{key}"):
         MoE(moe_config(**override), rngs=nnx.Rngs(0))
+
+
+def test_few_tokens_with_large_blocks_match_dense():
+    """Decoding-sized inputs (a row buffer shorter than a block) still run the block dispatch."""
+    from tests.helpers import tiny_config
+
+    cfg = tiny_config(
+        "model.moe.block_size=256", "model.moe.dispatch=blocks", "model.moe.num_experts=2"
+    ).model
+    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    x = jax.random.normal(jax.random.key(0), (1, 3, cfg.d_model))
+    got = layer(x, train=False)[0]
+    cfg.moe.dispatch = "dense"
+    dense = MoE(cfg, rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(dense(x, train=False)[0]), atol=1e-5)
+    assert jnp.isfinite(got).all()

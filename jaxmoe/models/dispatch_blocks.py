@@ -209,6 +209,12 @@ def grouped_ffn_blocks(
     expert weights; the cost follows the number of valid assignments.
     """
     x_ND = jnp.asarray(x_ND)
+    num_experts = wi_0_EDF.shape[0]
+    # Few tokens (decoding, a small per-device shard): a block may not exceed the row buffer.
+    while (
+        block_size > 1 and block_size > src_A.shape[0] + num_experts * block_sizes(block_size)[-1]
+    ):
+        block_size //= 2
     sizes = block_sizes(block_size)
     rows = expert_layout(
         src_A,
@@ -216,7 +222,7 @@ def grouped_ffn_blocks(
         weight_A,
         valid_A,
         num_rows=x_ND.shape[0],
-        num_experts=wi_0_EDF.shape[0],
+        num_experts=num_experts,
         pad_to=sizes[-1],
     )
     return _grouped_ffn(act, sizes, x_ND, rows, wi_0_EDF, wi_1_EDF, wo_EFD)
