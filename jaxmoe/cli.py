@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_decode_parser(sub)
 
+    from jaxmoe.compile import add_compile_parser
+
+    add_compile_parser(sub)
+
     from jaxmoe import analysis
 
     _add_distributed_flags(analysis.add_parser(sub))

@@ -1,0 +1,79 @@
+"""Mixtral-8x7B with the adaptive gate: 47B parameters, 13B active at top-2.
+
+Mixtral's architecture: 32 layers, d_model 4096, 32 query heads and 8 KV heads of 128
+(GQA-4), rotary base 1e6, RMSNorm eps 1e-5, 8 SwiGLU experts of 14336 in every layer,
+untied output layer, vocabulary 32000. The gate is the adaptive-gating paper's instead of
+Mixtral's plain top-2: two experts only when the renormalised top-2 gap is under 0.1,
+dropless. Starting from Mixtral's weights (`jaxmoe convert hf`) makes this an adaptive
+re-gating run; from scratch it is a pre-training run of that shape.
+
+Target: TPU v5p-256 (128 chips): experts split 8 ways (one expert per chip group,
+mesh.expert = 8), every weight sharded 16 ways over mesh.fsdp, the batch over all 128.
+
+Check it fits (on any machine with `pip install 'jaxmoe[tpu]'`, no TPU needed):
+    jaxmoe compile --config configs/mixtral_8x7b_adaptive.py --topology v5p-256
+Train (Mixtral's SentencePiece model copied to mixtral/tokenizer.model):
+    jaxmoe train --config configs/mixtral_8x7b_adaptive.py --workdir runs/mixtral_adaptive
+Variant `:top2` is Mixtral's own gate (the baseline).
+"""
+
+from ml_collections import ConfigDict
+
+from jaxmoe.default_config import base_config
+
+
+def get_config(variant: str | None = None) -> ConfigDict:
+    c = base_config()
+    m = c.model
+    m.arch = "decoder"
+    m.vocab_size = 32000
+    m.num_layers = 32
+    m.d_model = 4096
+    m.num_heads = 32
+    m.num_kv_heads = 8
+    m.head_dim = 128
+    m.ffn_dim = 14336  # unused: every layer is an MoE layer
+    m.activation = "silu"  # SwiGLU experts
+    m.norm_eps = 1e-5
+    m.rope_theta = 1e6
+    m.tie_embeddings = False
+    m.dtype = "bfloat16"
+    m.remat = True
+
+    moe = m.moe
+    moe.num_experts = 8
+    moe.every = 1
+    moe.ffn_dim = 14336
+    moe.gating = "adaptive"
+    moe.threshold = 0.1
+    moe.gap_normalization = "top2"
+    moe.renormalize = True  # Mixtral renormalises its two combine weights
+    moe.capacity_factor = 0.0  # dropless
+    moe.balance_loss_weight = 0.01
+
+    t = c.train
+    t.batch_size = 512
+    t.seq_len = 4096
+    t.steps = 20_000
+    t.log_every = 50
+    t.eval_every = 1000
+    t.checkpoint_every = 1000
+
+    o = c.optimizer
+    o.name = "adamw"
+    o.learning_rate = 1e-4
+    o.schedule = "cosine"
+    o.warmup_steps = 500
+    o.weight_decay = 0.1
+
+    c.data.source = "tfds:c4/en:3.1.0"
+    c.data.tokenizer = "mixtral/tokenizer.model"
+
+    ms = c.mesh
+    ms.data, ms.fsdp, ms.tensor, ms.expert = 1, -1, 1, 8  # fsdp takes the other 16
+
+    if variant == "top2":
+        moe.gating = "top2"
+    elif variant:
+        raise ValueError(f"configs/mixtral_8x7b_adaptive.py: unknown variant {variant!r} (top2)")
+    return c

@@ -1,0 +1,86 @@
+"""T5.1.1-XXL with GQA-8 decoder attention, uptrained as in the GQA paper (its main model).
+
+9.7B parameters (11.3B as MHA): d_model 4096, 64 heads of 64, 24 encoder + 24 decoder
+layers, gated-GELU FFN of 10240, vocabulary 32128 (T5's 32000 SentencePiece pieces + 100
+sentinels, padded). The decoder's self- and cross-attention have 8 KV heads (GQA-8); the
+encoder stays multi-head. Uptraining continues the T5 pre-training recipe for 5% of its 1M
+steps: span corruption, batch 2048 x 512 encoder tokens (114 decoder tokens), Adafactor.
+
+Target: TPU v5p-128 (64 chips), fully sharded data parallel over all 64 chips.
+
+Check it fits (on any machine with `pip install 'jaxmoe[tpu]'`, no TPU needed):
+    jaxmoe compile --config configs/t5_1_1_xxl_gqa8.py --topology v5p-128
+Uptrain from T5.1.1-XXL converted to GQA-8 (`jaxmoe convert t5x`, then `jaxmoe convert gqa`
+mean-pools each group's K/V heads), with T5's SentencePiece model copied from
+gs://t5-data/vocabs/cc_all.32000/sentencepiece.model to t5_spm/ and C4 prepared for TFDS:
+    jaxmoe train --config configs/t5_1_1_xxl_gqa8.py \\
+        --config.train.init_from=ckpt/t5_1_1_xxl_gqa8 --workdir runs/t5_1_1_xxl_gqa8
+Variant `:mha` keeps 64 KV heads in the decoder (the paper's MHA-XXL baseline).
+"""
+
+from ml_collections import ConfigDict
+
+from jaxmoe.default_config import base_config
+
+
+def t5_1_1(c: ConfigDict) -> ConfigDict:
+    """The T5.1.1 architecture and pre-training recipe shared by every size."""
+    m = c.model
+    m.arch = "encoder_decoder"
+    m.vocab_size = 32128  # T5's SentencePiece (32000) + 100 sentinels, padded to 128
+    m.activation = "gelu"  # gated GELU (tanh approximation), T5.1.1
+    m.rope_theta = 0.0  # T5 uses relative position buckets, not rotary positions
+    m.relpos_buckets = 32
+    m.relpos_max_distance = 128
+    m.tie_embeddings = False  # T5.1.1 unties the output layer
+    m.dtype = "bfloat16"  # compute in bf16; parameters and optimizer state stay f32
+    m.remat = True  # recompute each block in the backward pass
+    m.moe.num_experts = 0  # dense FFNs
+
+    t = c.train
+    t.batch_size = 2048  # T5 pre-training: 2048 sequences
+    t.seq_len = 512  # encoder tokens; span corruption makes 114 decoder tokens
+    t.steps = 50_000  # uptraining: 5% of T5.1.1's 1M pre-training steps (GQA paper)
+    t.log_every = 100
+    t.eval_every = 5000
+    t.checkpoint_every = 5000
+
+    o = c.optimizer
+    o.name = "adafactor"
+    # T5's schedule is 1/sqrt(max(step, 10k)); uptraining resumes it at step 1M, where it is
+    # 1e-3 and falls by under 3% over the 50k uptraining steps: constant 1e-3.
+    o.schedule = "constant"
+    o.learning_rate = 1e-3
+    o.warmup_steps = 0
+    o.grad_clip_norm = 0.0  # T5 does not clip; Adafactor clips its own updates
+
+    d = c.data
+    d.source = "tfds:c4/en:3.1.0"  # T5's pre-training corpus
+    d.train_split = "train"
+    d.eval_split = "validation"
+    d.tokenizer = "t5_spm/sentencepiece.model"  # T5's 32000-piece vocabulary
+    d.noise_density = 0.15  # T5's span corruption
+    d.mean_noise_span = 3.0
+    return c
+
+
+def get_config(variant: str | None = None) -> ConfigDict:
+    c = t5_1_1(base_config())
+    m = c.model
+    m.num_layers = 24  # decoder layers
+    m.num_encoder_layers = 24
+    m.d_model = 4096
+    m.num_heads = 64
+    m.head_dim = 64
+    m.num_kv_heads = 8  # GQA-8 in decoder self- and cross-attention
+    m.encoder_num_kv_heads = 0  # encoder: multi-head (the paper converts only the decoder)
+    m.ffn_dim = 10240
+
+    c.train.grad_accum = 1
+    ms = c.mesh
+    ms.data, ms.fsdp, ms.tensor, ms.expert = 1, -1, 1, 1  # FSDP over every chip
+    if variant == "mha":
+        m.num_kv_heads = 64
+    elif variant:
+        raise ValueError(f"configs/t5_1_1_xxl_gqa8.py: unknown variant {variant!r} (mha)")
+    return c

@@ -1,0 +1,237 @@
+"""`jaxmoe compile`: the real train step compiled for TPU topologies on this CPU host.
+
+Needs the `tpu` extra (libtpu), which makes compile-only TPU devices; no TPU is used.
+References are independent of the code under test: slice shapes from the Cloud TPU tables,
+per-device bytes from shapes and shardings worked out by hand below, FLOPs from XLA's own
+count, HBM capacity from the compiler's error message.
+"""
+
+import argparse
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip(
+    "libtpu", reason="the `tpu` extra is not installed (pip install 'jaxmoe[tpu]'): no libtpu"
+)
+
+from jaxmoe.compile import (
+    add_compile_parser,
+    compile_for_topology,
+    count_collectives,
+    run_compile,
+    topology_mesh,
+)
+from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.topologies import GiB, parse_topology, topology_devices
+from tests.helpers import tiny_config
+
+# A dense decoder whose per-device shards all have a minor dim of 128, so the TPU lays them
+# out without padding (only scalars get padded; see test_argument_bytes_match_hand_count).
+TINY = (
+    "model.moe.num_experts=0",
+    "model.vocab_size=512",
+    "model.d_model=256",
+    "model.num_layers=2",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.head_dim=128",
+    "model.ffn_dim=512",
+    "train.batch_size=256",
+    "train.seq_len=8",
+    "mesh.data=1",
+    "mesh.fsdp=2",
+    "mesh.tensor=2",
+    "mesh.expert=1",
+)
+
+
+@pytest.fixture(scope="module")
+def v5p_8():
+    return compile_for_topology(tiny_config(*TINY), "v5p-8")
+
+
+@pytest.mark.parametrize(
+    "name, shape, chips, wrap",
+    [  # Cloud TPU's slice tables: v5p/v4 name cores (2 per chip), v5e/v6e name chips.
+        ("v5p-8", (2, 2, 1), 4, (False,) * 3),
+        ("v5p-32", (2, 2, 4), 16, (False,) * 3),
+        ("v5p-128", (4, 4, 4), 64, (True,) * 3),
+        ("v5p-256", (4, 4, 8), 128, (True,) * 3),
+        ("v5p-1024", (8, 8, 8), 512, (True,) * 3),
+        ("v4-8", (2, 2, 1), 4, (False,) * 3),
+        ("v5e-16", (4, 4), 16, (False,) * 3),
+        ("v6e-8", (2, 4), 8, (False,) * 3),
+        ("v6e-256", (16, 16), 256, (True, True, False)),
+        ("v5p:2x4x8", (2, 4, 8), 64, (False,) * 3),
+    ],
+)
+def test_topology_names(name, shape, chips, wrap):
+    topo = parse_topology(name)
+    assert (topo.shape, topo.num_chips, topo.wrap) == (shape, chips, wrap)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [("v7x-8", "unknown TPU generation"), ("v5p-7", "multiple of 2"), ("v6e-12", "standard")],
+)
+def test_bad_topology_names(name, message):
+    with pytest.raises(ValueError, match=message):
+        parse_topology(name)
+
+
+def test_count_collectives_on_handwritten_hlo():
+    hlo = """HloModule m
+
+%all-reduce-scatter.2 (input: f32[8,128]) -> f32[4,128] {
+  %input = f32[8,128]{1,0} parameter(0)
+  %all-reduce.7 = f32[8,128]{1,0} all-reduce(%input), to_apply=%add
+  ROOT %dynamic-slice.1 = f32[4,128]{1,0} dynamic-slice(%all-reduce.7, %c, %c)
+}
+
+ENTRY %main (p: f32[8,128]) -> f32[4,128] {
+  %p = f32[8,128]{1,0} parameter(0)
+  %all-gather-start = (f32[8,128], f32[16,128]) all-gather-start(%p), dimensions={0}
+  %all-gather-done = f32[16,128]{1,0} all-gather-done(%all-gather-start)
+  %all-reduce = (f32[8,128]{1,0}, f32[]) all-reduce(%p, %s), to_apply=%add
+  %a2a = f32[8,128]{1,0} all-to-all(%p), dimensions={0}
+  %cp = f32[8,128]{1,0} collective-permute-start(%p), source_target_pairs={{0,1}}
+  %cpd = f32[8,128]{1,0} collective-permute-done(%cp)
+  %rs = f32[4,128]{1,0} reduce-scatter(%p), dimensions={0}, to_apply=%add
+  ROOT %fusion = f32[4,128]{1,0} fusion(%p), kind=kCustom, calls=%all-reduce-scatter.2
+}
+"""
+    assert count_collectives(hlo) == {
+        "all-reduce": 1,
+        "all-gather": 1,
+        "reduce-scatter": 2,
+        "all-to-all": 1,
+        "collective-permute": 1,
+    }
+
+
+def test_tiny_step_fits_v5p_8(v5p_8):
+    assert v5p_8["verdict"] == "fits"
+    assert v5p_8["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert v5p_8["num_chips"] == 4
+    assert v5p_8["hbm_bytes"] == int(95.74 * GiB)
+    assert 0 < v5p_8["peak_hbm_bytes"] < v5p_8["hbm_bytes"]
+    assert v5p_8["headroom_bytes"] == v5p_8["hbm_bytes"] - v5p_8["peak_hbm_bytes"]
+    # FSDP gathers weights in the forward pass and reduce-scatters their gradients.
+    assert v5p_8["collectives"]["all-gather"] > 0
+    assert v5p_8["collectives"]["reduce-scatter"] > 0
+
+
+def test_argument_bytes_match_hand_count(v5p_8):
+    # Shards per device on fsdp=2 (embed) x tensor=2 (vocab, heads, kv_heads, mlp):
+    embedding = 256 * 128  # [V=512, D=256] -> [256, 128]
+    lm_head = 128 * 256  # [D, V] -> [128, 256]
+    norm = 256  # [D], replicated
+    query = out = 128 * 2 * 128  # [D, H=4, 128] -> [128, 2, 128]; out [H, 128, D] likewise
+    key = value = 128 * 1 * 128  # [D, K=2, 128] -> [128, 1, 128]
+    mlp = 3 * 128 * 256  # wi_0, wi_1 [D, F=512] -> [128, 256]; wo [F, D] -> [256, 128]
+    layer = 2 * norm + query + key + value + out + mlp
+    param_bytes = 4 * (embedding + 2 * layer + norm + lm_head)
+    # AdamW: mu and nu like the params plus two int32 step counts (adam, lr schedule).
+    optimizer_bytes = 2 * param_bytes + 2 * 4
+    # inputs / targets / weights [256/2, 8] 4-byte values, example_ids [128] int32.
+    batch_bytes = 3 * 128 * 8 * 4 + 128 * 4
+    assert v5p_8["param_bytes_per_device"] == param_bytes == 1_840_128
+    assert v5p_8["optimizer_bytes_per_device"] == optimizer_bytes
+    assert v5p_8["batch_bytes_per_device"] == batch_bytes
+    # The compiler's count: the same, except that the TPU lays each scalar (the step, and
+    # the two counts) out in a 128-lane tile of 4-byte words, 512 bytes instead of 4, and
+    # that jit drops example_ids, which the train step does not read.
+    state = 4 + param_bytes + optimizer_bytes + 3 * (512 - 4)
+    assert v5p_8["argument_bytes"] == state + batch_bytes - 128 * 4
+
+
+def test_model_flops_match_the_compilers_count(v5p_8):
+    # No loops in this program, so XLA's count (all ops, per device) is complete; model
+    # FLOPs leave out only the elementwise work (norms, softmax, the optimizer update).
+    compiled = v5p_8["hlo_flops_per_device"] * v5p_8["num_chips"]
+    assert v5p_8["model_flops_per_step"] == pytest.approx(compiled, rel=0.05)
+    assert v5p_8["model_flops_per_step"] < compiled
+
+
+def test_two_v6e_slices_join_over_data():
+    # A T5-style encoder-decoder: batches as span corruption makes them.
+    config = tiny_config(
+        "model.arch=encoder_decoder",
+        "model.moe.num_experts=0",
+        "model.d_model=128",
+        "model.head_dim=64",  # so matmuls, not softmax and norms, dominate the FLOPs
+        "model.ffn_dim=256",
+        "train.batch_size=64",  # and the optimizer's per-parameter work is a small share
+        "train.seq_len=64",
+        "mesh.data=2",
+        "mesh.fsdp=-1",
+    )
+    topo = parse_topology("v6e-4", num_slices=2)
+    devices = topology_devices(topo)
+    mesh = topology_mesh(config.mesh, devices, num_slices=2)
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+    assert (slices[0] == 0).all() and (slices[1] == 1).all()
+
+    result = compile_for_topology(config, "v6e-4", num_slices=2, step_time_s=1.0)
+    assert result["verdict"] == "fits"
+    assert (result["num_chips"], result["num_slices"]) == (8, 2)
+    assert result["hbm_bytes"] == int(31.25 * GiB)
+    assert result["collectives"]["all-reduce"] > 0  # gradients summed across the slices
+    # 64 encoder tokens hold 70 raw ones, of which round(0.15 * 70) = 10 are masked in
+    # round(10 / 3) = 3 spans: encoder 60 + 3 sentinels + EOS, decoder 10 + 3 sentinels + EOS.
+    assert result["tokens_per_step"] == 64 * (64 + 14)
+    compiled = result["hlo_flops_per_device"] * result["num_chips"]
+    assert result["model_flops_per_step"] == pytest.approx(compiled, rel=0.1)
+    assert result["mfu"] == pytest.approx(result["model_flops_per_step"] / (8 * 918e12))
+
+
+def test_slices_must_divide_data_or_fsdp():
+    config = tiny_config("mesh.data=1", "mesh.tensor=-1")
+    devices = topology_devices(parse_topology("v6e-4", num_slices=2))
+    with pytest.raises(ConfigError, match="slices"):
+        topology_mesh(config.mesh, devices, num_slices=2)
+
+
+def _cli(*argv: str):
+    parser = argparse.ArgumentParser(prog="jaxmoe")
+    add_compile_parser(parser.add_subparsers(dest="command", required=True))
+    flags = [a for a in argv if not a.startswith("--config.")]
+    return parser.parse_args(["compile", *flags]), [a for a in argv if a.startswith("--config.")]
+
+
+# Attention probabilities alone, [B/4, H, L, L] f32 per chip, are 64 GiB here.
+OVERSIZED = (
+    "--config=configs/default.py:dense",
+    "--topology=v5e-4",
+    "--config.model.vocab_size=512",
+    "--config.train.batch_size=4096",
+    "--config.train.seq_len=2048",
+)
+
+
+def test_oom_gives_a_verdict_and_exit_code_2(capsys):
+    args, overrides = _cli(*OVERSIZED)
+    assert run_compile(args, overrides) == 2
+    out, err = capsys.readouterr()
+    assert "verdict: OUT OF MEMORY on v5e-4" in out
+    assert "15.75 GiB usable" in out
+    assert "Traceback" not in out + err
+
+    args, overrides = _cli(*OVERSIZED, "--json")
+    assert run_compile(args, overrides) == 2
+    report = json.loads(capsys.readouterr().out)
+    assert report["verdict"] == "oom"
+    assert report["available_bytes"] == pytest.approx(15.75 * GiB, rel=1e-3)
+    assert report["required_bytes"] > report["available_bytes"]
+
+
+def test_config_mistake_is_one_line_and_exit_code_2(capsys):
+    args, overrides = _cli(
+        "--config=configs/default.py", "--topology=v5p-8", "--config.mesh.tensor=3"
+    )
+    assert run_compile(args, overrides) == 2
+    _, err = capsys.readouterr()
+    assert err.startswith("jaxmoe compile: error: mesh") and err.count("\n") == 1
