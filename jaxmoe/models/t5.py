@@ -14,6 +14,7 @@ from flax import nnx
 from jaxmoe.models.attention import Attention
 from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, normal_init
 from jaxmoe.models.transformer import build_ffn, compute_dtype
+from jaxmoe.parallel.sharding import constrain_batch
 
 
 def relative_position_bucket(
@@ -146,10 +147,14 @@ class EncoderDecoderLM(nnx.Module):
         valid_BS = encoder_tokens_BS != 0
         mask = valid_BS[:, None, :] & valid_BS[:, :, None]
         bias = self.encoder_relpos(s, s)
-        x = self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg))
+        x = constrain_batch(self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg)))
         aux = {}
         for i, layer in enumerate(self.encoder_layers):
-            x, layer_aux = layer(x, mask=mask, bias=bias, train=train)
+            if self.cfg.remat:
+                x, layer_aux = _remat_encoder_block(layer, x, mask, bias, train)
+            else:
+                x, layer_aux = layer(x, mask=mask, bias=bias, train=train)
+            x = constrain_batch(x)
             if layer_aux:
                 aux[f"encoder_{i}"] = layer_aux
         return self.encoder_norm(x), aux
@@ -162,12 +167,23 @@ class EncoderDecoderLM(nnx.Module):
             encoder_valid_BS[:, None, :], (encoder_valid_BS.shape[0], l, encoded_BSD.shape[1])
         )
         bias = self.decoder_relpos(l, l)
-        x = self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg))
+        x = constrain_batch(self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg)))
         aux = {}
         for i, layer in enumerate(self.decoder_layers):
-            x, layer_aux = layer(
-                x, encoded_BSD, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train
-            )
+            if self.cfg.remat:
+                x, layer_aux = _remat_decoder_block(
+                    layer, x, encoded_BSD, self_mask, cross_mask, bias, train
+                )
+            else:
+                x, layer_aux = layer(
+                    x,
+                    encoded_BSD,
+                    self_mask=self_mask,
+                    cross_mask=cross_mask,
+                    bias=bias,
+                    train=train,
+                )
+            x = constrain_batch(x)
             if layer_aux:
                 aux[f"decoder_{i}"] = layer_aux
         x = self.decoder_norm(x)
@@ -179,3 +195,14 @@ class EncoderDecoderLM(nnx.Module):
             decoder_tokens_BL, encoded, encoder_tokens_BS != 0, train=train
         )
         return logits, enc_aux | dec_aux
+
+
+# Recompute each block in the backward pass: only block inputs are kept (model.remat).
+@nnx.remat(static_argnums=(4,))
+def _remat_encoder_block(layer, x, mask, bias, train):
+    return layer(x, mask=mask, bias=bias, train=train)
+
+
+@nnx.remat(static_argnums=(6,))
+def _remat_decoder_block(layer, x, encoded, self_mask, cross_mask, bias, train):
+    return layer(x, encoded, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from jaxmoe.models.attention import Attention
 from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param
+from jaxmoe.parallel.sharding import constrain_batch
 
 
 def is_moe_layer(cfg, layer_index: int) -> bool:
@@ -67,13 +68,14 @@ class DecoderLM(nnx.Module):
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
         mask = jnp.tril(jnp.ones((l, l), bool))[None]
-        x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
+        x_BLD = constrain_batch(self.embed(tokens_BL, compute_dtype(cfg)))
         aux = {}
         for i, layer in enumerate(self.layers):
             if cfg.remat:
                 x_BLD, layer_aux = _remat_block(layer, x_BLD, mask, positions_BL, train)
             else:
                 x_BLD, layer_aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+            x_BLD = constrain_batch(x_BLD)
             if layer_aux:
                 aux[i] = layer_aux
         x_BLD = self.final_norm(x_BLD)

@@ -153,3 +153,16 @@ def strict_param_check(spec, mesh: Mesh, rules=DEFAULT_RULES) -> None:
                         f"mesh.{mesh_axis}={sizes[mesh_axis]} does not divide tensor {name} "
                         f"(dim {axis_name!r} of size {dim}, shape {tuple(leaf.shape)})"
                     )
+
+
+def constrain_batch(x):
+    """Pin an activation's dim 0 to the batch axes of the current mesh (no-op without one).
+
+    Without it, under FSDP XLA may shard activations along `embed` like the weights, and
+    every device then holds the whole batch's activations.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return x
+    names = ("batch",) + (None,) * (x.ndim - 1)
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))
