@@ -37,7 +37,7 @@ from jaxmoe.config import apply_overrides, load_config, validate  # noqa: E402
 from jaxmoe.flops import train_flops_per_step  # noqa: E402
 from jaxmoe.optim import make_optimizer  # noqa: E402
 from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
-from jaxmoe.steps import StepFns, train_step  # noqa: E402
+from jaxmoe.steps import step_fns, train_step  # noqa: E402
 from jaxmoe.train_state import init_state, model_spec, state_shardings  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
@@ -64,15 +64,7 @@ class JaxRunner:
         optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
         _, shardings = state_shardings(mesh, spec, optimizer)
         self.state = init_state(config.model, seed, optimizer, shardings, mesh)
-        fns = StepFns(
-            graphdef=spec.graphdef,
-            optimizer=optimizer,
-            schedule=schedule,
-            balance_loss_weight=config.model.moe.balance_loss_weight,
-            z_loss_weight=config.model.moe.z_loss_weight,
-            grad_accum=config.train.grad_accum,
-            skip_nonfinite=config.train.nonfinite == "skip",
-        )
+        fns = step_fns(config, spec, optimizer, schedule)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.step_fn = jax.jit(
             functools.partial(train_step, fns=fns),

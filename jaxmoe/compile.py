@@ -33,7 +33,7 @@ from jaxmoe.parallel.sharding import (
     data_parallel_size,
     mesh_shape,
 )
-from jaxmoe.steps import StepFns, train_step
+from jaxmoe.steps import step_fns, train_step
 from jaxmoe.topologies import GiB, Topology, parse_topology, topology_devices
 from jaxmoe.train_state import model_spec, state_shardings
 
@@ -186,18 +186,6 @@ def _compile_error_numbers(message: str) -> dict:
     return out
 
 
-def _step_fns(config, graphdef, optimizer, schedule) -> StepFns:
-    return StepFns(
-        graphdef=graphdef,
-        optimizer=optimizer,
-        schedule=schedule,
-        balance_loss_weight=config.model.moe.balance_loss_weight,
-        z_loss_weight=config.model.moe.z_loss_weight,
-        grad_accum=config.train.grad_accum,
-        skip_nonfinite=config.train.nonfinite == "skip",
-    )
-
-
 def compile_for_topology(
     config, topology: str, num_slices: int = 1, step_time_s: float | None = None
 ) -> dict:
@@ -223,7 +211,7 @@ def compile_for_topology(
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     batch = abstract_batch(config, mesh)
     step = jax.jit(
-        functools.partial(train_step, fns=_step_fns(config, spec.graphdef, optimizer, schedule)),
+        functools.partial(train_step, fns=step_fns(config, spec, optimizer, schedule)),
         in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
         out_shardings=(shardings, None),
         donate_argnums=0,

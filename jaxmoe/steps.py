@@ -33,6 +33,21 @@ class StepFns:
     seed: int = 0  # base of the per-step router-jitter keys
 
 
+def step_fns(config, spec, optimizer, schedule) -> StepFns:
+    """The StepFns of `config` for a model spec (train_state.model_spec) and optimizer."""
+    return StepFns(
+        graphdef=spec.graphdef,
+        optimizer=optimizer,
+        schedule=schedule,
+        balance_loss_weight=config.model.moe.balance_loss_weight,
+        z_loss_weight=config.model.moe.z_loss_weight,
+        grad_accum=config.train.grad_accum,
+        skip_nonfinite=config.train.nonfinite == "skip",
+        rest=spec.rest,
+        seed=config.train.seed,
+    )
+
+
 def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
     """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch."""
     model = merge_model(graphdef, params, rest, rng)

@@ -25,7 +25,7 @@ from jaxmoe.parallel.sharding import (
     data_parallel_size,
     make_mesh,
 )
-from jaxmoe.steps import StepFns, eval_step, train_step
+from jaxmoe.steps import eval_step, step_fns, train_step
 from jaxmoe.train_state import init_state, model_spec, state_shardings
 
 log = logging.getLogger("jaxmoe")
@@ -178,17 +178,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
                 opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
-    fns = StepFns(
-        graphdef=spec.graphdef,
-        optimizer=optimizer,
-        schedule=schedule,
-        balance_loss_weight=config.model.moe.balance_loss_weight,
-        z_loss_weight=config.model.moe.z_loss_weight,
-        grad_accum=config.train.grad_accum,
-        skip_nonfinite=config.train.nonfinite == "skip",
-        rest=spec.rest,
-        seed=config.train.seed,
-    )
+    fns = step_fns(config, spec, optimizer, schedule)
     step_fn = jax.jit(
         functools.partial(train_step, fns=fns),
         in_shardings=(shardings, batch_shardings),

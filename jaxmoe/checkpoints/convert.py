@@ -36,6 +36,7 @@ from jaxmoe.checkpoints.manager import (
     restore_params,
     save_params,
 )
+from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.train_state import model_spec
@@ -137,26 +138,6 @@ def gqa_config(config: ConfigDict, num_kv_heads: int, include_encoder: bool) -> 
 # --- Upcycling: dense FFN -> MoE ---------------------------------------------------------
 
 
-def _flatten(tree: dict, prefix=()) -> dict[tuple[str, ...], object]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat |= _flatten(value, (*prefix, key))
-        else:
-            flat[(*prefix, key)] = value
-    return flat
-
-
-def _unflatten(flat: dict[tuple[str, ...], object]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 def upcycle_config(
     config: ConfigDict, num_experts: int, every: int = 1, gating: str | None = None
 ) -> ConfigDict:
@@ -196,10 +177,10 @@ def upcycle_params(params: dict, abstract_moe_params: dict, seed: int = 0) -> di
     abstract_moe_params: the upcycled model's parameter shapes (leaves with .shape). Every
     other parameter must exist in `params` with the same shape.
     """
-    dense = _flatten(params)
+    dense = flatten(params)
     base_key = jax.random.key(seed)
     out, used = {}, set()
-    for index, (path, leaf) in enumerate(sorted(_flatten(abstract_moe_params).items())):
+    for index, (path, leaf) in enumerate(sorted(flatten(abstract_moe_params).items())):
         name = ".".join(path)
         shape = tuple(leaf.shape)
         if path in dense and tuple(dense[path].shape) == shape:
@@ -227,7 +208,7 @@ def upcycle_params(params: dict, abstract_moe_params: dict, seed: int = 0) -> di
     unused = sorted(".".join(p) for p in set(dense) - used)
     if unused:
         raise CheckpointError(f"parameters the MoE model does not use: {', '.join(unused[:4])}")
-    return _unflatten(out)
+    return unflatten(out)
 
 
 # --- Reading and writing checkpoints -----------------------------------------------------
@@ -255,8 +236,8 @@ def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
 
     validate(config)
     spec = model_spec(config.model, mesh)
-    want = _flatten(spec.abstract_params)
-    got = _flatten(params)
+    want = flatten(spec.abstract_params)
+    got = flatten(params)
     for path, leaf in want.items():
         if path not in got or tuple(got[path].shape) != tuple(leaf.shape):
             found = tuple(got[path].shape) if path in got else "missing"

@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 from jaxmoe.checkpoints.hf_names import ImportPlan, import_plan
 from jaxmoe.checkpoints.manager import CheckpointError, save_params
 from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config import apply_overrides, validate
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
@@ -57,26 +58,6 @@ def abstract_params(model_cfg) -> dict:
     model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
     _, state, _ = nnx.split(model, nnx.Param, ...)  # `...`: RNG state (MoE jitter) too
     return str_keys(nnx.to_pure_dict(state))
-
-
-def flatten(tree: dict, prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], object]:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(flatten(value, (*prefix, key)))
-        else:
-            flat[(*prefix, key)] = value
-    return flat
-
-
-def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
 
 
 class SafetensorsFolder:
