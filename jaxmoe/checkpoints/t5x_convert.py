@@ -31,6 +31,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x import TensorTable, open_t5x
+from jaxmoe.checkpoints.trees import unflatten
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
 from jaxmoe.train_state import str_keys
@@ -260,16 +261,6 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
 
 
-def _nest(flat: dict[tuple[str, ...], np.ndarray]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 def _groups(plan, itemsize: int) -> list[list]:
     """Consecutive runs of the plan holding about one group budget of bytes each."""
     sizes = [int(np.prod(shape)) * itemsize for _, _, shape in plan]
@@ -322,7 +313,7 @@ def convert_t5x(
                 path: table.read(name).reshape(shape).astype(out_dtype, copy=False)
                 for path, name, shape in group
             }
-            ocp_v1.partial.save(staging / "orbax", _nest(arrays))
+            ocp_v1.partial.save(staging / "orbax", unflatten(arrays))
             del arrays  # before the next group is read
         ocp_v1.partial.finalize(staging / "orbax")
         _tree_directory(staging / "orbax").rename(staging / "params")
