@@ -25,6 +25,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from jaxmoe.flops import train_flops_per_step
+from jaxmoe.models.attention import AUTO
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
     MESH_AXES,
@@ -92,6 +93,8 @@ def for_tpu(config):
             from jaxmoe.models.dispatch import resolve_dispatch
 
             moe.dispatch = resolve_dispatch("auto", moe.capacity_factor, backend="tpu")
+        if config.model.attention_block == AUTO:
+            config.model.attention_block = 0  # what AUTO picks on a TPU: dense attention
     return config
 
 

@@ -145,6 +145,10 @@ def validate(config: ConfigDict) -> None:
         not m.rope_theta or m.head_dim % 2 == 0,
         f"model.head_dim={m.head_dim} must be even for rotary positions (model.rope_theta)",
     )
+    need(
+        m.attention_block >= -1,
+        f"model.attention_block={m.attention_block} must be -1 (auto), 0 (dense) or a block size",
+    )
     need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be >= 0")
     if moe.num_experts:
         need(moe.every >= 1, f"model.moe.every={moe.every} must be >= 1")

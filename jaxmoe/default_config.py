@@ -27,6 +27,7 @@ def base_config() -> ConfigDict:
     m.rope_theta = 10000.0  # rotary base; 0 disables rotary positions
     m.tie_embeddings = False  # share the input embedding with the output layer
     m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
+    m.attention_block = -1  # causal self-attention query block; -1 auto (CPU only), 0 dense
     m.remat = False  # recompute each block in the backward pass (saves memory)
     m.relpos_buckets = 32  # encoder_decoder: T5 relative-position buckets
     m.relpos_max_distance = 128  # encoder_decoder: T5 relative-position max distance

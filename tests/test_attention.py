@@ -9,8 +9,8 @@ from flax import nnx
 from jaxmoe.models.attention import Attention, apply_rope, grouped_attention, rope_tables
 
 
-def naive_attention(q, k, v, mask, scale):
-    """q [B,L,H,d], k/v [B,S,K,d]: per head, per query position, explicit softmax."""
+def naive_attention(q, k, v, mask, scale, bias=None):
+    """q [B,L,H,d], k/v [B,S,K,d], mask [L,S] or [B,L,S], bias [B,H,L,S]: explicit softmax."""
     b, l, h, _ = q.shape
     kv_heads = k.shape[2]
     group = h // kv_heads
@@ -20,7 +20,10 @@ def naive_attention(q, k, v, mask, scale):
             kh = hi // group  # contiguous groups
             for i in range(l):
                 logits = np.array([q[bi, i, hi] @ k[bi, j, kh] * scale for j in range(k.shape[1])])
-                logits = np.where(mask[i], logits, -np.inf)
+                if bias is not None:
+                    logits = logits + bias[bi, hi, i]
+                row_mask = mask[bi, i] if mask.ndim == 3 else mask[i]
+                logits = np.where(row_mask, logits, -np.inf)
                 p = np.exp(logits - logits.max())
                 p /= p.sum()
                 out[bi, i, hi] = p @ v[bi, :, kh]
@@ -40,6 +43,47 @@ def test_grouped_attention_matches_naive(kv_heads):
     )
     want = naive_attention(q, k, v, mask, d**-0.5)
     np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_blocked_causal_attention_matches_naive(kv_heads):
+    """Query blocks that skip later keys: same outputs with padding and a T5-style bias."""
+    rng = np.random.default_rng(3)
+    b, l, h, d, block = 2, 12, 4, 8, 4
+    q = rng.normal(size=(b, l, h, d)).astype(np.float32)
+    k = rng.normal(size=(b, l, kv_heads, d)).astype(np.float32)
+    v = rng.normal(size=(b, l, kv_heads, d)).astype(np.float32)
+    bias = rng.normal(size=(b, h, l, l)).astype(np.float32)
+    valid = np.arange(l)[None, :] < np.array([[l], [7]])  # second row: keys 7.. are padding
+    mask = np.tril(np.ones((l, l), bool))[None] & valid[:, None, :]
+    args = [jnp.asarray(x) for x in (q, k, v)]
+    attend = jax.jit(grouped_attention, static_argnames=("scale", "causal_block"))
+    got = attend(
+        *args, mask=jnp.asarray(mask), bias_bHLS=jnp.asarray(bias), scale=0.3, causal_block=block
+    )
+    want = naive_attention(q, k, v, mask, 0.3, bias)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+    def loss(q, k, v, causal_block):
+        out = grouped_attention(
+            q, k, v, mask=jnp.asarray(mask), scale=0.3, causal_block=causal_block
+        )
+        return jnp.sum(out * jnp.sin(jnp.arange(out.size).reshape(out.shape)))
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)
+    for blocked, dense in zip(grads(*args, block), grads(*args, 0), strict=True):
+        np.testing.assert_allclose(blocked, dense, atol=2e-5)
+
+
+def test_attention_block_auto_is_cpu_only(monkeypatch):
+    from jaxmoe.models import attention
+
+    assert attention.resolve_causal_block(attention.AUTO, 256) == 32
+    assert attention.resolve_causal_block(attention.AUTO, 2048) == 128
+    assert attention.resolve_causal_block(16, 40) == 0  # does not divide: dense
+    assert attention.resolve_causal_block(0, 256) == 0
+    monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
+    assert attention.resolve_causal_block(attention.AUTO, 256) == 0
 
 
 def test_rope_matches_complex_rotation():

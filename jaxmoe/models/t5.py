@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.attention import Attention
+from jaxmoe.models.attention import AUTO, Attention
 from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, normal_init
 from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
@@ -63,7 +63,7 @@ class RelativePositionBias(nnx.Module):
         return jnp.take(self.rel_embedding[...], buckets, axis=1)[None]
 
 
-def _attention(cfg, kv_heads, rngs):
+def _attention(cfg, kv_heads, rngs, causal_block=0):
     return Attention(
         cfg.d_model,
         cfg.num_heads,
@@ -71,6 +71,7 @@ def _attention(cfg, kv_heads, rngs):
         cfg.head_dim,
         rope_theta=0.0,
         scale_logits=False,
+        causal_block=causal_block,
         rngs=rngs,
     )
 
@@ -92,7 +93,9 @@ class EncoderBlock(nnx.Module):
 class DecoderBlock(nnx.Module):
     def __init__(self, cfg, layer_index, *, rngs):
         self.self_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.self_attn = _attention(cfg, cfg.num_kv_heads, rngs)
+        self.self_attn = _attention(
+            cfg, cfg.num_kv_heads, rngs, causal_block=cfg.get("attention_block", AUTO)
+        )
         self.cross_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.cross_attn = _attention(cfg, cfg.num_kv_heads, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)

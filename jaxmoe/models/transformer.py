@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.attention import Attention
+from jaxmoe.models.attention import AUTO, Attention
 from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -37,6 +37,7 @@ class DecoderBlock(nnx.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
             rope_theta=cfg.rope_theta,
+            causal_block=cfg.get("attention_block", AUTO),
             rngs=rngs,
         )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
