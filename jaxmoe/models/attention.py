@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.layers import fan_in_init, make_param
+from jaxmoe.models.layers import fan_in_init, make_param, matmul_2d
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
@@ -171,21 +171,21 @@ class Attention(nnx.Module):
         )
 
     def project_q(self, x_BLD, positions_BL=None):
-        q = jnp.einsum("bld,dhk->blhk", x_BLD, self.query[...].astype(x_BLD.dtype))
+        q = matmul_2d(x_BLD, self.query[...].astype(x_BLD.dtype))
         if self.rope_theta:
             q = apply_rope(q, *rope_tables(positions_BL, self.head_dim, self.rope_theta))
         return q
 
     def project_kv(self, x_BSD, positions_BS=None):
         dtype = x_BSD.dtype
-        k = jnp.einsum("bsd,dkh->bskh", x_BSD, self.key[...].astype(dtype))
-        v = jnp.einsum("bsd,dkh->bskh", x_BSD, self.value[...].astype(dtype))
+        k = matmul_2d(x_BSD, self.key[...].astype(dtype))
+        v = matmul_2d(x_BSD, self.value[...].astype(dtype))
         if self.rope_theta:
             k = apply_rope(k, *rope_tables(positions_BS, self.head_dim, self.rope_theta))
         return k, v
 
     def project_out(self, o_BLHd):
-        return jnp.einsum("blhk,hkd->bld", o_BLHd, self.out[...].astype(o_BLHd.dtype))
+        return matmul_2d(o_BLHd, self.out[...].astype(o_BLHd.dtype), contract=2)
 
     def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.

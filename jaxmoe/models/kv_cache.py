@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
+from jaxmoe.models.layers import matmul_2d
 from jaxmoe.models.transformer import compute_dtype
 
 
@@ -156,7 +157,7 @@ def decoder_forward(model, tokens_BL, caches: list[LayerCache], index, pad_B, *,
     if cfg.tie_embeddings:
         logits = model.embed.attend(x_BLD)
     else:
-        logits = x_BLD @ model.lm_head[...].astype(x_BLD.dtype)
+        logits = matmul_2d(x_BLD, model.lm_head[...].astype(x_BLD.dtype))
     return logits.astype(jnp.float32), new_caches
 
 
@@ -209,5 +210,5 @@ def encoder_decoder_forward(
         x_BLD = x_BLD + y_BLD
         new_caches.append(cache)
     x_BLD = model.decoder_norm(x_BLD)
-    logits = x_BLD @ model.lm_head[...].astype(x_BLD.dtype)
+    logits = matmul_2d(x_BLD, model.lm_head[...].astype(x_BLD.dtype))
     return logits.astype(jnp.float32), new_caches

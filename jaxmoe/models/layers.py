@@ -4,6 +4,7 @@ The names are mapped to mesh axes by one rules table (jaxmoe/parallel/sharding.p
 new parallelism layout is a config change, not a model change.
 """
 
+import math
 from collections.abc import Callable
 
 import jax
@@ -81,7 +82,21 @@ class Embed(nnx.Module):
 
     def attend(self, x_BLD):
         """Logits against the embedding table (tied output layer)."""
-        return jnp.einsum("bld,vd->blv", x_BLD, self.embedding[...].astype(x_BLD.dtype))
+        return matmul_2d(x_BLD, self.embedding[...].astype(x_BLD.dtype).T)
+
+
+def matmul_2d(x, w, contract: int = 1):
+    """x [..., *w.shape[:contract]] times w -> [..., *w.shape[contract:]] as one 2-D product.
+
+    XLA's CPU backend turns the backward pass of a batched einsum such as "bld,df->blf" into
+    fusions that write transposed copies element by element; the same product on a
+    [B*L, D] matrix runs as plain matmuls. Measured on the tiny Mixtral's dense variant:
+    train step 1.49 s -> 0.98 s. On TPU/GPU it is the same computation.
+    """
+    lead = x.shape[: x.ndim - contract]
+    inner = math.prod(w.shape[:contract])
+    y = x.reshape(-1, inner) @ w.reshape(inner, -1)
+    return y.reshape(*lead, *w.shape[contract:])
 
 
 class GatedMLP(nnx.Module):
@@ -97,6 +112,6 @@ class GatedMLP(nnx.Module):
         """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it)."""
         del train
         dtype = x_BLD.dtype
-        gate_BLF = self.act(x_BLD @ self.wi_0[...].astype(dtype))
-        up_BLF = x_BLD @ self.wi_1[...].astype(dtype)
-        return (gate_BLF * up_BLF) @ self.wo[...].astype(dtype), {}
+        gate_BLF = self.act(matmul_2d(x_BLD, self.wi_0[...].astype(dtype)))
+        up_BLF = matmul_2d(x_BLD, self.wi_1[...].astype(dtype))
+        return matmul_2d(gate_BLF * up_BLF, self.wo[...].astype(dtype)), {}

@@ -99,7 +99,7 @@ class MoE(nnx.Module):
                 self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
             )
             router_in = router_in * noise
-        logits_TE = (router_in @ self.router[...]).reshape(batch * length, self.num_experts)
+        logits_TE = router_in.reshape(batch * length, -1) @ self.router[...]
         probs_TE = jax.nn.softmax(logits_TE, axis=-1)
         routing = gates.route(probs_TE, gate_cfg)
         slots = routing.indices.shape[-1]

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
-from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, normal_init
+from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, matmul_2d, normal_init
 from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -190,7 +190,7 @@ class EncoderDecoderLM(nnx.Module):
             if layer_aux:
                 aux[f"decoder_{i}"] = layer_aux
         x = self.decoder_norm(x)
-        return (x @ self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
+        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
 
     def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
-from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param
+from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param, matmul_2d
 from jaxmoe.parallel.sharding import constrain_batch
 
 
@@ -83,7 +83,7 @@ class DecoderLM(nnx.Module):
         if cfg.tie_embeddings:
             logits = self.embed.attend(x_BLD)
         else:
-            logits = x_BLD @ self.lm_head[...].astype(x_BLD.dtype)
+            logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
         return logits.astype(jnp.float32), aux
 
 
