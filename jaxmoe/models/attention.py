@@ -36,9 +36,10 @@ def resolve_causal_block(setting: int, length: int) -> int:
     """Query block size of blocked causal attention for a sequence of `length`; 0 = dense.
 
     AUTO picks blocks on the CPU backend only. There XLA runs the [.., L, S] softmax and the
-    small per-head matmuls far below the machine's speed; blocks of 32-64 queries that skip the
-    keys after the block measured 3.5x (L=256) to 4.4x (L=1024) faster forward + backward
-    than the dense path (benchmarks/attention.py). At most 16 blocks bound the program size.
+    small per-head matmuls far below the machine's speed; query blocks that skip the keys
+    after the block measured 2.3x (L=256, blocks of 32) to 3.4x (L=1024, blocks of 64) faster
+    forward + backward than the dense path (benchmarks/attention.py). At most 16 blocks
+    bound the program size.
     """
     block = setting
     if setting == AUTO:
@@ -94,6 +95,10 @@ def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, bl
         raise ValueError(
             f"blocked causal attention needs L == S, got q {q_BLHd.shape} k {k_BSKd.shape}"
         )
+    if (
+        scale is not None
+    ):  # on the queries: one pass over [B, L, H, d], not over each block's logits
+        q_BLHd = q_BLHd * jnp.asarray(scale, q_BLHd.dtype)
     q_BKGLd = q_BLHd.reshape(b, l, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
     k_BKSd = k_BSKd.transpose(0, 2, 1, 3)
     v_BKSd = v_BSKd.transpose(0, 2, 1, 3)
@@ -105,8 +110,6 @@ def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, bl
         logits = jnp.einsum(
             "bkqd,bksd->bkqs", q_BKQd, k_BKSd[:, :, :end], preferred_element_type=jnp.float32
         ).reshape(b, kv_heads, groups, block, end)
-        if scale is not None:
-            logits = logits * scale
         if bias_bHLS is not None:
             bias = bias_bHLS[:, :, start:end, :end].astype(jnp.float32)
             logits = logits + bias.reshape(bias.shape[0], kv_heads, groups, block, end)
