@@ -95,9 +95,8 @@ def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, bl
         raise ValueError(
             f"blocked causal attention needs L == S, got q {q_BLHd.shape} k {k_BSKd.shape}"
         )
-    if (
-        scale is not None
-    ):  # on the queries: one pass over [B, L, H, d], not over each block's logits
+    if scale is not None:
+        # On the queries: one pass over [B, L, H, d] instead of one over every block's logits.
         q_BLHd = q_BLHd * jnp.asarray(scale, q_BLHd.dtype)
     q_BKGLd = q_BLHd.reshape(b, l, kv_heads, groups, d).transpose(0, 2, 3, 1, 4)
     k_BKSd = k_BSKd.transpose(0, 2, 1, 3)
