@@ -18,6 +18,8 @@ own forward pass (and so every later layer's input) always uses the evaluation g
 import argparse
 import json
 
+from jaxmoe.paths import absolute_data_spec, absolute_path
+
 # JAX and the model code are imported inside the functions: the CLI builds its parser
 # without loading them.
 
@@ -122,11 +124,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "analyze-routing", help="which tokens each MoE layer sends to two experts"
     )
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (a step or a workdir)")
     parser.add_argument(
-        "--data", required=True, help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded"
+        "--checkpoint",
+        required=True,
+        type=absolute_path,
+        help="checkpoint dir (a step or a workdir)",
     )
-    parser.add_argument("--out", required=True, help="directory for routing.json, plots, summary")
+    parser.add_argument(
+        "--data",
+        required=True,
+        type=absolute_data_spec,
+        help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded",
+    )
+    parser.add_argument(
+        "--out",
+        required=True,
+        type=absolute_path,
+        help="directory for routing.json, plots, summary",
+    )
     parser.add_argument(
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )

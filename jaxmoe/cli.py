@@ -7,6 +7,7 @@ import os
 import sys
 
 from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.paths import absolute_data_spec, absolute_path
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -77,15 +78,28 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--config", default="configs/default.py", help="config file, optionally with :variant"
     )
-    train.add_argument("--workdir", required=True, help="checkpoints, metrics, TensorBoard")
+    train.add_argument(
+        "--workdir",
+        required=True,
+        type=absolute_path,
+        help="checkpoints, metrics, TensorBoard (local or gs://)",
+    )
     train.add_argument("--no_progress", action="store_true", help="no progress bar")
     _add_distributed_flags(train)
     train.set_defaults(run=_cmd_train)
 
     ev = sub.add_parser("eval", help="score data with a checkpoint, sharded on the mesh")
-    ev.add_argument("--checkpoint", required=True, help="checkpoint dir (a step or a workdir)")
     ev.add_argument(
-        "--data", required=True, help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded"
+        "--checkpoint",
+        required=True,
+        type=absolute_path,
+        help="checkpoint dir (a step or a workdir)",
+    )
+    ev.add_argument(
+        "--data",
+        required=True,
+        type=absolute_data_spec,
+        help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded",
     )
     ev.add_argument(
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
@@ -135,7 +149,25 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("JAXMOE_TRACEBACK"):
             raise
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        _silence_abandoned_reads()
         return 2
+
+
+def _silence_abandoned_reads() -> None:
+    """After a failed checkpoint read, TensorStore still completes the reads Orbax had
+    started, on its own threads, into an asyncio loop that is already closed; each prints a
+    traceback at exit that would bury the one error line above; asyncio logs the futures
+    nobody awaits any more, and the garbage collector reports their coroutines."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if kind is RuntimeError and "Event loop is closed" in str(value):
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook
 
 
 if __name__ == "__main__":

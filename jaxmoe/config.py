@@ -13,6 +13,7 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.paths import absolute_config_paths, absolute_path
 
 GATES = ("top1", "top2", "topk", "adaptive", "top_p")
 CHOICES = {
@@ -35,7 +36,7 @@ CHOICES = {
 def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> ConfigDict:
     """Load `file.py[:variant]`, apply `key=value` overrides, validate, return it."""
     path_text, _, variant = spec.partition(":")
-    path = Path(path_text)
+    path = Path(absolute_path(path_text))
     if not path.is_file():
         raise ConfigError(f"--config: no such config file {path_text!r}")
     module_spec = importlib.util.spec_from_file_location(f"jaxmoe_config_{path.stem}", path)
@@ -114,6 +115,7 @@ def apply_overrides(config: ConfigDict, overrides) -> None:
         for parent in parents:
             node = node[parent]
         node[leaf] = _parse(key, value_text, node[leaf])
+    absolute_config_paths(config)
 
 
 def get(config: ConfigDict, key: str):

@@ -39,6 +39,7 @@ from jaxmoe.parallel.sharding import (
     make_mesh,
     named,
 )
+from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import model_spec
 
 log = logging.getLogger(__name__)
@@ -436,10 +437,17 @@ def decode_main(
 def add_decode_parser(subparsers) -> argparse.ArgumentParser:
     """Register `jaxmoe decode` on the CLI's subparsers; it runs `run_decode`."""
     parser = subparsers.add_parser("decode", help="generate text with a KV cache, sharded")
-    parser.add_argument("--checkpoint", required=True, help="checkpoint dir (a step or a workdir)")
+    parser.add_argument(
+        "--checkpoint",
+        required=True,
+        type=absolute_path,
+        help="checkpoint dir (a step or a workdir)",
+    )
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
-    prompts.add_argument("--prompts_file", help="a text file, one prompt per non-empty line")
+    prompts.add_argument(
+        "--prompts_file", type=absolute_path, help="a text file, one prompt per non-empty line"
+    )
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_k", type=int, default=0, help="0 = off")

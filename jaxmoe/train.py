@@ -13,7 +13,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
@@ -27,21 +26,9 @@ from jaxmoe.parallel.sharding import (
 )
 from jaxmoe.steps import eval_step, step_fns, train_step
 from jaxmoe.train_state import init_state, model_spec, state_shardings
+from jaxmoe.workdir import WorkdirLock, check_workdir
 
 log = logging.getLogger("jaxmoe")
-
-
-def check_workdir(workdir: str) -> epath.Path:
-    """Fail before any compile if the workdir cannot be written."""
-    path = epath.Path(workdir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write_probe_{jax.process_index()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as error:
-        raise ConfigError(f"--workdir {workdir!r} is not writable: {error}") from error
-    return path
 
 
 def resolve_vocab(config, data) -> None:
@@ -140,6 +127,11 @@ def describe_memory(abstract_state, shardings) -> tuple[int, float]:
 def train(config, workdir: str, *, progress: bool = True) -> dict:
     """Train (or resume) according to `config`; returns a summary dict."""
     workdir_path = check_workdir(workdir)
+    with WorkdirLock(workdir_path, enabled=jax.process_index() == 0) as lock:
+        return _train(config, workdir_path, lock, progress)
+
+
+def _train(config, workdir_path, lock: WorkdirLock, progress: bool) -> dict:
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
     if config.train.batch_size % dp:
@@ -165,9 +157,9 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
     checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)
-    start = checkpoints.latest_step()
-    if start is not None:
-        state, meta = checkpoints.restore(start, abstract_state)
+    restored = checkpoints.restore_latest(abstract_state)
+    if restored is not None:
+        start, state, meta = restored
         data.train.set_state(meta["data"])
     else:
         start = 0
@@ -227,6 +219,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
                 if stop_reason:
                     break
             pending = (step, metrics)
+            lock.heartbeat()
             if config.train.eval_every and step % config.train.eval_every == 0:
                 last_eval = evaluator(state["params"])
                 writer.write(step, "eval", last_eval)

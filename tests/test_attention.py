@@ -114,5 +114,6 @@ def test_attention_module_equals_mha_with_repeated_kv():
 
 
 def test_bad_head_split_is_one_line_error():
-    with pytest.raises(ValueError, match="num_heads=4 is not divisible by num_kv_heads=3"):
+    with pytest.raises(ValueError, match="num_heads=4 is not divisible by num_kv_heads=3") as info:
         Attention(16, 4, 3, 8, rngs=nnx.Rngs(0))
+    assert "\n" not in str(info.value)

@@ -8,7 +8,9 @@ init (std 0.02) gives near-zero logits that would hide a wrong layout inside the
 
 import argparse
 import json
+import pickle
 import shutil
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -348,11 +350,27 @@ def _rewrite(llama_src, dst, edit):
     return str(dst)
 
 
+class _TouchOnLoad:
+    """Unpickling this creates `marker`: a pickle that would show it was ever loaded."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (Path(self.marker),))
+
+
 def test_refuses_pickle_only_directory(llama, tmp_path):
-    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04not unpickled")
-    shutil.copy(llama[1] / "config.json", tmp_path / "config.json")
-    message = one_line_error(convert_hf, str(tmp_path), str(tmp_path / "out"))
+    src, marker = tmp_path / "src", tmp_path / "unpickled"
+    src.mkdir()
+    # The payload is live: loading it in this test does create a marker.
+    pickle.loads(pickle.dumps(_TouchOnLoad(tmp_path / "probe")))
+    assert (tmp_path / "probe").exists()
+    (src / "pytorch_model.bin").write_bytes(pickle.dumps(_TouchOnLoad(marker)))
+    shutil.copy(llama[1] / "config.json", src / "config.json")
+    message = one_line_error(convert_hf, str(src), str(tmp_path / "out"))
     assert "pytorch_model.bin" in message and "pickle" in message
+    assert not marker.exists()
 
 
 def test_missing_tensor_is_named(llama, tmp_path):

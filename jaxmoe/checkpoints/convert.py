@@ -39,6 +39,7 @@ from jaxmoe.checkpoints.manager import (
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.parallel.sharding import make_mesh
+from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import model_spec
 
 log = logging.getLogger(__name__)
@@ -304,8 +305,10 @@ def add_parsers(subparsers) -> None:
     gqa = subparsers.add_parser(
         "gqa", help="multi-head -> grouped-query attention (mean-pooled KV heads)"
     )
-    gqa.add_argument("src", help="jaxmoe checkpoint: workdir, step dir or converted dir")
-    gqa.add_argument("dst", help="new checkpoint directory")
+    gqa.add_argument(
+        "src", type=absolute_path, help="jaxmoe checkpoint: workdir, step dir or converted dir"
+    )
+    gqa.add_argument("dst", type=absolute_path, help="new checkpoint directory")
     gqa.add_argument("--num_kv_heads", type=int, required=True, help="G; 1 = MQA")
     gqa.add_argument("--method", default="mean", choices=METHODS)
     gqa.add_argument(
@@ -315,8 +318,8 @@ def add_parsers(subparsers) -> None:
     gqa.set_defaults(run=run_convert_gqa)
 
     upcycle = subparsers.add_parser("upcycle", help="dense -> MoE: FFN copies + fresh routers")
-    upcycle.add_argument("src", help="dense jaxmoe checkpoint")
-    upcycle.add_argument("dst", help="new checkpoint directory")
+    upcycle.add_argument("src", type=absolute_path, help="dense jaxmoe checkpoint")
+    upcycle.add_argument("dst", type=absolute_path, help="new checkpoint directory")
     upcycle.add_argument("--num_experts", type=int, required=True)
     upcycle.add_argument("--every", type=int, default=1, help="MoE in every K-th layer")
     upcycle.add_argument("--gating", default=None, help="model.moe.gating of the MoE model")

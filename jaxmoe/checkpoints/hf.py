@@ -32,6 +32,7 @@ from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config import apply_overrides, validate
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
+from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import str_keys
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -334,8 +335,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "--config.KEY=VALUE overrides are stored in DST's config."
         ),
     )
-    parser.add_argument("src", help="HF checkpoint directory (what save_pretrained writes)")
-    parser.add_argument("dst", help="new jaxmoe checkpoint directory")
+    parser.add_argument(
+        "src", type=absolute_path, help="HF checkpoint directory (what save_pretrained writes)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.set_defaults(
         run=lambda args, overrides=(): run_convert_hf(args.src, args.dst, args.dtype, overrides)

@@ -27,6 +27,7 @@ from jaxmoe.checkpoints.hf import (
 )
 from jaxmoe.checkpoints.hf_names import ImportPlan, TensorMap, export_plan
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, restore_params
+from jaxmoe.paths import absolute_path
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -119,8 +120,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "Models HF cannot express (adaptive gating, moe.every > 1, GQA T5) are refused."
         ),
     )
-    parser.add_argument("ckpt", help="jaxmoe checkpoint (a step directory or a workdir)")
-    parser.add_argument("dst", help="new Hugging Face model directory")
+    parser.add_argument(
+        "ckpt", type=absolute_path, help="jaxmoe checkpoint (a step directory or a workdir)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new Hugging Face model directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.set_defaults(run=_run_parsed)
     return parser

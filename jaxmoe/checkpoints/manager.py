@@ -16,6 +16,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
+from jaxmoe.paths import absolute_path
+
 log = logging.getLogger(__name__)
 
 
@@ -36,7 +38,7 @@ class TrainCheckpoints:
     """Periodic, asynchronous, atomic checkpoints of a training run."""
 
     def __init__(self, workdir: str, max_to_keep: int):
-        self.directory = epath.Path(workdir) / "checkpoints"
+        self.directory = epath.Path(absolute_path(workdir)) / "checkpoints"
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
         )
@@ -78,6 +80,43 @@ class TrainCheckpoints:
         }
         return state, meta
 
+    def restore_latest(self, abstract_state) -> tuple[int, dict, dict] | None:
+        """(step, state, meta) of the newest checkpoint that restores, or None if there is
+        none. A damaged one (truncated file, missing item) is set aside as
+        `<step>.damaged` with one warning line, and the next older one is tried: a run
+        must never be blocked, nor its checkpoints deleted, by one bad save."""
+        for step in sorted(self.manager.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except Exception as error:  # any reader failure means this step is unusable
+                log.warning(
+                    "checkpoint step %d is damaged (%s); moved to %s and trying the one before",
+                    step,
+                    describe_error(error),
+                    self._set_aside(step),
+                )
+                continue
+            return step, state, meta
+        return None
+
+    def _set_aside(self, step: int) -> str:
+        """Rename a damaged step out of Orbax's sight, so the resumed run can save that step
+        number again; the files stay for inspection."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.damaged"
+        if jax.process_index() == 0:
+            suffix = 1
+            while target.exists():
+                target = self.directory / f"{step}.damaged-{suffix}"
+                suffix += 1
+            source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxmoe_set_aside_{step}")
+        self.manager.reload()
+        return str(target)
+
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
@@ -92,7 +131,7 @@ def _item_dir(path: epath.Path, item: str) -> epath.Path | None:
 
 def resolve_checkpoint(path: str) -> epath.Path:
     """A step directory: `path` itself, or the latest step under `path[/checkpoints]`."""
-    root = epath.Path(path)
+    root = epath.Path(absolute_path(path))
     if not root.exists():
         raise CheckpointError(f"checkpoint {path!r} does not exist")
     if _item_dir(root, "params"):
@@ -110,14 +149,36 @@ def resolve_checkpoint(path: str) -> epath.Path:
     raise CheckpointError(f"checkpoint {path!r}: no 'params' item found (not a jaxmoe checkpoint)")
 
 
+# Where a step keeps its config: Orbax's JsonSave item in training checkpoints, a plain
+# file in converted ones. Named explicitly: the directory also holds commit_success.txt,
+# and listing order differs between filesystems.
+CONFIG_FILES = ("config/metadata", "config/config.json")
+
+
 def read_config(path: str) -> ConfigDict:
     """The model/run config stored with a checkpoint."""
     step_dir = resolve_checkpoint(path)
-    config_dir = step_dir / "config"
-    files = list(config_dir.iterdir()) if config_dir.exists() else []
-    if not files:
-        raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
-    return merge_into_defaults(json.loads(files[0].read_text()))
+    for name in CONFIG_FILES:
+        candidate = step_dir / name
+        if candidate.exists():
+            try:
+                stored = json.loads(candidate.read_text())
+            except ValueError as error:
+                raise CheckpointError(f"{candidate}: damaged config ({error})") from error
+            if not isinstance(stored, dict):
+                raise CheckpointError(f"{candidate}: damaged config (not a JSON object)")
+            return merge_into_defaults(stored)
+    raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
+
+
+def describe_error(error: BaseException) -> str:
+    """One line for a failed read: the innermost cause (TensorStore names the file and the
+    byte range there; Orbax's wrappers around it do not), cut to a readable length."""
+    while error.__cause__ is not None:
+        error = error.__cause__
+    lines = [line for line in str(error).strip().splitlines() if line.strip()]
+    text = lines[0] if lines else type(error).__name__
+    return text if len(text) <= 400 else text[:397] + "..."
 
 
 def merge_into_defaults(stored: dict) -> ConfigDict:
@@ -147,7 +208,11 @@ def restore_params(path: str, abstract_params) -> dict:
         except (ValueError, KeyError) as error:
             raise CheckpointError(
                 f"checkpoint {str(step_dir)!r}: parameters do not match the model: "
-                f"{str(error).splitlines()[0]}"
+                f"{describe_error(error)}"
+            ) from error
+        except Exception as error:  # a damaged file: TensorStore raises plain Exceptions
+            raise CheckpointError(
+                f"checkpoint {str(step_dir)!r} is damaged: {describe_error(error)}"
             ) from error
 
 
@@ -159,7 +224,7 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     """
     from orbax.checkpoint import type_handlers
 
-    root = epath.Path(path)
+    root = epath.Path(absolute_path(path))
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )

@@ -34,6 +34,7 @@ from jaxmoe.checkpoints.t5x import TensorTable, open_t5x
 from jaxmoe.checkpoints.trees import unflatten
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
+from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import str_keys
 
 OUTPUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -354,8 +355,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
             "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model)."
         ),
     )
-    parser.add_argument("src", help="T5X checkpoint_<step> directory (or its msgpack file)")
-    parser.add_argument("dst", help="new jaxmoe checkpoint directory")
+    parser.add_argument(
+        "src", type=absolute_path, help="T5X checkpoint_<step> directory (or its msgpack file)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.add_argument(
         "--num_heads", type=int, default=None, help="check against the relpos table"

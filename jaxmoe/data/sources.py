@@ -18,6 +18,7 @@ import numpy as np
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
+from jaxmoe.paths import absolute_path
 
 # Bump when the token stream layout changes, so old token caches are not reused.
 _PACKING_VERSION = "eos-after-doc-v1"
@@ -33,12 +34,12 @@ class SplitDocuments:
 
 
 def cache_dir(config) -> str:
-    return os.path.abspath(os.path.expanduser(config.data.cache_dir or "~/.cache/jaxmoe"))
+    return absolute_path(config.data.cache_dir or "~/.cache/jaxmoe")
 
 
 def data_dir(config) -> str:
     if config.data.data_dir:
-        return os.path.abspath(os.path.expanduser(config.data.data_dir))
+        return absolute_path(config.data.data_dir)
     return os.path.join(cache_dir(config), "tfds")
 
 
@@ -93,7 +94,7 @@ def open_split(config, split_key: str) -> SplitDocuments:
 def load_tokenizer(config) -> Tokenizer:
     """The tokenizer file named by `data.tokenizer`, or one trained on the train split."""
     if config.data.tokenizer:
-        return Tokenizer(os.path.expanduser(config.data.tokenizer))
+        return Tokenizer(absolute_path(config.data.tokenizer))
     train = open_split(config, "train_split")
     return cached_tokenizer(
         train.documents, train.fingerprint, int(config.data.vocab_size), cache_dir(config)
