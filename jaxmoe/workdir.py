@@ -102,7 +102,7 @@ class WorkdirLock:
             return
         temporary = self.path.parent / f"{LOCK_NAME}.{os.getpid()}.tmp"
         temporary.write_text(text)
-        temporary.rename(self.path)
+        temporary.replace(self.path)
 
     def acquire(self) -> None:
         if not self.enabled:

@@ -1,0 +1,78 @@
+"""One run per workdir: the lock refuses a live run, names it, and takes over a dead one."""
+
+import json
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+from etils import epath
+
+from jaxmoe.workdir import LOCK_NAME, WorkdirInUse, WorkdirLock, check_workdir
+
+
+def test_second_run_is_refused_naming_the_first(tmp_path):
+    workdir = check_workdir(str(tmp_path / "run"))
+    with WorkdirLock(workdir), pytest.raises(WorkdirInUse) as info:
+        WorkdirLock(workdir).acquire()
+    message = str(info.value)
+    assert "\n" not in message
+    assert (
+        f"host {socket.gethostname()}" in message and f"pid {__import__('os').getpid()}" in message
+    )
+    assert not (tmp_path / "run" / LOCK_NAME).exists()  # released on exit
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_lock_of_a_killed_run_on_this_host_is_taken_over(tmp_path, caplog):
+    workdir = epath.Path(tmp_path)
+    stale = {"host": socket.gethostname(), "pid": _dead_pid(), "started": 1.0, "heartbeat": 1.0}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(stale))
+    with WorkdirLock(workdir):
+        held = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert held["pid"] != stale["pid"]
+    assert "taking over the lock of a run that is gone" in caplog.text
+
+
+def test_torn_lock_file_is_taken_over(tmp_path):
+    (tmp_path / LOCK_NAME).write_text('{"host": "a", "pi')  # killed mid-write
+    with WorkdirLock(epath.Path(tmp_path)):
+        assert json.loads((tmp_path / LOCK_NAME).read_text())["host"] == socket.gethostname()
+
+
+def test_other_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
+    now = time.time()
+    other = {"host": "some-other-host", "pid": 1, "started": now - 30, "heartbeat": now - 30}
+    (tmp_path / LOCK_NAME).write_text(json.dumps(other))
+    with pytest.raises(WorkdirInUse, match="host some-other-host, pid 1"):
+        WorkdirLock(epath.Path(tmp_path), stale_after_s=600).acquire()
+    other["heartbeat"] = now - 601  # that host stopped beating ten minutes ago
+    (tmp_path / LOCK_NAME).write_text(json.dumps(other))
+    with WorkdirLock(epath.Path(tmp_path), stale_after_s=600):
+        pass
+
+
+def test_live_process_holding_the_lock_is_not_mistaken_for_dead(tmp_path):
+    code = (
+        "import sys, time; from etils import epath; from jaxmoe.workdir import WorkdirLock\n"
+        "lock = WorkdirLock(epath.Path(sys.argv[1])); lock.acquire(); print('held', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(WorkdirInUse, match=f"pid {holder.pid}"):
+            WorkdirLock(epath.Path(tmp_path)).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+    with WorkdirLock(epath.Path(tmp_path)):  # killed: its lock is free again
+        pass
