@@ -21,18 +21,16 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import mesh_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.flops import train_flops_per_step
 from jaxmoe.models.attention import AUTO
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
-    MESH_AXES,
     ConfigError,
     batch_spec,
     data_parallel_size,
-    mesh_shape,
+    make_mesh,
 )
 from jaxmoe.steps import step_fns, train_step
 from jaxmoe.topologies import GiB, Topology, parse_topology, topology_devices
@@ -40,35 +38,6 @@ from jaxmoe.train_state import model_spec, state_shardings
 
 EXIT_FITS, EXIT_FAILS = 0, 2
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-
-
-def topology_mesh(mesh_cfg, devices: list, num_slices: int = 1) -> Mesh:
-    """The 4-axis mesh over a topology's devices, laid out along its torus links.
-
-    Several slices are joined over the data axis (one gradient all-reduce per step crosses
-    the slower data-center network), or over fsdp when data does not divide.
-    """
-    sizes = mesh_shape(mesh_cfg, len(devices))
-    shape = tuple(sizes[axis] for axis in MESH_AXES)
-    if num_slices == 1:
-        try:
-            grid = mesh_utils.create_device_mesh(shape, devices)
-        except (ValueError, NotImplementedError, AssertionError):
-            # Some shapes only map onto the torus by splitting a physical axis.
-            grid = mesh_utils.create_device_mesh(shape, devices, allow_split_physical_axes=True)
-    else:
-        across = next((a for a in ("data", "fsdp") if sizes[a] % num_slices == 0), None)
-        if across is None:
-            raise ConfigError(
-                f"mesh: {num_slices} slices are joined over mesh.data or mesh.fsdp, but "
-                f"neither divides by {num_slices} ({sizes})"
-            )
-        dcn = tuple(num_slices if a == across else 1 for a in MESH_AXES)
-        ici = tuple(s // d for s, d in zip(shape, dcn, strict=True))
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, allow_split_physical_axes=True
-        )
-    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
 
 
 def model_vocab_size(config) -> int:
@@ -176,6 +145,23 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+def count_dcn_transfers(hlo_text: str) -> dict[str, int]:
+    """Cross-slice (data-center network) transfers in a multislice program, by kind.
+
+    The TPU compiler turns each slice's share of a cross-slice collective into a host
+    transfer to the multislice runtime (a `send` tagged `_xla_megascale_transfer_type`,
+    e.g. ALL_REDUCE); collectives inside a slice stay ordinary HLO collectives.
+    """
+    counts: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        if " send(" not in line:
+            continue
+        kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
+        if kind:
+            counts[kind.group(1)] = counts.get(kind.group(1), 0) + 1
+    return counts
+
+
 def _compile_error_numbers(message: str) -> dict:
     """Sizes named in a TPU out-of-memory message, as bytes ('95.74G' -> 95.74 GiB)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -200,7 +186,7 @@ def compile_for_topology(
     topo = parse_topology(topology, num_slices)
     started = time.perf_counter()
     devices = topology_devices(topo)
-    mesh = topology_mesh(config.mesh, devices, num_slices)
+    mesh = make_mesh(config.mesh, devices)
     dp = data_parallel_size(mesh)
     if config.train.batch_size % (dp * config.train.grad_accum):
         raise ConfigError(
@@ -238,6 +224,7 @@ def compile_for_topology(
         return result
 
     memory = compiled.memory_analysis()
+    hlo_text = compiled.as_text()
     # What must be resident at the peak: inputs, outputs not aliased to (donated) inputs,
     # temporaries and the program itself.
     peak = (
@@ -260,7 +247,8 @@ def compile_for_topology(
         "hbm_bytes": hbm,
         "headroom_bytes": int(hbm - peak),
         "hlo_flops_per_device": float(cost.get("flops", 0.0)),
-        "collectives": count_collectives(compiled.as_text()),
+        "collectives": count_collectives(hlo_text),
+        "dcn_transfers": count_dcn_transfers(hlo_text),
         "lower_s": lowered_s,
         "compile_s": time.perf_counter() - started - lowered_s,
     }
@@ -338,6 +326,9 @@ def format_report(result: dict, config_name: str = "") -> str:
         rows.append(
             ("collectives", ", ".join(f"{k} {v}" for k, v in result["collectives"].items()))
         )
+    if result.get("dcn_transfers"):
+        transfers = ", ".join(f"{k.lower()} {v}" for k, v in result["dcn_transfers"].items())
+        rows.append(("across slices (DCN)", transfers))
     if "error" in result:
         rows.append(("compiler", result["error"]))
     rows.append(("compile time", f"{result['lower_s']:.1f} s lower + {result['compile_s']:.1f} s"))

@@ -193,7 +193,7 @@ def validate(config: ConfigDict) -> None:
         config.optimizer.warmup_steps >= 0,
         f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0",
     )
-    for axis in ("data", "fsdp", "tensor", "expert"):
+    for axis in ("data", "fsdp", "tensor", "expert", "dcn_data", "dcn_fsdp"):
         size = config.mesh[axis]
         need(size == -1 or size >= 1, f"mesh.{axis}={size} must be positive or -1")
     need(

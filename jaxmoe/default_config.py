@@ -83,6 +83,8 @@ def base_config() -> ConfigDict:
     ms.fsdp = 1  # parameter-sharded data-parallel axis
     ms.tensor = 1  # tensor-parallel axis (heads, FFN hidden)
     ms.expert = 1  # expert-parallel axis (also splits the batch)
+    ms.dcn_data = -1  # multislice: slices the data axis spans (-1 = the remaining slices)
+    ms.dcn_fsdp = 1  # multislice: slices the fsdp axis spans
 
     c.data = d = ConfigDict()
     d.source = "embedded"  # embedded | text:GLOB | tfds:NAME

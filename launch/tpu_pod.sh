@@ -69,8 +69,29 @@ if ((check)) && [[ "${job[0]}" == "train" && -n "$config" ]]; then
   fi
 fi
 
-# 2. Create the slice unless it exists.
-if ((dry_run)) || ! gcloud compute tpus tpu-vm describe "$name" "${gcloud_flags[@]}" >/dev/null 2>&1; then
+# 2. Create the slice unless it exists. Several slices (multislice) are one queued resource
+# whose nodes are NAME-0 .. NAME-(N-1); JAX joins them over the data-center network and
+# jaxmoe's mesh puts only the data/fsdp axes across them (mesh.dcn_data, mesh.dcn_fsdp).
+nodes=("$name")
+if ((num_slices > 1)); then
+  nodes=()
+  for ((s = 0; s < num_slices; s++)); do nodes+=("$name-$s"); done
+  if ((dry_run)) || ! gcloud compute tpus queued-resources describe "$name" "${gcloud_flags[@]}" >/dev/null 2>&1; then
+    create=(gcloud compute tpus queued-resources create "$name" "${gcloud_flags[@]}"
+            --node-count "$num_slices" --node-prefix "$name"
+            --accelerator-type "$accelerator" --runtime-version "$version")
+    ((spot)) && create+=(--spot)
+    if ((dry_run)); then
+      echo "# (creates the queued resource only if 'gcloud compute tpus queued-resources describe $name' fails)"
+    fi
+    run "${create[@]}"
+    if ! ((dry_run)); then
+      echo "tpu_pod.sh: waiting for queued resource $name to become ACTIVE..." >&2
+      until [[ "$(gcloud compute tpus queued-resources describe "$name" "${gcloud_flags[@]}" \
+                  --format='value(state.state)')" == ACTIVE ]]; do sleep 30; done
+    fi
+  fi
+elif ((dry_run)) || ! gcloud compute tpus tpu-vm describe "$name" "${gcloud_flags[@]}" >/dev/null 2>&1; then
   create=(gcloud compute tpus tpu-vm create "$name" "${gcloud_flags[@]}"
           --accelerator-type "$accelerator" --version "$version")
   ((spot)) && create+=(--spot)
@@ -82,11 +103,25 @@ fi
 
 # 3. Ship this checkout (code + configs) as a wheel and install it with libtpu on every worker.
 run python3 -m pip wheel --no-deps -q -w "$here/dist" "$here"
-run gcloud compute tpus tpu-vm scp --recurse "$here/dist" "$here/configs" "$name": \
-  --worker=all "${gcloud_flags[@]}"
-run gcloud compute tpus tpu-vm ssh "$name" --worker=all "${gcloud_flags[@]}" \
-  --command "python3 -m pip install -q --upgrade pip && python3 -m pip install -q \"\$(ls ~/dist/jaxmoe-*.whl | tail -1)[tpu]\""
+for node in "${nodes[@]}"; do
+  run gcloud compute tpus tpu-vm scp --recurse "$here/dist" "$here/configs" "$node": \
+    --worker=all "${gcloud_flags[@]}"
+  run gcloud compute tpus tpu-vm ssh "$node" --worker=all "${gcloud_flags[@]}" \
+    --command "python3 -m pip install -q --upgrade pip && python3 -m pip install -q \"\$(ls ~/dist/jaxmoe-*.whl | tail -1)[tpu]\""
+done
 
-# 4. The same command on every worker; JAX finds its peers from the TPU metadata.
+# 4. The same command on every worker of every slice; JAX finds its peers from the TPU
+# metadata (and, across slices, from the multislice runtime's environment).
 remote="cd ~ && PATH=\$HOME/.local/bin:\$PATH jaxmoe $(quote "${job[@]}")"
-run gcloud compute tpus tpu-vm ssh "$name" --worker=all "${gcloud_flags[@]}" --command "$remote"
+pids=()
+for node in "${nodes[@]}"; do
+  if ((dry_run)) || ((${#nodes[@]} == 1)); then
+    run gcloud compute tpus tpu-vm ssh "$node" --worker=all "${gcloud_flags[@]}" --command "$remote"
+  else
+    gcloud compute tpus tpu-vm ssh "$node" --worker=all "${gcloud_flags[@]}" --command "$remote" &
+    pids+=($!)
+  fi
+done
+status=0
+for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
+exit "$status"

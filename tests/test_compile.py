@@ -8,6 +8,7 @@ count, HBM capacity from the compiler's error message.
 
 import argparse
 import json
+import re
 
 import numpy as np
 import pytest
@@ -16,14 +17,14 @@ pytest.importorskip(
     "libtpu", reason="the `tpu` extra is not installed (pip install 'jaxmoe[tpu]'): no libtpu"
 )
 
+from jaxmoe import compile as compile_module
 from jaxmoe.compile import (
     add_compile_parser,
     compile_for_topology,
     count_collectives,
     run_compile,
-    topology_mesh,
 )
-from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.parallel.sharding import ConfigError, make_mesh
 from jaxmoe.topologies import GiB, parse_topology, topology_devices
 from tests.helpers import tiny_config
 
@@ -170,7 +171,7 @@ def test_two_v6e_slices_join_over_data():
     )
     topo = parse_topology("v6e-4", num_slices=2)
     devices = topology_devices(topo)
-    mesh = topology_mesh(config.mesh, devices, num_slices=2)
+    mesh = make_mesh(config.mesh, devices)
     assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     assert (slices[0] == 0).all() and (slices[1] == 1).all()
@@ -192,7 +193,7 @@ def test_slices_must_divide_data_or_fsdp():
     config = tiny_config("mesh.data=1", "mesh.tensor=-1")
     devices = topology_devices(parse_topology("v6e-4", num_slices=2))
     with pytest.raises(ConfigError, match="slices"):
-        topology_mesh(config.mesh, devices, num_slices=2)
+        make_mesh(config.mesh, devices)
 
 
 def _cli(*argv: str):
@@ -235,3 +236,46 @@ def test_config_mistake_is_one_line_and_exit_code_2(capsys):
     assert run_compile(args, overrides) == 2
     _, err = capsys.readouterr()
     assert err.startswith("jaxmoe compile: error: mesh") and err.count("\n") == 1
+
+
+def _ici_groups(hlo_text: str) -> list[list[int]]:
+    groups = []
+    for text in re.findall(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", hlo_text):
+        groups += [[int(i) for i in g.split(",") if i] for g in re.findall(r"\{([\d,]*)\}", text)]
+    return groups
+
+
+@pytest.mark.parametrize(
+    ("dcn", "crossing"),
+    [
+        # Slices joined over data: only the gradient all-reduce crosses the DCN.
+        (("mesh.dcn_data=2", "mesh.dcn_fsdp=1"), {"ALL_REDUCE"}),
+        # Joined over fsdp instead: parameter gathers cross it too (what data avoids).
+        (("mesh.dcn_data=1", "mesh.dcn_fsdp=2"), {"ALL_GATHER"}),
+    ],
+)
+def test_two_v5p_slices_cross_only_on_the_dcn_axis(monkeypatch, dcn, crossing):
+    config = tiny_config("mesh.data=2", "mesh.fsdp=-1", "train.batch_size=16", *dcn)
+    texts = []
+    real = compile_module.count_collectives
+    monkeypatch.setattr(
+        compile_module, "count_collectives", lambda text: texts.append(text) or real(text)
+    )
+    result = compile_for_topology(config, "v5p-8", num_slices=2)
+    assert result["verdict"] == "fits" and result["num_chips"] == 8
+    assert result["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    # The program is one slice's: its own collectives name only that slice's 4 chips...
+    groups = _ici_groups(texts[0])
+    assert groups and all(max(g) < 4 for g in groups)
+    assert sum(result["collectives"].values()) > 0
+    # ...and every cross-slice exchange is a runtime transfer of the expected kind.
+    assert result["dcn_transfers"] and crossing <= set(result["dcn_transfers"])
+    if crossing == {"ALL_REDUCE"}:
+        assert set(result["dcn_transfers"]) == {"ALL_REDUCE"}
+
+
+def test_dcn_sizes_must_match_the_slices():
+    config = tiny_config("mesh.data=2", "mesh.fsdp=-1", "mesh.dcn_data=4")
+    devices = topology_devices(parse_topology("v5p-8", num_slices=2))
+    with pytest.raises(ConfigError, match="dcn_data=4 x dcn_fsdp=1 cannot span 2 slices"):
+        make_mesh(config.mesh, devices)

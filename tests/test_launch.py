@@ -68,3 +68,49 @@ def test_local_launcher_returns_first_failure():
     )
     assert result.returncode == 2
     assert "unknown config key 'train.stepz'" in result.stdout
+
+
+def test_tpu_pod_multislice_dry_run_uses_a_queued_resource():
+    result = subprocess.run(
+        [
+            "bash",
+            "launch/tpu_pod.sh",
+            "--name",
+            "moe",
+            "--zone",
+            "us-east5-a",
+            "--accelerator",
+            "v5p-128",
+            "--num_slices",
+            "2",
+            "--dry_run",
+            "--",
+            "train",
+            "--config",
+            "configs/default.py",
+            "--workdir",
+            "gs://bucket/run",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+    assert "--topology v5p-128 --num_slices 2" in lines[0]  # the same preflight, both slices
+    assert "queued-resources create moe" in lines[1] and "--node-count 2" in lines[1]
+    assert "--node-prefix moe" in lines[1] and "--accelerator-type v5p-128" in lines[1]
+    runs = [line for line in lines if "jaxmoe\\ train" in line]
+    assert [line.split()[6] for line in runs] == ["moe-0", "moe-1"]  # every slice runs it
+
+
+def test_gpu_launcher_installs_a_cuda_jax():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    gpu = extras["optional-dependencies"]["gpu"]
+    assert any(req.startswith("jax[cuda") for req in gpu), gpu
+    script = (ROOT / "launch" / "gpu_slurm.sbatch").read_text()
+    assert 'pip" install -q -e "$here[gpu]"' in script
+    assert "platform == 'gpu'" in script or "p == 'gpu'" in script
