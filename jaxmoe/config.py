@@ -14,6 +14,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.parallel.sharding import ConfigError
 from jaxmoe.paths import absolute_config_paths, absolute_path
+from jaxmoe.profiling import parse_profile_steps
 
 GATES = ("top1", "top2", "topk", "adaptive", "top_p")
 CHOICES = {
@@ -185,6 +186,11 @@ def validate(config: ConfigDict) -> None:
     for key in ("eval_every", "checkpoint_every", "eval_batches"):
         need(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     need(t.max_to_keep >= 1, f"train.max_to_keep={t.max_to_keep} must be >= 1")
+    need(t.peak_flops >= 0, f"train.peak_flops={t.peak_flops} must be >= 0")
+    try:
+        parse_profile_steps(t.profile_steps)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     need(
         config.optimizer.learning_rate > 0,
         f"optimizer.learning_rate={config.optimizer.learning_rate} must be positive",

@@ -65,6 +65,9 @@ def base_config() -> ConfigDict:
     t.max_to_keep = 3  # checkpoints kept on disk
     t.init_from = ""  # checkpoint to take parameters from (fresh optimizer state)
     t.nonfinite = "stop"  # on a non-finite loss: stop | skip
+    t.profile_steps = ""  # "START:END": trace steps START+1..END into WORKDIR/profile
+    t.peak_flops = 0.0  # FLOP/s of one device for `mfu` (0 = from the device kind, if known)
+    t.wandb = ""  # Weights & Biases PROJECT[/RUN_NAME] ("" = off; WANDB_MODE=offline works)
 
     c.optimizer = o = ConfigDict()
     o.name = "adamw"  # adamw | adafactor

@@ -16,7 +16,9 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
-from jaxmoe.metrics import MetricsWriter
+from jaxmoe.flops import train_flops_per_step
+from jaxmoe.goodput import Goodput
+from jaxmoe.metrics import MetricsWriter, wandb_options
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
     ConfigError,
@@ -24,6 +26,8 @@ from jaxmoe.parallel.sharding import (
     data_parallel_size,
     make_mesh,
 )
+from jaxmoe.peak_flops import device_peak_flops
+from jaxmoe.profiling import ProfileWindow
 from jaxmoe.steps import eval_step, step_fns, train_step
 from jaxmoe.train_state import init_state, model_spec, state_shardings
 from jaxmoe.workdir import WorkdirLock, check_workdir
@@ -126,12 +130,13 @@ def describe_memory(abstract_state, shardings) -> tuple[int, float]:
 
 def train(config, workdir: str, *, progress: bool = True) -> dict:
     """Train (or resume) according to `config`; returns a summary dict."""
+    goodput = Goodput()
     workdir_path = check_workdir(workdir)
     with WorkdirLock(workdir_path, enabled=jax.process_index() == 0) as lock:
-        return _train(config, workdir_path, lock, progress)
+        return _train(config, workdir_path, lock, goodput, progress)
 
 
-def _train(config, workdir_path, lock: WorkdirLock, progress: bool) -> dict:
+def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool) -> dict:
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
     if config.train.batch_size % dp:
@@ -182,53 +187,72 @@ def _train(config, workdir_path, lock: WorkdirLock, progress: bool) -> dict:
         eval_batches = eval_batches[: config.train.eval_batches]
     evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
 
-    writer = MetricsWriter(str(workdir_path), total_steps, start, progress=progress)
+    writer = MetricsWriter(
+        str(workdir_path), total_steps, start, progress=progress, wandb=wandb_options(config)
+    )
     count, per_device = describe_memory(abstract_state, shardings)
     writer.print(
         f"jaxmoe: {count / 1e6:.2f}M parameters; params+optimizer {per_device / 2**20:.1f} MiB "
         f"per device on mesh {dict(mesh.shape)}; {data.num_train_examples} train sequences "
         f"of {config.train.seq_len} tokens; starting at step {start} of {total_steps}"
     )
-    tokens_per_step = config.train.batch_size * config.train.seq_len
+    step_log = _StepLog(config, writer, data.eval_batches[0], goodput)
+    profile = ProfileWindow(
+        config.train.profile_steps, workdir_path / "profile", report=writer.print
+    )
     preemption = _Preemption()
     pending = None  # (step, metrics) of the last dispatched step, read one step late
-    timer = _IntervalTimer()
+    compiled = None
     last_eval = None
     stop_reason = None
 
     def save(step, state, force=False):
-        if curriculum:
-            curriculum.before_save(step)
-        checkpoints.save(
-            step, state, {"step": step, "data": data.train.get_state()}, config, force=force
-        )
+        with goodput.phase("checkpoint"):
+            if curriculum:
+                curriculum.before_save(step)
+            checkpoints.save(
+                step, state, {"step": step, "data": data.train.get_state()}, config, force=force
+            )
+
+    def evaluate(step):
+        with goodput.phase("eval"):
+            result = evaluator(state["params"])
+        writer.write(step, "eval", result)
+        return result
 
     with jax.set_mesh(mesh):
         step = start
         while step < total_steps:
-            if curriculum:
-                curriculum.before_batch(state["params"])  # orders the next epoch at its start
-            batch = to_global(next(data.train), batch_shardings)
-            state, metrics = step_fn(state, batch)
+            with goodput.phase("data"):
+                if curriculum:
+                    curriculum.before_batch(state["params"])  # orders the next epoch
+                batch = to_global(next(data.train), batch_shardings)
+            if compiled is None:
+                with goodput.phase("compile"):
+                    compiled = step_fn.lower(state, batch).compile()
+                step_log.timer.reset()  # the first interval's speed excludes compiling
+            profile.before_step(step)
+            with goodput.phase("step"):
+                state, metrics = compiled(state, batch)
             if curriculum:
                 curriculum.observe(batch, metrics)  # records the previous step's routing
             step += 1
-            timer.count()
+            step_log.timer.count()
+            profile.after_step(step, state)
             if pending is not None:
-                stop_reason = _check_and_log(pending, config, writer, tokens_per_step, timer)
+                stop_reason = step_log.check(pending)
                 if stop_reason:
                     break
             pending = (step, metrics)
             lock.heartbeat()
             if config.train.eval_every and step % config.train.eval_every == 0:
-                last_eval = evaluator(state["params"])
-                writer.write(step, "eval", last_eval)
+                last_eval = evaluate(step)
             preempted = preemption.reached(step)
             if preempted or (
                 config.train.checkpoint_every and step % config.train.checkpoint_every == 0
             ):
                 # Never save a state produced by a non-finite step.
-                stop_reason = _check_and_log(pending, config, writer, tokens_per_step, timer)
+                stop_reason = step_log.check(pending)
                 pending = None
                 if stop_reason:
                     break
@@ -237,17 +261,19 @@ def _train(config, workdir_path, lock: WorkdirLock, progress: bool) -> dict:
                 stop_reason = "preempted"
                 break
         if pending is not None and not stop_reason:
-            stop_reason = _check_and_log(
-                pending, config, writer, tokens_per_step, timer, force=True
-            )
+            stop_reason = step_log.check(pending, force=True)
+        profile.stop(state)
         if stop_reason in (None, "preempted") and checkpoints.latest_step() != step:
             save(step, state, force=True)
-        checkpoints.wait()
+        with goodput.phase("checkpoint"):
+            checkpoints.wait()
         if stop_reason is None and (last_eval is None or step % max(config.train.eval_every, 1)):
-            last_eval = evaluator(state["params"])
-            writer.write(step, "eval", last_eval)
+            last_eval = evaluate(step)
     preemption.restore()
     checkpoints.close()
+    time_spent = goodput.summary()
+    writer.write_summary(step, "goodput", time_spent)
+    writer.print(Goodput.describe(time_spent))
     summary = {
         "step": step,
         "eval": last_eval,
@@ -278,27 +304,51 @@ class _IntervalTimer:
         return (time.perf_counter() - self.start) / max(self.steps, 1)
 
 
-def _check_and_log(pending, config, writer, tokens_per_step, timer, force=False):
-    """Read a finished step's scalars; log them; return a stop reason on a non-finite loss."""
-    step, metrics = pending
-    loss, finite = jax.device_get((metrics["loss"], metrics["finite"]))
-    if not finite and config.train.nonfinite == "stop":
-        return (
-            f"non-finite loss ({float(loss)}) at step {step}; stopped without saving it "
-            f"(the last completed checkpoint is intact; --config.train.nonfinite=skip "
-            f"skips such steps instead)"
+class _StepLog:
+    """Reads a finished step's scalars (one step late), logs them with speed and MFU, and
+    says when to stop (a non-finite loss)."""
+
+    def __init__(self, config, writer: MetricsWriter, example_batch: dict, goodput: Goodput):
+        self.config, self.writer, self.goodput = config, writer, goodput
+        self.timer = _IntervalTimer()
+        targets = example_batch["targets"]
+        encoder = example_batch.get("encoder_inputs")
+        self.tokens_per_step = config.train.batch_size * config.train.seq_len
+        self.flops_per_step = train_flops_per_step(
+            config.model,
+            config.train.batch_size,
+            targets.shape[1],
+            None if encoder is None else encoder.shape[1],
         )
-    if step % config.train.log_every == 0 or force:
-        scalars = jax.device_get(
-            {k: v for k, v in metrics.items() if k != "routing_BM" and jnp.ndim(v) == 0}
-        )
-        scalars.pop("finite", None)
-        step_time = timer.step_time()
-        timer.reset()
-        scalars |= {"step_time_s": step_time, "tokens_per_s": tokens_per_step / step_time}
-        writer.write(step, "train", scalars)
-        writer.progress(step, float(loss), scalars["tokens_per_s"])
-    return None
+        peak = device_peak_flops(override=config.train.peak_flops)
+        self.peak_total = peak * jax.device_count() if peak else None
+
+    def check(self, pending, force: bool = False) -> str | None:
+        step, metrics = pending
+        with self.goodput.phase("step"):  # waits for the device to finish that step
+            loss, finite = jax.device_get((metrics["loss"], metrics["finite"]))
+        if not finite and self.config.train.nonfinite == "stop":
+            return (
+                f"non-finite loss ({float(loss)}) at step {step}; stopped without saving it "
+                f"(the last completed checkpoint is intact; --config.train.nonfinite=skip "
+                f"skips such steps instead)"
+            )
+        if step % self.config.train.log_every == 0 or force:
+            scalars = jax.device_get(
+                {k: v for k, v in metrics.items() if k != "routing_BM" and jnp.ndim(v) == 0}
+            )
+            scalars.pop("finite", None)
+            step_time = self.timer.step_time()
+            self.timer.reset()
+            scalars |= {
+                "step_time_s": step_time,
+                "tokens_per_s": self.tokens_per_step / step_time,
+            }
+            if self.peak_total:
+                scalars["mfu"] = self.flops_per_step / (step_time * self.peak_total)
+            self.writer.write(step, "train", scalars)
+            self.writer.progress(step, float(loss), scalars["tokens_per_s"], scalars.get("mfu"))
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:
