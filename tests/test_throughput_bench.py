@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,10 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "train_throughput", ROOT / "benchmarks" / "train_throughput.py"
-    )
+def _bench_module(name: str = "train_throughput"):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -64,10 +63,30 @@ def test_tiny_mixtral_has_the_peer_parameter_count(variant, expected):
 def test_tiny_mixtral_matches_hugging_face_mixtral_size():
     """Hugging Face's own count for the same sizes (an independent reference)."""
     pytest.importorskip("transformers")
-    bench = _bench_module()
-    config = load_config(f"{CONFIG}:top2")
-    runner = bench.HFRunner(config, "top2", num_batches=1, threads=1)
+    spec = _bench_module("throughput_jaxmoe").peer_spec(load_config(f"{CONFIG}:top2"))
+    runner = _bench_module("throughput_hf").HFRunner(spec, "top2", num_batches=1, threads=1)
     assert runner.num_params() == _param_count("top2")
+
+
+def test_workers_never_import_the_other_system():
+    """Each side of the comparison lives in its own process with only its own framework."""
+    probe = (
+        "import sys, runpy; sys.argv = [sys.argv[1], '--help']\n"
+        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "except SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
+    )
+    seen = {}
+    for name in ("throughput_hf", "throughput_jaxmoe", "train_throughput"):
+        result = subprocess.run(
+            [sys.executable, "-c", probe, str(ROOT / "benchmarks" / f"{name}.py")],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        seen[name] = result.stdout.strip().splitlines()[-1]
+    # The HF worker imports torch lazily, in its runner: at start-up it holds neither.
+    assert seen == {"throughput_hf": "[]", "throughput_jaxmoe": "['jax']", "train_throughput": "[]"}
 
 
 def test_unknown_variant_is_a_one_line_error():
@@ -93,7 +112,8 @@ def test_benchmark_runs_end_to_end_and_prints_json(capsys):
     argv += ["--json", *[f"--set={item}" for item in shrink]]
     assert bench.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert set(result) >= {"rows", "ratios", "load_average"}
+    assert set(result) >= {"rows", "ratios", "load_average_1min", "quiet"}
+    assert isinstance(result["quiet"], bool) and len(result["load_average_1min"]["during"]) == 2
     assert result["ratios"] == {}  # no peer ran
     rows = {(r["variant"], r["system"]): r for r in result["rows"]}
     assert set(rows) == {("adaptive", "jaxmoe")}  # one compile keeps the test short

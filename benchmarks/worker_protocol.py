@@ -1,0 +1,60 @@
+"""A benchmark worker process: one system's steps, driven over stdin/stdout.
+
+The parent sends one command per line (`steps N`, `stop`); the worker answers each with one
+JSON line. Each system lives in its own process, so a peer's threads (PyTorch's OpenMP
+pool, XLA's) never share an interpreter with the other's, and neither imports the other.
+"""
+
+import json
+import subprocess
+import sys
+
+
+def serve(runner, ready: dict) -> None:
+    """Worker side: announce `ready`, then run commands until `stop`."""
+    print(json.dumps({"ready": True, **ready}), flush=True)
+    for line in sys.stdin:
+        command, _, argument = line.strip().partition(" ")
+        if command == "steps":
+            times = [runner.step() for _ in range(int(argument))]
+            print(json.dumps({"times": times}), flush=True)
+        elif command == "stop":
+            # Proof of separation: which frameworks this process ended up importing.
+            loaded = sorted(m for m in ("jax", "torch") if m in sys.modules)
+            print(json.dumps({"stopped": True, "imported": loaded, **runner.final()}), flush=True)
+            return
+        else:
+            print(json.dumps({"error": f"unknown command {line.strip()!r}"}), flush=True)
+
+
+class Worker:
+    """Parent side: a running worker process."""
+
+    def __init__(self, argv: list[str], env: dict | None = None):
+        self.process = subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self.ready = self._read()
+
+    def _read(self) -> dict:
+        line = self.process.stdout.readline()
+        if not line:
+            code = self.process.wait()
+            raise RuntimeError(f"benchmark worker {self.process.args[1:3]} exited ({code})")
+        return json.loads(line)
+
+    def steps(self, count: int) -> list[float]:
+        self.process.stdin.write(f"steps {count}\n")
+        self.process.stdin.flush()
+        return self._read()["times"]
+
+    def stop(self) -> dict:
+        self.process.stdin.write("stop\n")
+        self.process.stdin.flush()
+        final = self._read()
+        self.process.wait(timeout=60)
+        return final
