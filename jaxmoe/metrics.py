@@ -1,13 +1,37 @@
 """Metrics out: WORKDIR/metrics.jsonl, TensorBoard event files and a console progress bar.
 
 Only process 0 writes. Values arrive as host numbers (the loop fetches them one step late).
+
+A resumed run continues the file: rows after the restored step (written by the run that was
+interrupted, and trained again now) are dropped first, so each step has one row. Object
+stores (gs://) cannot append: there the file is rewritten whole, prior rows included, by
+`flush()` (the loop calls it before each checkpoint, so every row up to a checkpoint's step
+is stored before the checkpoint is) and at most every `REMOTE_FLUSH_S` seconds.
 """
 
 import json
 import math
+import time
 
 import jax
 from etils import epath
+
+from jaxmoe.paths import is_remote
+
+REMOTE_FLUSH_S = 30.0
+
+
+def kept_rows(text: str, last_step: int) -> str:
+    """The lines of a metrics file whose step is <= `last_step` (a torn last line goes)."""
+    kept = []
+    for line in text.splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            continue  # a line cut short by a kill
+        if step <= last_step:
+            kept.append(line + "\n")
+    return "".join(kept)
 
 
 class MetricsWriter:
@@ -21,8 +45,18 @@ class MetricsWriter:
             return
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(self.tb_dir)
-        self._file = self.path.open("a")
+        # purge_step: TensorBoard hides the interrupted run's events after the restored step.
+        self._tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None)
+        prior = kept_rows(self.path.read_text(), start_step) if self.path.exists() else ""
+        self._remote = is_remote(workdir)
+        if self._remote:
+            self._rows, self._stored = [prior], True
+            self._last_upload = time.monotonic()
+        else:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(prior)
+            tmp.replace(self.path)
+            self._file = self.path.open("a")
         if progress:
             from tqdm import tqdm
 
@@ -38,12 +72,28 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in values.items()}
-        record = {"step": step, "split": split, **clean}
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        line = json.dumps({"step": step, "split": split, **clean}, allow_nan=True) + "\n"
+        if self._remote:
+            self._rows.append(line)
+            self._stored = False
+            if time.monotonic() - self._last_upload >= REMOTE_FLUSH_S:
+                self.flush()
+        else:
+            self._file.write(line)
+            self._file.flush()
         for key, value in clean.items():
             if isinstance(value, float) and math.isfinite(value):
                 self._tb.add_scalar(f"{split}/{key}", value, step)
+
+    def flush(self) -> None:
+        """Store every row written so far (and the TensorBoard events)."""
+        if not self.enabled:
+            return
+        self._tb.flush()
+        if self._remote and not self._stored:
+            self._rows = ["".join(self._rows)]
+            self.path.write_text(self._rows[0])  # one object, replaced whole
+            self._stored, self._last_upload = True, time.monotonic()
 
     def progress(self, step: int, loss: float, tokens_per_s: float) -> None:
         if self._bar is not None:
@@ -64,5 +114,7 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
+        self.flush()
         self._tb.close()
-        self._file.close()
+        if not self._remote:
+            self._file.close()

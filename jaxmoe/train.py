@@ -205,6 +205,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     stop_reason = None
 
     def save(step, state, force=False):
+        writer.flush()  # rows up to `step` are stored before its checkpoint exists
         if curriculum:
             curriculum.before_save(step)
         checkpoints.save(
