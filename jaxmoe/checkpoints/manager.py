@@ -16,6 +16,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
+from jaxmoe.paths import finished_steps
+
 log = logging.getLogger(__name__)
 
 
@@ -48,8 +50,10 @@ class TrainCheckpoints:
     def _warn_partial(self) -> None:
         if jax.process_index() != 0 or not self.directory.exists():
             return
+        finished = set(finished_steps(self.directory))
         for child in self.directory.iterdir():
-            if "tmp" in child.name:
+            # On object stores a save cut short is `N/` without Orbax's commit marker.
+            if "tmp" in child.name or (child.name.isdigit() and int(child.name) not in finished):
                 log.warning("ignoring partial checkpoint %s (an interrupted save)", child)
 
     def latest_step(self) -> int | None:
@@ -100,11 +104,7 @@ def resolve_checkpoint(path: str) -> epath.Path:
     for base in (root / "checkpoints", root):
         if not base.exists():
             continue
-        steps = sorted(
-            int(child.name)
-            for child in base.iterdir()
-            if child.name.isdigit() and _item_dir(child, "params")
-        )
+        steps = [s for s in finished_steps(base) if _item_dir(base / str(s), "params")]
         if steps:
             return base / str(steps[-1])
     raise CheckpointError(f"checkpoint {path!r}: no 'params' item found (not a jaxmoe checkpoint)")
@@ -114,7 +114,9 @@ def read_config(path: str) -> ConfigDict:
     """The model/run config stored with a checkpoint."""
     step_dir = resolve_checkpoint(path)
     config_dir = step_dir / "config"
-    files = list(config_dir.iterdir()) if config_dir.exists() else []
+    # The item's JSON file by name: `metadata` (Orbax's JsonSave) or `config.json`
+    # (save_params), never whichever file a listing gives first (commit_success.txt).
+    files = [config_dir / n for n in ("metadata", "config.json") if (config_dir / n).exists()]
     if not files:
         raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
     return merge_into_defaults(json.loads(files[0].read_text()))
