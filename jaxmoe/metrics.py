@@ -1,14 +1,38 @@
 """Metrics out: WORKDIR/metrics.jsonl, TensorBoard event files and a console progress bar.
 
 Only process 0 writes. Values arrive as host numbers (the loop fetches them one step late).
+
+A resumed run continues the file: rows after the restored step (written by the run that was
+interrupted, and trained again now) are dropped first, so each step has one row. Object
+stores (gs://) cannot append: there the file is rewritten whole, prior rows included, by
+`flush()` (the loop calls it before each checkpoint, so every row up to a checkpoint's step
+is stored before the checkpoint is) and at most every `REMOTE_FLUSH_S` seconds.
 """
 
 import hashlib
 import json
 import math
+import time
 
 import jax
 from etils import epath
+
+from jaxmoe.paths import is_remote
+
+REMOTE_FLUSH_S = 30.0
+
+
+def kept_rows(text: str, last_step: int) -> str:
+    """The lines of a metrics file whose step is <= `last_step` (a torn last line goes)."""
+    kept = []
+    for line in text.splitlines():
+        try:
+            step = json.loads(line)["step"]
+        except (ValueError, TypeError, KeyError):
+            continue  # a line cut short by a kill
+        if step <= last_step:
+            kept.append(line + "\n")
+    return "".join(kept)
 
 
 def wandb_options(config) -> dict | None:
@@ -40,8 +64,18 @@ class MetricsWriter:
             self._wandb = _start_wandb(workdir, wandb)
         from tensorboardX import SummaryWriter
 
-        self._tb = SummaryWriter(self.tb_dir)
-        self._file = self.path.open("a")
+        # purge_step: TensorBoard hides the interrupted run's events after the restored step.
+        self._tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None)
+        prior = kept_rows(self.path.read_text(), start_step) if self.path.exists() else ""
+        self._remote = is_remote(workdir)
+        if self._remote:
+            self._rows, self._stored = [prior], True
+            self._last_upload = time.monotonic()
+        else:
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            tmp.write_text(prior)
+            tmp.replace(self.path)
+            self._file = self.path.open("a")
         if progress:
             from tqdm import tqdm
 
@@ -57,9 +91,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in values.items()}
-        record = {"step": step, "split": split, **clean}
-        self._file.write(json.dumps(record, allow_nan=True) + "\n")
-        self._file.flush()
+        line = json.dumps({"step": step, "split": split, **clean}, allow_nan=True) + "\n"
+        self._append(line)
         finite = {
             f"{split}/{key}": value
             for key, value in clean.items()
@@ -70,17 +103,36 @@ class MetricsWriter:
         if self._wandb is not None:
             self._wandb.log(finite, step=step)
 
+    def _append(self, line: str) -> None:
+        if self._remote:
+            self._rows.append(line)
+            self._stored = False
+            if time.monotonic() - self._last_upload >= REMOTE_FLUSH_S:
+                self.flush()
+        else:
+            self._file.write(line)
+            self._file.flush()
+
     def write_summary(self, step: int, name: str, values: dict) -> None:
         """One `{"step", "split": name, name: {...}}` line (e.g. the run's goodput)."""
         if not self.enabled:
             return
         record = {"step": step, "split": name, name: {k: float(v) for k, v in values.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        self._append(json.dumps(record) + "\n")
         for key, value in values.items():
             self._tb.add_scalar(f"{name}/{key}", float(value), step)
         if self._wandb is not None:
             self._wandb.summary.update({f"{name}/{k}": float(v) for k, v in values.items()})
+
+    def flush(self) -> None:
+        """Store every row written so far (and the TensorBoard events)."""
+        if not self.enabled:
+            return
+        self._tb.flush()
+        if self._remote and not self._stored:
+            self._rows = ["".join(self._rows)]
+            self.path.write_text(self._rows[0])  # one object, replaced whole
+            self._stored, self._last_upload = True, time.monotonic()
 
     def progress(self, step: int, loss: float, tokens_per_s: float, mfu: float | None = None):
         if self._bar is not None:
@@ -104,8 +156,10 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
+        self.flush()
         self._tb.close()
-        self._file.close()
+        if not self._remote:
+            self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
 
@@ -119,7 +173,7 @@ def _start_wandb(workdir: str, options: dict):
             "train.wandb is set but the wandb package is not installed (pip install wandb)"
         ) from error
     run_id = hashlib.sha1(str(workdir).encode()).hexdigest()[:16]
-    local = str(workdir) if "://" not in str(workdir) else None
+    local = None if is_remote(workdir) else str(workdir)
     return wandb.init(
         project=options["project"],
         name=options["name"],

@@ -6,6 +6,10 @@ not move a run. Remote URIs pass through untouched.
 """
 
 import os
+import re
+
+# A scheme of two or more letters: `C:/x` (a Windows drive) stays a local path.
+_URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 
 # Config keys holding one path each ("" keeps the key's default).
 PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
@@ -13,10 +17,9 @@ PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_d
 PATH_SPEC_KINDS = ("jsonl", "text")
 
 
-def is_remote(path: str) -> bool:
-    """`gs://b/x`, `s3://...`: a URI with a scheme, handled by the storage library."""
-    scheme, sep, _ = str(path).partition("://")
-    return bool(sep) and scheme.isidentifier()
+def is_remote(path) -> bool:
+    """True for a URI such as `gs://bucket/run` (stored by a client library, not the OS)."""
+    return bool(_URI.match(str(path)))
 
 
 def absolute_path(path: str) -> str:
@@ -45,3 +48,20 @@ def absolute_config_paths(config) -> None:
                 config[section][leaf] = absolute_path(config[section][leaf])
         if "data" in config and "source" in config.data:
             config.data.source = absolute_data_spec(config.data.source)
+
+
+def finished_steps(directory) -> list[int]:
+    """Sorted steps of the complete checkpoints in `directory` (an etils epath.Path).
+
+    Locally Orbax writes `N.orbax-checkpoint-tmp` and renames it to `N` when complete; an
+    object store has no atomic rename, so there Orbax writes `N/` directly and adds
+    `N/commit_success.txt` last: a remote `N/` without it is a save cut short.
+    """
+    if not directory.exists():  # on an object store a folder exists while it holds objects
+        return []
+    remote = is_remote(directory)
+    return sorted(
+        int(child.name)
+        for child in directory.iterdir()
+        if child.name.isdigit() and (not remote or (child / "commit_success.txt").exists())
+    )

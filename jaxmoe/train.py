@@ -208,6 +208,7 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
 
     def save(step, state, force=False):
         with goodput.phase("checkpoint"):
+            writer.flush()  # rows up to `step` are stored before its checkpoint exists
             if curriculum:
                 curriculum.before_save(step)
             checkpoints.save(

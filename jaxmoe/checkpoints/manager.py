@@ -16,7 +16,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
-from jaxmoe.paths import absolute_path
+from jaxmoe.paths import absolute_path, finished_steps
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +50,10 @@ class TrainCheckpoints:
     def _warn_partial(self) -> None:
         if jax.process_index() != 0 or not self.directory.exists():
             return
+        finished = set(finished_steps(self.directory))
         for child in self.directory.iterdir():
-            if "tmp" in child.name:
+            # On object stores a save cut short is `N/` without Orbax's commit marker.
+            if "tmp" in child.name or (child.name.isdigit() and int(child.name) not in finished):
                 log.warning("ignoring partial checkpoint %s (an interrupted save)", child)
 
     def latest_step(self) -> int | None:
@@ -85,7 +87,8 @@ class TrainCheckpoints:
         none. A damaged one (truncated file, missing item) is set aside as
         `<step>.damaged` with one warning line, and the next older one is tried: a run
         must never be blocked, nor its checkpoints deleted, by one bad save."""
-        for step in sorted(self.manager.all_steps(), reverse=True):
+        complete = set(finished_steps(self.directory))  # never a save cut short on gs://
+        for step in sorted(set(self.manager.all_steps()) & complete, reverse=True):
             try:
                 state, meta = self.restore(step, abstract_state)
             except Exception as error:  # any reader failure means this step is unusable
@@ -139,11 +142,7 @@ def resolve_checkpoint(path: str) -> epath.Path:
     for base in (root / "checkpoints", root):
         if not base.exists():
             continue
-        steps = sorted(
-            int(child.name)
-            for child in base.iterdir()
-            if child.name.isdigit() and _item_dir(child, "params")
-        )
+        steps = [s for s in finished_steps(base) if _item_dir(base / str(s), "params")]
         if steps:
             return base / str(steps[-1])
     raise CheckpointError(f"checkpoint {path!r}: no 'params' item found (not a jaxmoe checkpoint)")

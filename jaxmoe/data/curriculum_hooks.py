@@ -26,18 +26,26 @@ call here and no extra host sync), else a `Curriculum` whose three hooks the loo
 Epoch 0 uses the default shuffled order; epoch e >= 1 the order written at its boundary.
 Only process 0 writes files; with several processes the others wait at a barrier and read
 the order it wrote (computed once, so float differences between hosts cannot split it).
-The workdir must be a local (POSIX) path, as numpy memmaps need one.
+numpy memmaps need a local file: with a remote workdir (gs://) the store lives in a local
+temporary folder, filled from WORKDIR/curriculum at start and copied back to it before each
+checkpoint is saved (and each new epoch order as soon as it is written, for the other
+processes), so what a checkpoint needs is stored before the checkpoint is.
 
 jax is imported inside functions: `jaxmoe.data` stays importable without it.
 """
 
-import os
+import atexit
+import shutil
+import tempfile
 
 import numpy as np
+from etils import epath
 
 from jaxmoe.data import curriculum
 from jaxmoe.data.complexity_store import ComplexityStore
 from jaxmoe.data.pipeline import TrainBatches, default_epoch_order
+from jaxmoe.mirror import Mirror
+from jaxmoe.paths import finished_steps, is_remote
 
 SOURCES = ("previous_epoch", "scoring_pass")
 _SCORE_SYNC_EVERY = 16  # scoring batches in flight before their results are fetched
@@ -55,8 +63,23 @@ def _to_host(tree):
 
 
 def _has_checkpoints(workdir: str) -> bool:
-    directory = os.path.join(workdir, "checkpoints")
-    return os.path.isdir(directory) and any(name.isdigit() for name in os.listdir(directory))
+    return bool(finished_steps(epath.Path(workdir) / "checkpoints"))
+
+
+def _local_store(workdir: str, pull: tuple[str, ...] | None = None) -> tuple[str, Mirror | None]:
+    """(local folder of the store, its Mirror or None): WORKDIR/curriculum itself when
+    local, else a temporary folder holding the remote files named in `pull` (None = all)."""
+    root = str(epath.Path(workdir) / "curriculum")
+    if not is_remote(workdir):
+        return root, None
+    local = tempfile.mkdtemp(prefix="jaxmoe-curriculum-")
+    atexit.register(shutil.rmtree, local, ignore_errors=True)
+    mirror = Mirror(root, local)
+    if pull is None:
+        mirror.pull_all()
+    for name in pull or ():
+        mirror.pull(name)
+    return local, mirror
 
 
 def make_curriculum(config, workdir: str, train: TrainBatches, batch_shardings: dict):
@@ -64,13 +87,13 @@ def make_curriculum(config, workdir: str, train: TrainBatches, batch_shardings: 
     policy = config.data.curriculum
     source = config.data.get("curriculum_source", "previous_epoch")
     workdir = str(workdir)
-    store_root = os.path.join(workdir, "curriculum")
     if policy not in curriculum.POLICIES:
         raise ValueError(f"data.curriculum={policy!r} is not one of {list(curriculum.POLICIES)}")
     if policy == "none":
         # Resuming a curriculum run without it would change the current epoch's order.
-        info = os.path.join(store_root, "run.json")
-        if os.path.exists(info) and _has_checkpoints(workdir):
+        info = epath.Path(workdir) / "curriculum" / "run.json"
+        if info.exists() and _has_checkpoints(workdir):
+            store_root, _ = _local_store(workdir, pull=("run.json",))
             ComplexityStore(store_root, train.num_examples, writer=False).check_run_info(
                 {"data.curriculum": "none"}, resuming=True
             )
@@ -82,20 +105,31 @@ def make_curriculum(config, workdir: str, train: TrainBatches, batch_shardings: 
             f"data.curriculum={policy!r} orders examples by their MoE routing, but "
             f"model.moe.num_experts=0 (a dense model)"
         )
-    if "://" in workdir:
-        raise ValueError(
-            f"data.curriculum={policy!r} stores numpy memmaps under the workdir, which must "
-            f"be a local path; got --workdir {workdir!r}"
-        )
+    store_root, mirror = _local_store(workdir)
     return Curriculum(
-        config, store_root, train, batch_shardings, resuming=_has_checkpoints(workdir)
+        config,
+        store_root,
+        train,
+        batch_shardings,
+        resuming=_has_checkpoints(workdir),
+        checkpoints_dir=epath.Path(workdir) / "checkpoints",
+        mirror=mirror,
     )
 
 
 class Curriculum:
     """Hooks for jaxmoe.train (see the module docstring). Same calls on every process."""
 
-    def __init__(self, config, store_root: str, train: TrainBatches, batch_shardings, resuming):
+    def __init__(
+        self,
+        config,
+        store_root: str,
+        train: TrainBatches,
+        batch_shardings,
+        resuming: bool,
+        checkpoints_dir: epath.Path,
+        mirror: Mirror | None,
+    ):
         import jax
 
         self.policy = config.data.curriculum
@@ -126,6 +160,8 @@ class Curriculum:
         self.model_config = config.model
         self._pending = None  # (epoch, position, example_ids, routing_BM, finite) on device
         self._score_fn = None
+        self.checkpoints_dir = checkpoints_dir
+        self.mirror = mirror  # None: the store is WORKDIR/curriculum itself
         train.set_epoch_order(self.epoch_order)
 
     def _local_rows(self, process_index: int, process_count: int) -> slice:
@@ -141,6 +177,8 @@ class Curriculum:
                 seed=self.order_kwargs["seed"],
                 shuffle=self.order_kwargs["shuffle"],
             )
+        if self.mirror and not self.store.writer:
+            self.mirror.pull(self.store.path(epoch, "order").name)  # process 0 stored it
         return self.store.read_order(epoch)
 
     # --- hooks -------------------------------------------------------------------
@@ -166,6 +204,8 @@ class Curriculum:
                 self.policy, vectors_NM, seen_N, epoch=next_epoch, **self.order_kwargs
             )
             self.store.write_order(next_epoch, order)
+            if self.mirror:
+                self.mirror.push(self.store.path(next_epoch, "order").name)
         if self.multi:
             from jax.experimental import multihost_utils
 
@@ -194,10 +234,11 @@ class Curriculum:
             return
         self.store.flush()
         epoch = int(self.train.get_state()["epoch"])
-        directory = self.store.root.parent / "checkpoints"
-        listed = [int(p.name) for p in directory.iterdir() if p.name.isdigit()]
-        self.store.collect_garbage(listed, epoch)
+        self.store.collect_garbage(finished_steps(self.checkpoints_dir), epoch)
         self.store.note_checkpoint(step, epoch)
+        if self.mirror:
+            logs = tuple(p.name for p in self.store.root.glob("epoch_*.log.npy"))
+            self.mirror.push_changed(updated_in_place=logs)
 
     # --- internals -----------------------------------------------------------------
 

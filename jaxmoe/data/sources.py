@@ -5,6 +5,12 @@ Everything is prepared once and cached under `data.cache_dir` (default ~/.cache/
   tokenizers/spm_<vocab>_<hash>.model              keyed by (train data, vocab size)
   tokens/<hash>.npy                                keyed by (source, split, tokenizer file)
 Each file appears atomically, so processes sharing the cache never see half a file.
+
+A remote cache (`gs://...`) holds the tokenizers and token streams; they are read, and the
+streams memory-mapped, from a local copy under ~/.cache/jaxmoe/remote/, fetched once per
+machine. Local sources are prepared under that copy too (they are local documents anyway).
+A remote `data.data_dir` (prepared TFDS datasets) is handed to TFDS as it is: TFDS reads
+gs:// itself (metadata through etils epath, array_record files through their own client).
 """
 
 import dataclasses
@@ -18,7 +24,8 @@ import numpy as np
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
-from jaxmoe.paths import absolute_path
+from jaxmoe.mirror import Mirror
+from jaxmoe.paths import absolute_path, is_remote
 
 # Bump when the token stream layout changes, so old token caches are not reused.
 _PACKING_VERSION = "eos-after-doc-v1"
@@ -34,7 +41,20 @@ class SplitDocuments:
 
 
 def cache_dir(config) -> str:
-    return absolute_path(config.data.cache_dir or "~/.cache/jaxmoe")
+    """The local folder of the data cache (for a remote cache, its local copy)."""
+    configured = absolute_path(config.data.cache_dir or "~/.cache/jaxmoe")
+    if not is_remote(configured):
+        return configured
+    scheme, rest = configured.split("://", 1)
+    return os.path.join(os.path.expanduser("~/.cache/jaxmoe/remote"), scheme, rest.strip("/"))
+
+
+def cache_mirror(config, folder: str) -> Mirror | None:
+    """The Mirror of cache subfolder `folder` when data.cache_dir is remote, else None."""
+    configured = config.data.cache_dir
+    if not is_remote(configured):
+        return None
+    return Mirror(f"{configured.rstrip('/')}/{folder}", os.path.join(cache_dir(config), folder))
 
 
 def data_dir(config) -> str:
@@ -69,7 +89,11 @@ def open_split(config, split_key: str) -> SplitDocuments:
     if spec.is_local:
         fraction = validation_fraction(config)
         source_hash = corpus.local_fingerprint(spec, fraction)
-        local_dir = os.path.join(data_dir(config), "local", source_hash[:20])
+        # Prepared from local files, so kept local: a remote data_dir is for TFDS datasets.
+        prepared = data_dir(config)
+        if is_remote(prepared):
+            prepared = os.path.join(cache_dir(config), "tfds")
+        local_dir = os.path.join(prepared, "local", source_hash[:20])
         try:
             tfds_text.prepare_local_dataset(
                 functools.partial(corpus.local_documents, spec, fraction=fraction), local_dir
@@ -97,7 +121,11 @@ def load_tokenizer(config) -> Tokenizer:
         return Tokenizer(absolute_path(config.data.tokenizer))
     train = open_split(config, "train_split")
     return cached_tokenizer(
-        train.documents, train.fingerprint, int(config.data.vocab_size), cache_dir(config)
+        train.documents,
+        train.fingerprint,
+        int(config.data.vocab_size),
+        cache_dir(config),
+        cache_mirror(config, "tokenizers"),
     )
 
 
@@ -113,8 +141,11 @@ def _cached_stream(config, tokenizer: Tokenizer, split: SplitDocuments) -> np.nd
     key = f"{_PACKING_VERSION}|{split.fingerprint}|{tokenizer.sha256}"
     name = f"{split.split}_{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
     path = os.path.join(cache_dir(config), "tokens", name)
-    if not os.path.exists(path):
+    mirror = cache_mirror(config, "tokens")
+    if not os.path.exists(path) and not (mirror and mirror.pull(name)):
         write_token_cache(split.documents, tokenizer, path)
+        if mirror:
+            mirror.push(name)
     return load_tokens(path)
 
 

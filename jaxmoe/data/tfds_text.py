@@ -8,10 +8,10 @@ array_record format nor `tfds.data_source` needs TensorFlow.
 
 import contextlib
 import io
-import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import tensorflow_datasets as tfds
+from etils import epath
 
 LOCAL_DATASET_NAME = "jaxmoe_local_text"
 
@@ -79,7 +79,7 @@ def _quiet_build():
 
 def local_dataset_prepared(data_dir: str) -> bool:
     version = str(LocalTextBuilder.VERSION)
-    return os.path.exists(os.path.join(data_dir, LOCAL_DATASET_NAME, version, "dataset_info.json"))
+    return (epath.Path(data_dir) / LOCAL_DATASET_NAME / version / "dataset_info.json").exists()
 
 
 def prepare_local_dataset(

@@ -138,15 +138,25 @@ def write_atomically(path: str, data: bytes) -> None:
 
 
 def cached_tokenizer(
-    train_documents: Sequence[str], train_fingerprint: str, vocab_size: int, cache_dir: str
+    train_documents: Sequence[str],
+    train_fingerprint: str,
+    vocab_size: int,
+    cache_dir: str,
+    remote=None,
 ) -> Tokenizer:
-    """Loads the tokenizer trained on these documents, training and caching it if needed."""
+    """Loads the tokenizer trained on these documents, training and caching it if needed.
+
+    `remote`: a jaxmoe.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
+    asked before training and given the trained file."""
     key = hashlib.sha256(
         f"{_TRAINING_RECIPE}|{train_fingerprint}|{vocab_size}".encode()
     ).hexdigest()[:20]
-    path = os.path.join(cache_dir, "tokenizers", f"spm_{vocab_size}_{key}.model")
-    if not os.path.exists(path):
+    name = f"spm_{vocab_size}_{key}.model"
+    path = os.path.join(cache_dir, "tokenizers", name)
+    if not os.path.exists(path) and not (remote and remote.pull(name)):
         if len(train_documents) == 0:
             raise ValueError("cannot train a tokenizer: the train split has no documents")
         write_atomically(path, train_sentencepiece(training_lines(train_documents), vocab_size))
+        if remote:
+            remote.push(name)
     return Tokenizer(path)
