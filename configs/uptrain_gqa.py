@@ -5,7 +5,13 @@ uptrain.alpha x the original run's steps (the paper: alpha = 0.05; GQA is usable
 needs it, returns diminish past 0.1). The variant is the converted checkpoint: its stored
 config supplies the model and the original recipe (data, batch, sequence length,
 optimizer, learning-rate schedule), `train.init_from` points at it, and the optimizer
-state starts fresh.
+state starts fresh, unless the checkpoint carries one and its config says
+`train.init_optimizer` (`jaxmoe convert t5x --keep_optimizer`): then T5X's Adafactor moments
+continue exactly. `convert gqa` keeps no optimizer state, so a pooled model starts all of
+it fresh: the pooled K/V kernels change shape and gradient statistics, and a fresh moment at
+T5X's late decay (1 - N^-0.8, near 1) would give those kernels clipped, sign-like steps for
+thousands of steps; a fresh state restarts the decay for every kernel alike (T5X's
+`step_offset`).
 
 The schedule is not restarted: it continues at the step where the source stopped
 (optimizer.start_step = uptrain.original_steps), past the warmup, and a cosine keeps its

@@ -65,6 +65,7 @@ def base_config() -> ConfigDict:
     t.checkpoint_every = 200  # steps between checkpoints (and one at the end)
     t.max_to_keep = 3  # checkpoints kept on disk
     t.init_from = ""  # checkpoint to take parameters from (fresh optimizer state)
+    t.init_optimizer = False  # with init_from: also take its optimizer state (moments, steps)
     t.nonfinite = "stop"  # on a non-finite loss: stop | skip
     t.logits_z_loss = 0.0  # output z-loss: coef * mean(logsumexp(logits)^2) over targets
 

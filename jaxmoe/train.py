@@ -16,7 +16,7 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
+from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
 from jaxmoe.metrics import MetricsWriter
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
@@ -174,8 +174,12 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
             params = restore_params(config.train.init_from, abstract_state["params"])
-            with jax.set_mesh(mesh):
-                opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+            if config.train.get("init_optimizer", False):
+                opt_state = restore_opt_state(config.train.init_from, abstract_state["opt_state"])
+            else:
+                with jax.set_mesh(mesh):
+                    init = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])
+                    opt_state = init(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
     fns = step_fns(config, spec, optimizer, schedule)

@@ -31,7 +31,10 @@ def t5x_lr(step: int) -> float:
 def reference_step(param, grad, state, step, lr, min_dim):
     """One T5X Adafactor update of one 2-D (or 1-D) parameter, float64, T5X defaults."""
     g2 = grad * grad + 1e-30
-    decay = 1.0 - (step + 1.0) ** -0.8
+    # T5X computes the decay in float32 (`_decay_rate_pow`); late in training 1 - decay
+    # loses digits there, and the moments follow T5X's rounded value.
+    decay = np.float32(1.0) - np.float32(step + 1.0) ** np.float32(-0.8)
+    decay = float(decay)
     factored = None
     if param.ndim >= 2:
         order = np.argsort(param.shape, kind="stable")

@@ -235,15 +235,14 @@ def rms(x) -> float:
     return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
 
 
-def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(converted, tmp_path):
-    """T5X's parameter scaling and update clipping: after one step of T5X's Adafactor every
-    parameter moves by RMS <= lr x max(RMS(param), 1e-3), lr = 1/sqrt(max(20, 10k)) = 0.01."""
+def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> ConfigDict:
+    """configs/uptrain_gqa.py on `checkpoint`, with small batches of the embedded corpus."""
     uptrain = uptrain_module()
-    config = uptrain.get_config(str(converted))
+    config = uptrain.get_config(str(checkpoint))
     apply_overrides(
         config,
         [
-            "uptrain.original_steps=20",  # the fixture is T5X's step 0: 0.05 x 20 = 1 step
+            *overrides,
             "train.batch_size=8",
             "train.seq_len=32",
             "train.eval_batches=1",
@@ -253,6 +252,14 @@ def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(con
         ],
     )
     uptrain.finalize(config)
+    return config
+
+
+def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(converted, tmp_path):
+    """T5X's parameter scaling and update clipping: after one step of T5X's Adafactor every
+    parameter moves by RMS <= lr x max(RMS(param), 1e-3), lr = 1/sqrt(max(20, 10k)) = 0.01."""
+    # The fixture is T5X's step 0: as if at step 20, 0.05 x 20 = 1 step.
+    config = tiny_uptrain(converted, tmp_path, "uptrain.original_steps=20")
     assert config.train.steps == 1 and config.optimizer.start_step == 20
     train(config, str(tmp_path / "run"), progress=False)
 
@@ -314,3 +321,150 @@ def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
     assert full[6] < full[1]
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(full[step], abs=1e-5), step
+
+
+# --- convert t5x --keep_optimizer: T5X's Adafactor state continues exactly ---
+
+
+def t5x_with_moments(path: Path, step: int, seed: int = 0) -> dict:
+    """A copy of the fixture written by flax's serializer as T5X would after `step` steps:
+    positive second moments `v` (unfactored at d_model 8) in every parameter state."""
+    tree = flax.serialization.msgpack_restore(TINY.read_bytes())
+    rng = np.random.default_rng(seed)
+    moments = {}
+
+    def visit(node, prefix):
+        for key, value in node.items():
+            if "v" in value and "v_row" in value:  # one parameter's Adafactor state
+                value["v"] = rng.uniform(1e-6, 1e-3, value["v"].shape).astype(np.float32)
+                moments[f"{prefix}{key}"] = value["v"]
+            else:
+                visit(value, f"{prefix}{key}/")
+
+    visit(tree["optimizer"]["state"]["param_states"], "")
+    tree["optimizer"]["state"]["step"] = np.asarray(step, np.int32)
+    path.write_bytes(flax.serialization.msgpack_serialize(tree))
+    return moments
+
+
+def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path):
+    """One update from the kept state equals T5X's formulas (float64 numpy) continued at step
+    N with the stored moments, on every parameter, in jaxmoe's layouts."""
+    if not TINY.exists():
+        pytest.skip(f"T5X fixture not found at {TINY}")
+    from jaxmoe.checkpoints.manager import restore_opt_state
+    from jaxmoe.optim import make_optimizer
+    from tests.test_t5x_adafactor import jaxmoe_layout, reference_step
+
+    step = 150_000
+    src = tmp_path / "checkpoint_150000"
+    moments = t5x_with_moments(src, step)
+    dst = tmp_path / "kept"
+    convert_t5x(src, dst, keep_optimizer=True)
+    uptrain = uptrain_module()
+    config = uptrain.get_config(str(dst))
+    uptrain.finalize(config)
+    assert config.train.init_optimizer and config.optimizer.start_step == step
+
+    optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(dst / "params")
+    opt_state = restore_opt_state(str(dst), jax.eval_shape(optimizer.init, params))
+    t5x = {name: np.asarray(a, np.float64) for name, a in flatten_t5x(TINY).items()}
+    rng = np.random.default_rng(3)
+    grads_t5x = {n: rng.standard_normal(a.shape) * 1e-2 for n, a in t5x.items()}
+    layouts = {n: jaxmoe_layout(n, t5x[n]) for n in t5x}
+    by_jaxmoe_path = {}
+    for name, (path, _) in layouts.items():
+        by_jaxmoe_path[jaxmoe_path(path)] = name
+    grads = unflatten_paths(
+        {
+            jaxmoe_path(layouts[n][0]): jnp.asarray(g.reshape(layouts[n][1].shape), jnp.float32)
+            for n, g in grads_t5x.items()
+        }
+    )
+    updates, _ = jax.jit(optimizer.update)(grads, opt_state, params)
+    lr = 1 / math.sqrt(step)
+    for path, update in flatten(jax.tree.map(np.asarray, updates)).items():
+        name = by_jaxmoe_path[path]
+        state = {"v": moments[name].astype(np.float64)}
+        want = reference_step(t5x[name], grads_t5x[name], state, step, lr, 128) - t5x[name]
+        np.testing.assert_allclose(update.reshape(want.shape), want, rtol=1e-6, err_msg=name)
+
+
+def flatten_t5x(path: Path) -> dict:
+    from jaxmoe.checkpoints.t5x import open_t5x
+
+    checkpoint = open_t5x(path)
+    return {name: checkpoint.read(name) for name in checkpoint.names()}
+
+
+# T5X module names -> jaxmoe's, written out by hand for the tiny T5.1.1 (test-only mapping).
+_MODULES = {
+    "token_embedder/embedding": ("token_embed", "embedding"),
+    "encoder/relpos_bias/rel_embedding": ("encoder_relpos", "rel_embedding"),
+    "decoder/relpos_bias/rel_embedding": ("decoder_relpos", "rel_embedding"),
+    "encoder/encoder_norm/scale": ("encoder_norm", "scale"),
+    "decoder/decoder_norm/scale": ("decoder_norm", "scale"),
+    "decoder/logits_dense/kernel": ("lm_head",),
+}
+_LAYER_MODULES = {
+    "attention": "attn",
+    "pre_attention_layer_norm": "attn_norm",
+    "pre_mlp_layer_norm": "ffn_norm",
+    "mlp": "ffn",
+    "self_attention": "self_attn",
+    "pre_self_attention_layer_norm": "self_attn_norm",
+    "encoder_decoder_attention": "cross_attn",
+    "pre_cross_attention_layer_norm": "cross_attn_norm",
+}
+
+
+def jaxmoe_path(t5x_path: tuple[str, ...]) -> tuple[str, ...]:
+    """jaxmoe's parameter path of a T5X path as `jaxmoe_layout` returns it."""
+    joined = "/".join(t5x_path)
+    if joined in _MODULES:
+        return _MODULES[joined]
+    stack, layer, module, *rest = t5x_path  # encoder/layers_0/attention/query
+    leaf = rest[0] if rest[0] != "scale" else "scale"
+    return (f"{stack}_layers", layer.removeprefix("layers_"), _LAYER_MODULES[module], leaf)
+
+
+def unflatten_paths(flat: dict) -> dict:
+    from jaxmoe.checkpoints.trees import unflatten
+
+    return unflatten(flat)
+
+
+def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
+    if not TINY.exists():
+        pytest.skip(f"T5X fixture not found at {TINY}")
+    src = tmp_path / "checkpoint_40"
+    t5x_with_moments(src, 40)
+    with pytest.raises(ValueError, match=r"^--keep_optimizer keeps T5X's Adafactor state"):
+        convert_t5x(
+            src, tmp_path / "adamw", keep_optimizer=True, overrides=["optimizer.name=adamw"]
+        )
+    dst = tmp_path / "kept"
+    convert_t5x(src, dst, keep_optimizer=True)
+    config = tiny_uptrain(dst, tmp_path)
+    assert config.train.steps == 2 and config.train.init_optimizer  # 0.05 x 40
+    train(config, str(tmp_path / "run"), progress=False)
+    import optax
+
+    from jaxmoe.optim import make_optimizer
+
+    step_dir = tmp_path / "run" / "checkpoints" / "2"
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(step_dir / "params")
+        optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+        abstract = jax.eval_shape(optimizer.init, params)
+        opt_state = checkpointer.restore(step_dir / "opt_state", abstract)
+    kinds = (optax.FactoredState, optax.ScaleByScheduleState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, kinds))
+    moments = {int(n.count) for n in nodes if isinstance(n, optax.FactoredState)}
+    schedule = {int(n.count) for n in nodes if isinstance(n, optax.ScaleByScheduleState)}
+    assert (moments, schedule) == ({42}, {2})  # T5X's 40 continued; the schedule restarted
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    lr = [r["learning_rate"] for r in lines if r["split"] == "train"]
+    np.testing.assert_allclose(lr, [0.01, 0.01], rtol=1e-6)  # 1 / sqrt(max(40, 10k))

@@ -14,7 +14,8 @@ G = max(256 MiB, largest tensor, total / 64). Peak memory is a few G (the group 
 copies while it writes; measured ~200 MiB + 2.5 G), never the whole model; an inline legacy
 msgpack file is also held by the reader. Of the optimizer state only `step` is read: the
 stored config records it (`source.step`) beside T5.1.1's pre-training recipe, so uptraining
-(configs/uptrain_gqa.py) continues T5X's schedule from that step.
+(configs/uptrain_gqa.py) continues T5X's schedule from that step. `--keep_optimizer` also
+converts T5X's Adafactor moments (t5x_optimizer.py) into an `opt_state` item.
 """
 
 import argparse
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import orbax.checkpoint.experimental.v1 as ocp_v1
 from flax import nnx
 from ml_collections import ConfigDict
@@ -305,9 +307,11 @@ def convert_t5x(
     head_dim: int | None = None,
     relpos_max_distance: int = 128,
     overrides=(),
+    keep_optimizer: bool = False,
 ) -> ConfigDict:
     """Converts T5X checkpoint `src` into a new jaxmoe checkpoint directory `dst`
-    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads). Returns the config."""
+    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads; `opt_state` with
+    `keep_optimizer`, which `train.init_optimizer` restores). Returns the config."""
     if dtype not in OUTPUT_DTYPES:
         raise CheckpointError(f"--dtype={dtype!r} is not one of {list(OUTPUT_DTYPES)}")
     out_dtype = OUTPUT_DTYPES[dtype]
@@ -324,6 +328,12 @@ def convert_t5x(
     )
     config = build_config(values, overrides, source_step=table.step or 0)
     plan = plan_conversion(table, config.model, src)
+    opt_state = None
+    if keep_optimizer:
+        from jaxmoe.checkpoints.t5x_optimizer import adafactor_state
+
+        opt_state = adafactor_state(table, config, plan, src)
+        config.train.init_optimizer = True  # uptraining from DST continues these moments
 
     staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -339,6 +349,9 @@ def convert_t5x(
         ocp_v1.partial.finalize(staging / "orbax")
         _tree_directory(staging / "orbax").rename(staging / "params")
         shutil.rmtree(staging / "orbax")
+        if opt_state is not None:
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(staging / "opt_state", opt_state)
         (staging / "config").mkdir()
         (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         if dst.exists():
@@ -388,6 +401,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=128,
         help="T5 relative-position max distance (not stored in T5X checkpoints)",
     )
+    parser.add_argument(
+        "--keep_optimizer",
+        action="store_true",
+        help="also convert T5X's Adafactor state, so uptraining continues it exactly",
+    )
     parser.set_defaults(run=run_convert_t5x)
     return parser
 
@@ -403,6 +421,7 @@ def run_convert_t5x(args, overrides=()) -> int:
         head_dim=args.head_dim,
         relpos_max_distance=args.relpos_max_distance,
         overrides=overrides,
+        keep_optimizer=args.keep_optimizer,
     )
     m = config.model
     summary = {
