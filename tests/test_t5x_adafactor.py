@@ -65,13 +65,13 @@ def reference_state(param):
     return state
 
 
-def jaxmoe_layout(name: str, array: np.ndarray):
+def jaxmoe_layout(name: str, array: np.ndarray, heads: int = HEADS):
     """(path, array) of a T5X tensor as jaxmoe holds it: attention heads as their own axis."""
     parts = name.split("/")
     if parts[-1] == "kernel" and parts[-2] in ("query", "key", "value"):
-        return (*parts[:-1],), array.reshape(array.shape[0], HEADS, HEAD_DIM)
+        return (*parts[:-1],), array.reshape(array.shape[0], heads, -1)
     if parts[-1] == "kernel" and parts[-2] == "out":
-        return (*parts[:-1],), array.reshape(HEADS, HEAD_DIM, array.shape[1])
+        return (*parts[:-1],), array.reshape(heads, -1, array.shape[1])
     return tuple(parts), array
 
 

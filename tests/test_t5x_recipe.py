@@ -22,7 +22,7 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.t5x_convert import convert_t5x
-from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config import ConfigError, apply_overrides
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
@@ -326,28 +326,78 @@ def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
 # --- convert t5x --keep_optimizer: T5X's Adafactor state continues exactly ---
 
 
-def t5x_with_moments(path: Path, step: int, seed: int = 0) -> dict:
-    """A copy of the fixture written by flax's serializer as T5X would after `step` steps:
-    positive second moments `v` (unfactored at d_model 8) in every parameter state."""
-    tree = flax.serialization.msgpack_restore(TINY.read_bytes())
+def write_t5x_with_moments(path: Path, params: dict, step: int, seed: int = 0) -> dict:
+    """A legacy T5X checkpoint file (flax's serializer) of `params` as T5X's Adafactor leaves
+    it after `step` steps: positive second moments, factored by T5X's heuristic (when the
+    second-largest axis is >= 128; v_row drops the largest axis, v_col the other). Returns
+    {name: its moments}."""
     rng = np.random.default_rng(seed)
-    moments = {}
-
-    def visit(node, prefix):
-        for key, value in node.items():
-            if "v" in value and "v_row" in value:  # one parameter's Adafactor state
-                value["v"] = rng.uniform(1e-6, 1e-3, value["v"].shape).astype(np.float32)
-                moments[f"{prefix}{key}"] = value["v"]
-            else:
-                visit(value, f"{prefix}{key}/")
-
-    visit(tree["optimizer"]["state"]["param_states"], "")
-    tree["optimizer"]["state"]["step"] = np.asarray(step, np.int32)
+    placeholder = np.zeros((1,), np.float32)
+    states, moments = {}, {}
+    for name, param in params.items():
+        state = {"m": placeholder, "v_row": placeholder, "v_col": placeholder, "v": placeholder}
+        order = np.argsort(param.shape, kind="stable")
+        if param.ndim >= 2 and param.shape[order[-2]] >= 128:
+            state["v_row"] = np.delete(param.shape, order[-1])
+            state["v_col"] = np.delete(param.shape, order[-2])
+        else:
+            state["v"] = param.shape
+        for key in ("v_row", "v_col", "v"):
+            if state[key] is not placeholder:
+                state[key] = rng.uniform(1e-6, 1e-3, state[key]).astype(np.float32)
+        moments[name] = {k: v.astype(np.float64) for k, v in state.items() if v.size > 1}
+        for key, value in state.items():
+            states[(*name.split("/"), key)] = value
+    target = {tuple(name.split("/")): value for name, value in params.items()}
+    tree = {
+        "version": 3,
+        "optimizer": {
+            "target": unflatten(target),
+            "state": {"step": np.asarray(step, np.int32), "param_states": unflatten(states)},
+        },
+    }
     path.write_bytes(flax.serialization.msgpack_serialize(tree))
     return moments
 
 
-def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path):
+def t5_1_1_params(d: int, heads: int, head_dim: int, ff: int, vocab: int, seed: int = 0):
+    """Random parameters of a one-layer T5.1.1 under T5X's names and 2-D shapes."""
+    rng = np.random.default_rng(seed)
+    hd = heads * head_dim
+    shapes = {"token_embedder/embedding": (vocab, d), "decoder/logits_dense/kernel": (d, vocab)}
+    for stack, norm in (("encoder", "encoder_norm"), ("decoder", "decoder_norm")):
+        shapes[f"{stack}/relpos_bias/rel_embedding"] = (heads, 32)
+        shapes[f"{stack}/{norm}/scale"] = (d,)
+        mlp = {"wi_0": (d, ff), "wi_1": (d, ff), "wo": (ff, d)}
+        for key, shape in mlp.items():
+            shapes[f"{stack}/layers_0/mlp/{key}/kernel"] = shape
+    attention = {"query": (d, hd), "key": (d, hd), "value": (d, hd), "out": (hd, d)}
+    blocks = {
+        "encoder": ["attention"],
+        "decoder": ["self_attention", "encoder_decoder_attention"],
+    }
+    norms = {
+        "encoder": ["pre_attention", "pre_mlp"],
+        "decoder": ["pre_self_attention", "pre_cross_attention", "pre_mlp"],
+    }
+    for stack in ("encoder", "decoder"):
+        for block in blocks[stack]:
+            for key, shape in attention.items():
+                shapes[f"{stack}/layers_0/{block}/{key}/kernel"] = shape
+        for norm in norms[stack]:
+            shapes[f"{stack}/layers_0/{norm}_layer_norm/scale"] = (d,)
+    return {n: (rng.standard_normal(s) * 0.05).astype(np.float32) for n, s in shapes.items()}
+
+
+SOURCES = {
+    # The fixture (d_model 8: every moment unfactored) and a d_model-128 T5 (factored).
+    "fixture": lambda: (flatten_t5x(TINY), 4),
+    "d_model_128": lambda: (t5_1_1_params(128, 2, 64, 256, 512), 2),
+}
+
+
+@pytest.mark.parametrize("source", sorted(SOURCES))
+def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path, source):
     """One update from the kept state equals T5X's formulas (float64 numpy) continued at step
     N with the stored moments, on every parameter, in jaxmoe's layouts."""
     if not TINY.exists():
@@ -356,9 +406,10 @@ def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path):
     from jaxmoe.optim import make_optimizer
     from tests.test_t5x_adafactor import jaxmoe_layout, reference_step
 
+    t5x, heads = SOURCES[source]()
     step = 150_000
     src = tmp_path / "checkpoint_150000"
-    moments = t5x_with_moments(src, step)
+    moments = write_t5x_with_moments(src, t5x, step)
     dst = tmp_path / "kept"
     convert_t5x(src, dst, keep_optimizer=True)
     uptrain = uptrain_module()
@@ -370,14 +421,12 @@ def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path):
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(dst / "params")
     opt_state = restore_opt_state(str(dst), jax.eval_shape(optimizer.init, params))
-    t5x = {name: np.asarray(a, np.float64) for name, a in flatten_t5x(TINY).items()}
+    t5x = {name: np.asarray(a, np.float64) for name, a in t5x.items()}
     rng = np.random.default_rng(3)
     grads_t5x = {n: rng.standard_normal(a.shape) * 1e-2 for n, a in t5x.items()}
-    layouts = {n: jaxmoe_layout(n, t5x[n]) for n in t5x}
-    by_jaxmoe_path = {}
-    for name, (path, _) in layouts.items():
-        by_jaxmoe_path[jaxmoe_path(path)] = name
-    grads = unflatten_paths(
+    layouts = {n: jaxmoe_layout(n, t5x[n], heads) for n in t5x}
+    by_jaxmoe_path = {jaxmoe_path(path): name for name, (path, _) in layouts.items()}
+    grads = unflatten(
         {
             jaxmoe_path(layouts[n][0]): jnp.asarray(g.reshape(layouts[n][1].shape), jnp.float32)
             for n, g in grads_t5x.items()
@@ -385,11 +434,15 @@ def test_keep_optimizer_continues_t5x_adafactor_exactly(tmp_path):
     )
     updates, _ = jax.jit(optimizer.update)(grads, opt_state, params)
     lr = 1 / math.sqrt(step)
+    factored = 0
     for path, update in flatten(jax.tree.map(np.asarray, updates)).items():
         name = by_jaxmoe_path[path]
-        state = {"v": moments[name].astype(np.float64)}
+        factored += "v_row" in moments[name]
+        state = dict(moments[name])
         want = reference_step(t5x[name], grads_t5x[name], state, step, lr, 128) - t5x[name]
         np.testing.assert_allclose(update.reshape(want.shape), want, rtol=1e-6, err_msg=name)
+    # d_model 128: embedding, output layer and the 18 attention and FFN kernels (not relpos)
+    assert factored == (0 if source == "fixture" else 20)
 
 
 def flatten_t5x(path: Path) -> dict:
@@ -430,17 +483,11 @@ def jaxmoe_path(t5x_path: tuple[str, ...]) -> tuple[str, ...]:
     return (f"{stack}_layers", layer.removeprefix("layers_"), _LAYER_MODULES[module], leaf)
 
 
-def unflatten_paths(flat: dict) -> dict:
-    from jaxmoe.checkpoints.trees import unflatten
-
-    return unflatten(flat)
-
-
 def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
     if not TINY.exists():
         pytest.skip(f"T5X fixture not found at {TINY}")
     src = tmp_path / "checkpoint_40"
-    t5x_with_moments(src, 40)
+    write_t5x_with_moments(src, flatten_t5x(TINY), 40)
     with pytest.raises(ValueError, match=r"^--keep_optimizer keeps T5X's Adafactor state"):
         convert_t5x(
             src, tmp_path / "adamw", keep_optimizer=True, overrides=["optimizer.name=adamw"]
