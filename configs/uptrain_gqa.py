@@ -17,7 +17,7 @@ The schedule is not restarted: it continues at the step where the source stopped
 (optimizer.start_step = uptrain.original_steps), past the warmup, and a cosine keeps its
 original length, so after its end it stays at its floor. The source's step count is its
 config's start_step + train.steps (a jaxmoe run), or the step `jaxmoe convert t5x` recorded
-in `source.step` (T5X checkpoints carry T5.1.1's recipe: rsqrt at step N is 1/sqrt(N)).
+in `source.step` (T5X checkpoints carry T5.1.1's recipe: 1/sqrt(max(N, 10k)) at step N).
 
 The whole sequence, from a multi-head model to a faster-decoding GQA one:
   jaxmoe train --config configs/default.py:dense --config.model.num_kv_heads=4 \\
