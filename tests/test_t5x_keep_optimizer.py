@@ -206,3 +206,41 @@ def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     lr = [r["learning_rate"] for r in lines if r["split"] == "train"]
     np.testing.assert_allclose(lr, [0.01, 0.01], rtol=1e-6)  # 1 / sqrt(max(40, 10k))
+
+
+def test_init_optimizer_from_a_jaxmoe_run_continues_adam_and_offsets_the_schedule(tmp_path):
+    """train.init_optimizer from a jaxmoe run: Adam's moment count continues (4 + 1) while
+    the schedule's own count restarts, the schedule being offset by start_step instead."""
+    from jaxmoe.config import apply_overrides
+    from tests.helpers import tiny_config
+
+    overrides = [
+        "model.moe.num_experts=0",
+        "train.eval_batches=1",
+        "train.log_every=1",
+        "model.vocab_size=0",
+        "data.vocab_size=512",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
+    train(tiny_config(*overrides), str(tmp_path / "source"), progress=False)  # 4 steps
+    uptrain = uptrain_module()
+    config = uptrain.get_config(str(tmp_path / "source"))
+    apply_overrides(config, ["train.init_optimizer=true", "uptrain.alpha=0.25"])
+    uptrain.finalize(config)
+    assert (config.train.steps, config.optimizer.start_step) == (1, 4)
+    train(config, str(tmp_path / "up"), progress=False)
+
+    step_dir = tmp_path / "up" / "checkpoints" / "1"
+    with ocp.StandardCheckpointer() as checkpointer:
+        params = checkpointer.restore(step_dir / "params")
+        optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+        opt_state = checkpointer.restore(
+            step_dir / "opt_state", jax.eval_shape(optimizer.init, params)
+        )
+    kinds = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+    nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: isinstance(n, kinds))
+    assert {int(n.count) for n in nodes if isinstance(n, optax.ScaleByAdamState)} == {5}
+    assert {int(n.count) for n in nodes if isinstance(n, optax.ScaleByScheduleState)} == {1}
+    line = json.loads((tmp_path / "up" / "metrics.jsonl").read_text().splitlines()[0])
+    # The source's 4-step cosine ended at its floor: 0.1 x the peak 3e-3.
+    np.testing.assert_allclose(line["learning_rate"], 3e-4, rtol=1e-5)
