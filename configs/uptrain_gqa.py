@@ -5,8 +5,19 @@ uptrain.alpha x the original run's steps (the paper: alpha = 0.05; GQA is usable
 needs it, returns diminish past 0.1). The variant is the converted checkpoint: its stored
 config supplies the model and the original recipe (data, batch, sequence length,
 optimizer, learning-rate schedule), `train.init_from` points at it, and the optimizer
-state starts fresh. The warmup is shortened by the same factor alpha (at least one step),
-so the schedule keeps its shape.
+state starts fresh, unless the checkpoint carries one and its config says
+`train.init_optimizer` (`jaxmoe convert t5x --keep_optimizer`): then T5X's Adafactor moments
+continue exactly. `convert gqa` keeps no optimizer state, so a pooled model starts all of
+it fresh: the pooled K/V kernels change shape and gradient statistics, and a fresh moment at
+T5X's late decay (1 - N^-0.8, near 1) would give those kernels clipped, sign-like steps for
+thousands of steps; a fresh state restarts the decay for every kernel alike (T5X's
+`step_offset`).
+
+The schedule is not restarted: it continues at the step where the source stopped
+(optimizer.start_step = uptrain.original_steps), past the warmup, and a cosine keeps its
+original length, so after its end it stays at its floor. The source's step count is its
+config's start_step + train.steps (a jaxmoe run), or the step `jaxmoe convert t5x` recorded
+in `source.step` (T5X checkpoints carry T5.1.1's recipe: 1/sqrt(max(N, 10k)) at step N).
 
 The whole sequence, from a multi-head model to a faster-decoding GQA one:
   jaxmoe train --config configs/default.py:dense --config.model.num_kv_heads=4 \\
@@ -19,15 +30,23 @@ The whole sequence, from a multi-head model to a faster-decoding GQA one:
 
 Without a variant the defaults of configs/default.py are the recipe; then set
 --config.train.init_from=CKPT, --config.uptrain.original_steps=N and the model keys of CKPT.
-train.steps and optimizer.warmup_steps are derived from uptrain.* in `finalize` (run after
-the command-line overrides): change uptrain.alpha / uptrain.original_steps, not them.
+train.steps, optimizer.start_step and optimizer.schedule_steps are derived from uptrain.* in
+`finalize` (run after the command-line overrides): change uptrain.*, not them.
 """
-
-import math
 
 from ml_collections import ConfigDict
 
 from jaxmoe.default_config import base_config
+
+
+def source_schedule(config: ConfigDict) -> tuple[int, int]:
+    """(step the checkpoint's run stopped at, length of its schedule) from its config."""
+    source = config.get("source")
+    if source is not None and not config.train.init_from:  # converted from elsewhere
+        return int(source.step), int(source.step)
+    o = config.optimizer
+    stopped = int(o.get("start_step", 0)) + int(config.train.steps)
+    return stopped, int(o.get("schedule_steps", 0)) or stopped
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
@@ -35,38 +54,35 @@ def get_config(variant: str | None = None) -> ConfigDict:
         from jaxmoe.checkpoints.manager import read_config
 
         config = read_config(variant)  # the converted model and its original recipe
-        stored = config.get("uptrain")
-        original_steps = stored.original_steps if stored else config.train.steps
-        original_warmup = stored.original_warmup_steps if stored else config.optimizer.warmup_steps
+        original_steps, schedule_steps = source_schedule(config)
+        if "source" in config:
+            del config["source"]  # describes the checkpoint, not this run
         config.train.init_from = variant
     else:
         config = base_config()
-        original_steps, original_warmup = config.train.steps, config.optimizer.warmup_steps
+        original_steps = schedule_steps = config.train.steps
     config.uptrain = u = ConfigDict()
     u.alpha = 0.05  # uptraining steps as a fraction of the original run's
-    u.original_steps = int(original_steps)  # steps of the run the checkpoint came from
-    u.original_warmup_steps = int(original_warmup)  # that run's warmup (scaled by alpha too)
-    _derive_steps(config)  # again in finalize(), after command-line overrides
+    u.original_steps = original_steps  # steps of the source run: the schedule resumes here
+    u.original_schedule_steps = schedule_steps  # length of the source run's schedule
     return config
 
 
 def finalize(config: ConfigDict) -> None:
-    """Check the run and derive train.steps and the warmup (after command-line overrides)."""
+    """Check the run and derive train.steps and the schedule (after command-line overrides)."""
     if not config.train.init_from:
         raise ValueError(
             "train.init_from is empty: uptraining starts from a converted checkpoint "
             "(configs/uptrain_gqa.py:CKPT or --config.train.init_from=CKPT)"
         )
-    _derive_steps(config)
-
-
-def _derive_steps(config: ConfigDict) -> None:
     u = config.uptrain
     if u.alpha <= 0:
         raise ValueError(f"uptrain.alpha={u.alpha} must be > 0 (alpha = 0 needs no training)")
     if u.original_steps < 1:
-        raise ValueError(f"uptrain.original_steps={u.original_steps} must be >= 1")
+        raise ValueError(
+            f"uptrain.original_steps={u.original_steps} must be >= 1 (the source's training "
+            "steps; a step-0 checkpoint has none: set --config.uptrain.original_steps)"
+        )
     config.train.steps = max(1, round(u.alpha * u.original_steps))
-    config.optimizer.warmup_steps = min(
-        math.ceil(u.alpha * u.original_warmup_steps), config.train.steps
-    )
+    config.optimizer.start_step = u.original_steps
+    config.optimizer.schedule_steps = max(u.original_schedule_steps, u.original_steps)

@@ -26,8 +26,8 @@ CHOICES = {
     "model.moe.gap_normalization": ("top2", "none"),
     "model.moe.single_weight": ("prob", "one"),
     "model.moe.dispatch": ("auto", "blocks", "ragged", "dense", "capacity"),
-    "optimizer.name": ("adamw", "adafactor"),
-    "optimizer.schedule": ("cosine", "rsqrt", "constant"),
+    "optimizer.name": ("adamw", "adafactor", "t5x_adafactor"),
+    "optimizer.schedule": ("cosine", "rsqrt", "constant", "t5x_rsqrt"),
     "data.curriculum": ("none", "paper", "magnitude"),
     "data.curriculum_source": ("previous_epoch", "scoring_pass"),
     "train.nonfinite": ("stop", "skip"),
@@ -199,6 +199,14 @@ def validate(config: ConfigDict) -> None:
         config.optimizer.warmup_steps >= 0,
         f"optimizer.warmup_steps={config.optimizer.warmup_steps} must be >= 0",
     )
+    o = config.optimizer
+    for key in ("start_step", "schedule_steps"):
+        need(o[key] >= 0, f"optimizer.{key}={o[key]} must be >= 0")
+    need(0.0 < o.decay_rate <= 1.0, f"optimizer.decay_rate={o.decay_rate} not in (0, 1]")
+    need(o.clipping_threshold >= 0, f"optimizer.clipping_threshold={o.clipping_threshold} < 0")
+    need(0.0 <= o.momentum < 1.0, f"optimizer.momentum={o.momentum} not in [0, 1)")
+    need(0.0 <= m.dropout_rate < 1.0, f"model.dropout_rate={m.dropout_rate} not in [0, 1)")
+    need(t.logits_z_loss >= 0, f"train.logits_z_loss={t.logits_z_loss} must be >= 0")
     for axis in ("data", "fsdp", "tensor", "expert", "dcn_data", "dcn_fsdp"):
         size = config.mesh[axis]
         need(size == -1 or size >= 1, f"mesh.{axis}={size} must be positive or -1")

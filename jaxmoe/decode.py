@@ -20,7 +20,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
@@ -40,7 +39,7 @@ from jaxmoe.parallel.sharding import (
     named,
 )
 from jaxmoe.paths import absolute_path
-from jaxmoe.train_state import model_spec
+from jaxmoe.train_state import merge_model, model_spec
 
 log = logging.getLogger(__name__)
 
@@ -113,16 +112,16 @@ class Generation:
         return self.num_new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
 
 
-def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, cfg, cache_len, constrain):
-    model = nnx.merge(graphdef, params)
+def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
+    model = merge_model(graphdef, params, rest)
     caches = init_caches(cfg, prompt_BP.shape[0], cache_len, constrain)
     logits, caches = decoder_forward(model, prompt_BP, caches, 0, pad_B, last_only=True)
     index = jnp.asarray(prompt_BP.shape[1], jnp.int32)
     return {"logits_BV": logits[:, -1], "caches": caches, "index": index, "pad_B": pad_B}
 
 
-def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, cfg, cache_len, constrain):
-    model = nnx.merge(graphdef, params)
+def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, rest, cfg, cache_len, constrain):
+    model = merge_model(graphdef, params, rest)
     cross, valid_BS = encode_for_decoding(model, encoder_BS)
     caches = init_caches(cfg, encoder_BS.shape[0], cache_len, constrain)
     start_B1 = jnp.zeros((encoder_BS.shape[0], 1), jnp.int32)  # T5's decoder start token
@@ -145,6 +144,7 @@ def _decode_loop(
     key,
     *,
     graphdef,
+    rest,
     sampling,
     new_bucket,
     eos_id,
@@ -156,7 +156,7 @@ def _decode_loop(
     Returns (tokens, number of loop steps, caches). The caches are donated by the caller and
     returned, so XLA updates one buffer in place from the first step to the last.
     """
-    model = nnx.merge(graphdef, params)
+    model = merge_model(graphdef, params, rest)  # rest: RNG streams, unused at decode
 
     def forward(tokens_B1, caches, index):
         if "cross" in state:
@@ -271,6 +271,7 @@ class Generator:
         fn = functools.partial(
             fn,
             graphdef=self.spec.graphdef,
+            rest=self.spec.rest,
             cfg=self.cfg,
             cache_len=cache_len,
             constrain=self._constrain(rows, cache_len),
@@ -296,6 +297,7 @@ class Generator:
         fn = functools.partial(
             _decode_loop,
             graphdef=self.spec.graphdef,
+            rest=self.spec.rest,
             sampling=sampling,
             new_bucket=new_bucket,
             eos_id=self.eos_id,

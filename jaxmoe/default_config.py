@@ -31,6 +31,7 @@ def base_config() -> ConfigDict:
     m.remat = False  # recompute each block in the backward pass (saves memory)
     m.relpos_buckets = 32  # encoder_decoder: T5 relative-position buckets
     m.relpos_max_distance = 128  # encoder_decoder: T5 relative-position max distance
+    m.dropout_rate = 0.0  # training only: embeddings, attention and FFN outputs, final norm
 
     m.moe = moe = ConfigDict()
     moe.num_experts = 8  # experts per MoE layer; 0 = dense model
@@ -64,22 +65,29 @@ def base_config() -> ConfigDict:
     t.checkpoint_every = 200  # steps between checkpoints (and one at the end)
     t.max_to_keep = 3  # checkpoints kept on disk
     t.init_from = ""  # checkpoint to take parameters from (fresh optimizer state)
+    t.init_optimizer = False  # with init_from: also take its optimizer state (moments, steps)
     t.nonfinite = "stop"  # on a non-finite loss: stop | skip
     t.profile_steps = ""  # "START:END": trace steps START+1..END into WORKDIR/profile
     t.peak_flops = 0.0  # FLOP/s of one device for `mfu` (0 = from the device kind, if known)
     t.wandb = ""  # Weights & Biases PROJECT[/RUN_NAME] ("" = off; WANDB_MODE=offline works)
+    t.logits_z_loss = 0.0  # output z-loss: coef * mean(logsumexp(logits)^2) over targets
 
     c.optimizer = o = ConfigDict()
-    o.name = "adamw"  # adamw | adafactor
-    o.learning_rate = 3e-3  # peak learning rate
-    o.schedule = "cosine"  # cosine | rsqrt | constant
-    o.warmup_steps = 50  # linear warmup steps
+    o.name = "adamw"  # adamw | adafactor (optax's) | t5x_adafactor (T5X's, T5.1.1's)
+    o.learning_rate = 3e-3  # peak learning rate (t5x_rsqrt: the numerator)
+    o.schedule = "cosine"  # cosine | rsqrt | constant | t5x_rsqrt (lr / sqrt(max(step, warmup)))
+    o.warmup_steps = 50  # linear warmup steps (t5x_rsqrt: flat until this step)
     o.min_lr_ratio = 0.1  # cosine: final learning rate / peak
+    o.start_step = 0  # the schedule starts at this step (uptraining: where the source stopped)
+    o.schedule_steps = 0  # cosine: length of the whole schedule; 0 = start_step + train.steps
     o.weight_decay = 0.1  # decoupled weight decay (adamw)
     o.b1 = 0.9  # first-moment decay
     o.b2 = 0.95  # second-moment decay
     o.eps = 1e-8  # adam epsilon
     o.grad_clip_norm = 1.0  # clip the global gradient norm (0 = off)
+    o.decay_rate = 0.8  # t5x_adafactor: second-moment decay 1 - (t + 1)^-decay_rate
+    o.clipping_threshold = 1.0  # t5x_adafactor: clip each update matrix to this RMS (0 = off)
+    o.momentum = 0.0  # t5x_adafactor: first-moment decay (0 = none, as T5.1.1)
 
     c.mesh = ms = ConfigDict()
     ms.data = -1  # data-parallel axis (-1 = the remaining devices)

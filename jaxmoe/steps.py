@@ -30,7 +30,8 @@ class StepFns:
     grad_accum: int
     skip_nonfinite: bool
     rest: nnx.State | None = None  # non-parameter model state (ModelSpec.rest)
-    seed: int = 0  # base of the per-step router-jitter keys
+    seed: int = 0  # base of the per-step router-jitter and dropout keys
+    logits_z_loss: float = 0.0  # T5X's output z-loss coefficient (train.logits_z_loss)
 
 
 def step_fns(config, spec, optimizer, schedule) -> StepFns:
@@ -45,6 +46,7 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         skip_nonfinite=config.train.nonfinite == "skip",
         rest=spec.rest,
         seed=config.train.seed,
+        logits_z_loss=config.train.get("logits_z_loss", 0.0),
     )
 
 
@@ -58,6 +60,13 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
 
 def token_nll(logits_BLV, targets_BL):
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+
+
+def logits_z_loss_sum(logits_BLV, weights_BL):
+    """Sum over target tokens of logsumexp(logits)^2 (T5X's z-loss, before its coefficient):
+    it pulls the softmax normaliser towards 1, which keeps bf16 logits well scaled."""
+    log_z = jax.nn.logsumexp(logits_BLV, axis=-1)
+    return jnp.sum(jnp.square(log_z) * weights_BL)
 
 
 def moe_summary(aux: dict) -> dict:
@@ -78,6 +87,11 @@ def _loss(params, batch, total_weight, rng, fns: StepFns):
     nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
     loss = nll_sum / total_weight
     extra = {"nll_sum": nll_sum}
+    if fns.logits_z_loss:
+        # Divided by the whole batch's target count, so micro-batch terms add up to the mean.
+        z = fns.logits_z_loss * logits_z_loss_sum(logits, batch["weights"]) / total_weight
+        loss = loss + z
+        extra["logits_z_loss"] = z
     if aux:
         layers = sorted(aux)
         balance = sum(aux[i]["balance_loss"] for i in layers) * fns.balance_loss_weight
@@ -113,7 +127,7 @@ def train_step(state, batch, fns: StepFns):
         extra = {
             key: (
                 jnp.sum(value, 0)
-                if key in ("nll_sum", "aux_loss", "z_loss")
+                if key in ("nll_sum", "aux_loss", "z_loss", "logits_z_loss")
                 else value.reshape(-1, *value.shape[2:])
                 if key == "routing_BM"
                 else jnp.mean(value, 0)

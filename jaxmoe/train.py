@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
+from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
 from jaxmoe.flops import train_flops_per_step
 from jaxmoe.goodput import Goodput
 from jaxmoe.metrics import MetricsWriter, wandb_options
@@ -171,8 +171,12 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
             params = restore_params(config.train.init_from, abstract_state["params"])
-            with jax.set_mesh(mesh):
-                opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
+            if config.train.get("init_optimizer", False):
+                opt_state = restore_opt_state(config.train.init_from, abstract_state["opt_state"])
+            else:
+                with jax.set_mesh(mesh):
+                    init = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])
+                    opt_state = init(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
     fns = step_fns(config, spec, optimizer, schedule)

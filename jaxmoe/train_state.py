@@ -41,8 +41,16 @@ class ModelSpec:
     rest: dict  # abstract non-parameter state: the MoE jitter RNG streams, or empty
 
 
+def model_rngs(key) -> nnx.Rngs:
+    """Parameter init plus named streams for router jitter and dropout. The names matter:
+    `merge_model` reseeds the streams by name (a stream forked from `default` is skipped)."""
+    return nnx.Rngs(
+        params=key, jitter=jax.random.fold_in(key, 1), dropout=jax.random.fold_in(key, 2)
+    )
+
+
 def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
-    abstract = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: build_model(model_cfg, rngs=model_rngs(jax.random.key(0))))
     graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
     specs = str_keys(nnx.to_pure_dict(param_specs(state, mesh, rules)))
     shapes = str_keys(nnx.to_pure_dict(state))
@@ -73,15 +81,15 @@ def _materialize(leaf):
 
 
 def merge_model(graphdef, params, rest=None, rng=None):
-    """The nnx model from its parameters. Models with RNG streams (router jitter) get them
-    re-created inside the trace and, when `rng` is given, seeded from it: the train step
-    derives that key from the step number, so the noise differs every step and a resumed
-    run draws the same noise as an uninterrupted one."""
+    """The nnx model from its parameters. Models with RNG streams (router jitter, dropout)
+    get them re-created inside the trace and, when `rng` is given, seeded from it: the train
+    step derives that key from the step number, so the noise differs every step and a
+    resumed run draws the same noise as an uninterrupted one."""
     if rest is None or not jax.tree.leaves(rest):
         return nnx.merge(graphdef, params)
     model = nnx.merge(graphdef, params, jax.tree.map(_materialize, rest))
     if rng is not None:
-        nnx.reseed(model, jitter=rng)
+        nnx.reseed(model, jitter=rng, dropout=jax.random.fold_in(rng, 1))
     return model
 
 
@@ -137,9 +145,7 @@ def init_state(model_cfg, seed: int, optimizer, shardings, mesh: Mesh):
     """The initial train state, created already sharded."""
 
     def init(key):
-        _, params = model_params(
-            build_model(model_cfg, rngs=nnx.Rngs(params=key, jitter=jax.random.fold_in(key, 1)))
-        )
+        _, params = model_params(build_model(model_cfg, rngs=model_rngs(key)))
         return {
             "step": jnp.zeros((), jnp.int32),
             "params": params,

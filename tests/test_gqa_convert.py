@@ -212,11 +212,15 @@ def test_uptrain_config_takes_model_and_recipe_from_the_converted_checkpoint(sou
     assert config.train.init_from == str(root / "mean")
     assert config.model.num_kv_heads == 2 and config.model.d_model == original.model.d_model
     assert config.uptrain.original_steps == original.train.steps == 4
+    uptrain.finalize(config)
     assert config.train.steps == 1  # max(1, round(0.05 * 4))
+    # The schedule continues where the source stopped: step 4 of its 4-step cosine.
+    assert (config.optimizer.start_step, config.optimizer.schedule_steps) == (4, 4)
+    assert config.optimizer.warmup_steps == original.optimizer.warmup_steps
     config.uptrain.alpha, config.uptrain.original_steps = 0.1, 600  # as if overridden
     uptrain.finalize(config)
     assert config.train.steps == 60
-    assert config.optimizer.warmup_steps == 1  # ceil(0.1 * the original warmup of 1)
+    assert (config.optimizer.start_step, config.optimizer.schedule_steps) == (600, 600)
     without_variant = uptrain.get_config(None)  # init_from may still come as an override
     with pytest.raises(ValueError, match=r"^train.init_from is empty"):
         uptrain.finalize(without_variant)

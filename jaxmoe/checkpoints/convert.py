@@ -236,6 +236,9 @@ def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
     from jaxmoe.config import validate
 
     validate(config)
+    # Only parameters are written: uptraining the result starts a fresh optimizer state (a
+    # kept T5X Adafactor state would not fit pooled K/V kernels, see configs/uptrain_gqa.py).
+    config.train.init_optimizer = False
     spec = model_spec(config.model, mesh)
     want = flatten(spec.abstract_params)
     got = flatten(params)

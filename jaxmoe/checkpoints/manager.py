@@ -1,8 +1,9 @@
 """Orbax checkpoints: `WORKDIR/checkpoints/<step>/{params, opt_state, meta, config}`.
 
 `params` and `opt_state` are separate items so that evaluation, conversion and
-`train.init_from` restore parameters without touching optimizer state. A converted
-checkpoint (from T5X, HF, GQA pooling...) is a directory with just `params` and `config`.
+`train.init_from` restore parameters without touching optimizer state (unless
+`train.init_optimizer`). A converted checkpoint (from T5X, HF, GQA pooling...) is a directory
+with just `params` and `config` (plus `opt_state` from `convert t5x --keep_optimizer`).
 Orbax writes each step into a temporary directory and renames it when complete, so an
 interrupted save is never mistaken for a checkpoint.
 """
@@ -213,6 +214,39 @@ def restore_params(path: str, abstract_params) -> dict:
             raise CheckpointError(
                 f"checkpoint {str(step_dir)!r} is damaged: {describe_error(error)}"
             ) from error
+
+
+def restore_opt_state(path: str, abstract_opt_state):
+    """The optimizer state stored with checkpoint `path`, placed like `abstract_opt_state`.
+
+    Moment estimates and their step counts continue; learning-rate schedule counts restart
+    at 0, because the schedule of the new run is offset by `optimizer.start_step` instead.
+    """
+    import optax
+
+    step_dir = resolve_checkpoint(path)
+    if not _item_dir(step_dir, "opt_state"):
+        raise CheckpointError(
+            f"checkpoint {str(step_dir)!r} has no optimizer state (train.init_optimizer needs "
+            "one: a training run's checkpoint, or `convert t5x --keep_optimizer`)"
+        )
+    with ocp.StandardCheckpointer() as checkpointer:
+        try:
+            state = checkpointer.restore(step_dir / "opt_state", abstract_opt_state)
+        except (ValueError, KeyError) as error:
+            raise CheckpointError(
+                f"checkpoint {str(step_dir)!r}: its optimizer state does not match "
+                f"optimizer.* of this run: {str(error).splitlines()[0]}"
+            ) from error
+
+    def restart(node):
+        if isinstance(node, optax.ScaleByScheduleState):
+            return node._replace(count=jax.numpy.zeros_like(node.count))
+        return node
+
+    return jax.tree.map(
+        restart, state, is_leaf=lambda node: isinstance(node, optax.ScaleByScheduleState)
+    )
 
 
 def save_params(path: str, params, config: ConfigDict) -> None:

@@ -12,7 +12,10 @@ Arrays are then read, reshaped ([D, H*dh] -> [D, H, dh], out [H*dh, D] -> [H, dh
 cast one at a time, and handed to Orbax's partial save in groups of about
 G = max(256 MiB, largest tensor, total / 64). Peak memory is a few G (the group plus Orbax's
 copies while it writes; measured ~200 MiB + 2.5 G), never the whole model; an inline legacy
-msgpack file is also held by the reader. The optimizer state is never read.
+msgpack file is also held by the reader. Of the optimizer state only `step` is read: the
+stored config records it (`source.step`) beside T5.1.1's pre-training recipe, so uptraining
+(configs/uptrain_gqa.py) continues T5X's schedule from that step. `--keep_optimizer` also
+converts T5X's Adafactor moments (t5x_optimizer.py) into an `opt_state` item.
 """
 
 import argparse
@@ -25,6 +28,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import orbax.checkpoint.experimental.v1 as ocp_v1
 from flax import nnx
 from ml_collections import ConfigDict
@@ -208,15 +212,34 @@ def infer_model(
     }
 
 
-def build_config(model_values: dict, overrides=()) -> ConfigDict:
+def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
+    """T5.1.1's pre-training recipe in T5X (its gin defaults), set on `config` in place:
+    T5X's Adafactor (decay 0.8, update clipping 1.0, parameter scaling, no momentum),
+    lr = 1 / sqrt(max(step, 10k)), no weight decay or global clipping, no dropout, span
+    corruption 15% / mean span 3, output-logit z-loss 1e-4. Batch and lengths stay jaxmoe's
+    (T5.1.1: 2048 sequences of 512 encoder / 114 decoder tokens)."""
+    o = config.optimizer
+    o.name, o.schedule = "t5x_adafactor", "t5x_rsqrt"
+    o.learning_rate, o.warmup_steps = 1.0, 10_000
+    o.weight_decay, o.grad_clip_norm = 0.0, 0.0
+    o.decay_rate, o.clipping_threshold, o.momentum = 0.8, 1.0, 0.0
+    config.model.dropout_rate = 0.0
+    config.train.logits_z_loss = 1e-4
+    config.data.noise_density, config.data.mean_noise_span = 0.15, 3.0
+    return config
+
+
+def build_config(model_values: dict, overrides=(), source_step: int = 0) -> ConfigDict:
     """The full jaxmoe config of a converted checkpoint: defaults, the inferred model, a
-    dense FFN (T5.1.1 has no experts), then the user's `--config.*` overrides."""
+    dense FFN (T5.1.1 has no experts), T5.1.1's recipe, the T5X step it stopped at
+    (`source.step`), then the user's `--config.*` overrides."""
     from jaxmoe.config import apply_overrides, validate
 
-    config = base_config()
+    config = t5_1_1_recipe(base_config())
     for key, value in model_values.items():
         config.model[key] = value
     config.model.moe.num_experts = 0
+    config.source = ConfigDict({"format": "t5x", "step": int(source_step)})
     apply_overrides(config, overrides)
     validate(config)
     return config
@@ -285,9 +308,11 @@ def convert_t5x(
     head_dim: int | None = None,
     relpos_max_distance: int = 128,
     overrides=(),
+    keep_optimizer: bool = False,
 ) -> ConfigDict:
     """Converts T5X checkpoint `src` into a new jaxmoe checkpoint directory `dst`
-    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads). Returns the config."""
+    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads; `opt_state` with
+    `keep_optimizer`, which `train.init_optimizer` restores). Returns the config."""
     if dtype not in OUTPUT_DTYPES:
         raise CheckpointError(f"--dtype={dtype!r} is not one of {list(OUTPUT_DTYPES)}")
     out_dtype = OUTPUT_DTYPES[dtype]
@@ -302,8 +327,14 @@ def convert_t5x(
         head_dim=head_dim,
         relpos_max_distance=relpos_max_distance,
     )
-    config = build_config(values, overrides)
+    config = build_config(values, overrides, source_step=table.step or 0)
     plan = plan_conversion(table, config.model, src)
+    opt_state = None
+    if keep_optimizer:
+        from jaxmoe.checkpoints.t5x_optimizer import adafactor_state
+
+        opt_state = adafactor_state(table, config, plan, src)
+        config.train.init_optimizer = True  # uptraining from DST continues these moments
 
     staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
@@ -319,6 +350,9 @@ def convert_t5x(
         ocp_v1.partial.finalize(staging / "orbax")
         _tree_directory(staging / "orbax").rename(staging / "params")
         shutil.rmtree(staging / "orbax")
+        if opt_state is not None:
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(staging / "opt_state", opt_state)
         (staging / "config").mkdir()
         (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
         if dst.exists():
@@ -370,6 +404,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=128,
         help="T5 relative-position max distance (not stored in T5X checkpoints)",
     )
+    parser.add_argument(
+        "--keep_optimizer",
+        action="store_true",
+        help="also convert T5X's Adafactor state, so uptraining continues it exactly",
+    )
     parser.set_defaults(run=run_convert_t5x)
     return parser
 
@@ -385,6 +424,7 @@ def run_convert_t5x(args, overrides=()) -> int:
         head_dim=args.head_dim,
         relpos_max_distance=args.relpos_max_distance,
         overrides=overrides,
+        keep_optimizer=args.keep_optimizer,
     )
     m = config.model
     summary = {
@@ -395,6 +435,7 @@ def run_convert_t5x(args, overrides=()) -> int:
         "layers": [m.num_encoder_layers, m.num_layers],
         "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
         "ffn_dim": m.ffn_dim,
+        "source_step": config.source.step,
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))

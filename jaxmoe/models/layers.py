@@ -44,6 +44,23 @@ def make_param(
     return nnx.Param(init(rngs.params(), shape, dtype), axes=axes)
 
 
+def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True):
+    """T5X's dropout of `model.dropout_rate`, or None at rate 0 (no RNG state in the model).
+
+    T5X shares one mask along the sequence axis (broadcast_dims=(-2,)) everywhere except
+    after the encoder's final norm; its RNG stream is reseeded every step (steps.py).
+    """
+    rate = float(cfg.get("dropout_rate", 0.0))
+    if not rate:
+        return None
+    return nnx.Dropout(rate, broadcast_dims=(-2,) if share_along_length else (), rngs=rngs)
+
+
+def dropout(module, x, train: bool):
+    """`module` (from make_dropout) applied in training; identity at eval and decode."""
+    return module(x, deterministic=False) if module is not None and train else x
+
+
 def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
     if name == "silu":
         return jax.nn.silu

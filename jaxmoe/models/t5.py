@@ -12,7 +12,16 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
-from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, matmul_2d, normal_init
+from jaxmoe.models.layers import (
+    Embed,
+    RMSNorm,
+    dropout,
+    fan_in_init,
+    make_dropout,
+    make_param,
+    matmul_2d,
+    normal_init,
+)
 from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -83,11 +92,12 @@ class EncoderBlock(nnx.Module):
         self.attn = _attention(cfg, kv_heads, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
+        self.dropout = make_dropout(cfg, rngs)
 
     def __call__(self, x, *, mask, bias, train):
-        x = x + self.attn(self.attn_norm(x), mask=mask, bias=bias)
+        x = x + dropout(self.dropout, self.attn(self.attn_norm(x), mask=mask, bias=bias), train)
         y, aux = self.ffn(self.ffn_norm(x), train=train)
-        return x + y, aux
+        return x + dropout(self.dropout, y, train), aux
 
 
 class DecoderBlock(nnx.Module):
@@ -100,12 +110,15 @@ class DecoderBlock(nnx.Module):
         self.cross_attn = _attention(cfg, cfg.num_kv_heads, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
+        self.dropout = make_dropout(cfg, rngs)
 
     def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train):
-        x = x + self.self_attn(self.self_attn_norm(x), mask=self_mask, bias=bias)
-        x = x + self.cross_attn(self.cross_attn_norm(x), mask=cross_mask, kv_BSD=encoded)
+        attn = self.self_attn(self.self_attn_norm(x), mask=self_mask, bias=bias)
+        x = x + dropout(self.dropout, attn, train)
+        attn = self.cross_attn(self.cross_attn_norm(x), mask=cross_mask, kv_BSD=encoded)
+        x = x + dropout(self.dropout, attn, train)
         y, aux = self.ffn(self.ffn_norm(x), train=train)
-        return x + y, aux
+        return x + dropout(self.dropout, y, train), aux
 
 
 class EncoderDecoderLM(nnx.Module):
@@ -143,6 +156,9 @@ class EncoderDecoderLM(nnx.Module):
         self.lm_head = make_param(
             rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
         )
+        # T5X's places: embeddings, final norms (the encoder's without a shared mask).
+        self.dropout = make_dropout(cfg, rngs)
+        self.encoder_out_dropout = make_dropout(cfg, rngs, share_along_length=False)
 
     def encode(self, encoder_tokens_BS, *, train: bool = False):
         """(encoded [B, S, D], aux) for the encoder input tokens."""
@@ -150,7 +166,8 @@ class EncoderDecoderLM(nnx.Module):
         valid_BS = encoder_tokens_BS != 0
         mask = valid_BS[:, None, :] & valid_BS[:, :, None]
         bias = self.encoder_relpos(s, s)
-        x = constrain_batch(self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg)))
+        x = self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg))
+        x = constrain_batch(dropout(self.dropout, x, train))
         aux = {}
         for i, layer in enumerate(self.encoder_layers):
             if self.cfg.remat:
@@ -160,7 +177,7 @@ class EncoderDecoderLM(nnx.Module):
             x = constrain_batch(x)
             if layer_aux:
                 aux[f"encoder_{i}"] = layer_aux
-        return self.encoder_norm(x), aux
+        return dropout(self.encoder_out_dropout, self.encoder_norm(x), train), aux
 
     def decode(self, decoder_tokens_BL, encoded_BSD, encoder_valid_BS, *, train: bool = False):
         """(logits [B, L, V] f32, aux) given the encoder output."""
@@ -170,7 +187,8 @@ class EncoderDecoderLM(nnx.Module):
             encoder_valid_BS[:, None, :], (encoder_valid_BS.shape[0], l, encoded_BSD.shape[1])
         )
         bias = self.decoder_relpos(l, l)
-        x = constrain_batch(self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg)))
+        x = self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg))
+        x = constrain_batch(dropout(self.dropout, x, train))
         aux = {}
         for i, layer in enumerate(self.decoder_layers):
             if self.cfg.remat:
@@ -189,7 +207,7 @@ class EncoderDecoderLM(nnx.Module):
             x = constrain_batch(x)
             if layer_aux:
                 aux[f"decoder_{i}"] = layer_aux
-        x = self.decoder_norm(x)
+        x = dropout(self.dropout, self.decoder_norm(x), train)
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
 
     def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):

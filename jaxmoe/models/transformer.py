@@ -5,7 +5,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
-from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import (
+    Embed,
+    GatedMLP,
+    RMSNorm,
+    dropout,
+    fan_in_init,
+    make_dropout,
+    make_param,
+    matmul_2d,
+)
 from jaxmoe.parallel.sharding import constrain_batch
 
 
@@ -42,11 +51,13 @@ class DecoderBlock(nnx.Module):
         )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
+        self.dropout = make_dropout(cfg, rngs)
 
     def __call__(self, x_BLD, *, mask, positions_BL, train: bool):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL)
+        attn_BLD = self.attn(self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL)
+        x_BLD = x_BLD + dropout(self.dropout, attn_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train)
-        return x_BLD + y_BLD, aux
+        return x_BLD + dropout(self.dropout, y_BLD, train), aux
 
 
 class DecoderLM(nnx.Module):
@@ -57,6 +68,7 @@ class DecoderLM(nnx.Module):
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.layers = nnx.List([DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.dropout = make_dropout(cfg, rngs)  # on the embeddings and the final norm
         if not cfg.tie_embeddings:
             self.lm_head = make_param(
                 rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
@@ -69,7 +81,8 @@ class DecoderLM(nnx.Module):
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
         mask = jnp.tril(jnp.ones((l, l), bool))[None]
-        x_BLD = constrain_batch(self.embed(tokens_BL, compute_dtype(cfg)))
+        x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
+        x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
         aux = {}
         for i, layer in enumerate(self.layers):
             if cfg.remat:
@@ -79,7 +92,7 @@ class DecoderLM(nnx.Module):
             x_BLD = constrain_batch(x_BLD)
             if layer_aux:
                 aux[i] = layer_aux
-        x_BLD = self.final_norm(x_BLD)
+        x_BLD = dropout(self.dropout, self.final_norm(x_BLD), train)
         if cfg.tie_embeddings:
             logits = self.embed.attend(x_BLD)
         else:
