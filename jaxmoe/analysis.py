@@ -52,7 +52,9 @@ def _data_batches(config, data_spec: str, tokenizer, data_parallel: int):
 
     encoder_decoder = config.model.arch == "encoder_decoder"
     if data_spec.startswith("jsonl:"):
-        examples = read_jsonl(data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder)
+        examples = read_jsonl(
+            data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
+        )
         batch_size = -(-int(config.train.batch_size) // data_parallel) * data_parallel
         return batch_examples(examples, batch_size, encoder_decoder)
     if tokenizer is None:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.platforms import skip_absent_tpu
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     del parser_args
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
     try:
         return args.run(args, overrides)
     except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:

@@ -374,7 +374,7 @@ def decode_main(
     already applied to it).
     """
     from jaxmoe.checkpoints.manager import read_config, restore_params
-    from jaxmoe.config import apply_overrides, validate
+    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
     from jaxmoe.data.sources import load_tokenizer
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -389,6 +389,8 @@ def decode_main(
         # tokenizer (--config.data.tokenizer=FILE.model).
         log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
     tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
+        resolve_vocab_size(config, tokenizer.vocab_size)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     abstract = jax.tree.map(

@@ -17,6 +17,7 @@ from etils import epath
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
+from jaxmoe.config import resolve_vocab_size
 from jaxmoe.metrics import MetricsWriter
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
@@ -42,18 +43,6 @@ def check_workdir(workdir: str) -> epath.Path:
     except OSError as error:
         raise ConfigError(f"--workdir {workdir!r} is not writable: {error}") from error
     return path
-
-
-def resolve_vocab(config, data) -> None:
-    """model.vocab_size = 0 takes the tokenizer's size; a smaller explicit size is an error."""
-    with config.unlocked():
-        if config.model.vocab_size == 0:
-            config.model.vocab_size = data.vocab_size
-    if config.model.vocab_size < data.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({data.vocab_size})"
-        )
 
 
 def to_global(batch: dict, shardings: dict) -> dict:
@@ -151,7 +140,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     from jaxmoe.data.pipeline import build_data
 
     data = build_data(config, jax.process_index(), jax.process_count())
-    resolve_vocab(config, data)
+    resolve_vocab_size(config, data.vocab_size)
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps

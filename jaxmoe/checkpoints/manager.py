@@ -138,9 +138,68 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
     return config
 
 
+def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
+    """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)  # "metadata file does not exist" for params-only items
+    try:
+        metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
+    finally:
+        absl_log.setLevel(level)
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    return {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(tree)}
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+
+
+def _dotted(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_params_match(step_dir: epath.Path, abstract_params) -> None:
+    """One CheckpointError naming the first tensor whose name or shape differs between the
+    checkpoint and the model; checked on metadata before Orbax starts reading arrays (a
+    mismatch found mid-restore buries its message in asyncio tracebacks)."""
+    stored = _stored_shapes(step_dir / "params")
+    expected = {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(abstract_params)}
+    where = f"checkpoint {str(step_dir)!r}"
+    for name, shape in expected.items():
+        if name in stored and stored[name] != shape:
+            raise CheckpointError(
+                f"{where}: tensor {name} has shape {stored[name]}, the model config expects "
+                f"{shape} (a checkpoint of another architecture or width?)"
+            )
+    missing = sorted(expected.keys() - stored.keys())
+    extra = sorted(stored.keys() - expected.keys())
+    if missing or extra:
+        parts = []
+        if missing:
+            name = missing[0]
+            parts.append(
+                f"the model's tensor {name} {expected[name]} is not in the checkpoint "
+                f"({len(missing)} missing)"
+            )
+        if extra:
+            name = extra[0]
+            parts.append(
+                f"the checkpoint's tensor {name} {stored[name]} is not in the model "
+                f"({len(extra)} extra)"
+            )
+        raise CheckpointError(
+            f"{where}: " + "; ".join(parts) + " (a checkpoint of another architecture?)"
+        )
+
+
 def restore_params(path: str, abstract_params) -> dict:
     """Parameters of checkpoint `path`, placed with the shardings in `abstract_params`."""
     step_dir = resolve_checkpoint(path)
+    check_params_match(step_dir, abstract_params)
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore(step_dir / "params", abstract_params)
