@@ -4,17 +4,22 @@ Each case is a hostile input a user can type or hand over (eval data, configs, c
 another model); the expected lines are written out by hand.
 """
 
+import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 from flax import nnx
+from safetensors.numpy import save_file
 
-from jaxmoe.checkpoints.hf import abstract_params
+from jaxmoe.checkpoints.hf import abstract_params, convert_hf
 from jaxmoe.checkpoints.manager import CheckpointError, restore_params, save_params
+from jaxmoe.checkpoints.t5x import open_t5x
 from jaxmoe.config import validate
 from jaxmoe.evaluate import evaluate, read_jsonl
 from jaxmoe.models import build_model
@@ -161,3 +166,119 @@ def test_restoring_another_model_names_the_tensor_and_shapes(
     with pytest.raises(CheckpointError) as error:
         restore_params(str(checkpoint), abstract_params(other.model))
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+# ---------------------------------------------------------------------------- HF sources
+
+LLAMA = {  # one layer, hand-sized: vocab 32, width 8, 2 heads of 4 sharing 1 KV head, FFN 16
+    "model_type": "llama",
+    "vocab_size": 32,
+    "hidden_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 16,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+}
+
+
+def llama_tensors() -> dict[str, np.ndarray]:
+    """HF Llama names and [out, in] shapes for LLAMA, written out by hand."""
+    shapes = {
+        "model.embed_tokens.weight": (32, 8),
+        "model.layers.0.input_layernorm.weight": (8,),
+        "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.self_attn.o_proj.weight": (8, 8),
+        "model.layers.0.post_attention_layernorm.weight": (8,),
+        "model.layers.0.mlp.gate_proj.weight": (16, 8),
+        "model.layers.0.mlp.up_proj.weight": (16, 8),
+        "model.layers.0.mlp.down_proj.weight": (8, 16),
+        "model.norm.weight": (8,),
+        "lm_head.weight": (32, 8),
+    }
+    rng = np.random.default_rng(0)
+    return {k: rng.normal(size=s).astype(np.float32) for k, s in shapes.items()}
+
+
+def write_hf(path: Path, config: dict, tensors: dict) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def test_hand_written_llama_converts(tmp_path):
+    """The fixture itself is a valid checkpoint: the refusals below are about one defect."""
+    config = convert_hf(write_hf(tmp_path / "src", LLAMA, llama_tensors()), tmp_path / "dst")
+    assert (config.model.num_layers, config.model.num_kv_heads) == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("hidden_size", "8", "config.json: hidden_size='8' is not a positive integer"),
+        ("hidden_size", 8.5, "config.json: hidden_size=8.5 is not a positive integer"),
+        ("num_attention_heads", True, "config.json: num_attention_heads=True is not a positive"),
+        ("intermediate_size", -16, "config.json: intermediate_size=-16 is not a positive"),
+        ("rms_norm_eps", "1e-6", "config.json: rms_norm_eps='1e-6' is not a finite number"),
+        # The tensors hold layer 0 only: refused from the names, before any per-layer work.
+        ("num_hidden_layers", 10**4, "num_hidden_layers=10000, but the checkpoint holds "
+         "tensors of 1 layers, indices 0..0"),
+        ("num_hidden_layers", 10**6, "num_hidden_layers=1000000, but the checkpoint holds "),
+    ],
+)  # fmt: skip
+def test_bad_hf_config_value_is_named(tmp_path, key, value, message):
+    src = write_hf(tmp_path / "src", {**LLAMA, key: value}, llama_tensors())
+    start = time.perf_counter()
+    with pytest.raises(CheckpointError) as error:
+        convert_hf(src, tmp_path / "dst")
+    assert message in str(error.value) and "\n" not in str(error.value)
+    assert time.perf_counter() - start < 5.0
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_weights_are_refused_naming_the_tensor(tmp_path, bad):
+    tensors = llama_tensors()
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = bad
+    src = write_hf(tmp_path / "src", LLAMA, tensors)
+    with pytest.raises(CheckpointError) as error:
+        convert_hf(src, tmp_path / "dst")
+    assert str(error.value) == (
+        "tensor model.layers.0.mlp.up_proj.weight in model.safetensors holds 1 NaN or "
+        "infinite value(s)"
+    )
+    assert not (tmp_path / "dst").exists()
+
+
+def test_top_level_safetensors_symlink_out_of_the_source_is_refused(tmp_path):
+    """A `model.safetensors` linking outside SRC is refused, as the same link named by an
+    index is: reading never leaves the checkpoint directory."""
+    outside = write_hf(tmp_path / "elsewhere", LLAMA, llama_tensors())
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(LLAMA))
+    (src / "model.safetensors").symlink_to(outside / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model.safetensors' resolves to .*, outside"):
+        convert_hf(src, tmp_path / "dst")
+    # Alone in the directory under another name: found by the *.safetensors glob, same gate.
+    (src / "model.safetensors").rename(src / "weights.safetensors")
+    with pytest.raises(CheckpointError, match=r"'weights.safetensors' resolves to .*, outside"):
+        convert_hf(src, tmp_path / "dst")
+    # A link that stays inside the directory is fine.
+    (src / "weights.safetensors").unlink()
+    (src / "real.bin.safetensors").write_bytes((outside / "model.safetensors").read_bytes())
+    (src / "model.safetensors").symlink_to("real.bin.safetensors")
+    assert convert_hf(src, tmp_path / "dst").model.num_layers == 1
+
+
+def test_t5x_checkpoint_symlink_out_of_the_directory_is_refused(tmp_path):
+    (tmp_path / "secret").write_bytes(b"\x80")  # an empty msgpack map
+    step = tmp_path / "checkpoint_100"
+    step.mkdir()
+    (step / "checkpoint").symlink_to(tmp_path / "secret")
+    with pytest.raises(ValueError, match=r"path 'checkpoint' resolves to .*, outside"):
+        open_t5x(step)

@@ -7,6 +7,7 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 interrupted save is never mistaken for a checkpoint.
 """
 
+import contextlib
 import json
 import logging
 
@@ -138,17 +139,26 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
     return config
 
 
-def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
-    """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax's absl warnings about its own metadata files ("Metadata file does not exist",
+    "ArrayMetadata persistence is disabled") say nothing a jaxmoe user can act on."""
     absl_log = logging.getLogger("absl")
     level = absl_log.level
-    absl_log.setLevel(logging.ERROR)  # "metadata file does not exist" for params-only items
+    absl_log.setLevel(logging.ERROR)
     try:
-        metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
-    except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
+        yield
     finally:
         absl_log.setLevel(level)
+
+
+def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
+    """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
+    try:
+        with _quiet_orbax():
+            metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
     tree = getattr(metadata, "item_metadata", metadata)
     tree = getattr(tree, "tree", tree)
     return {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(tree)}
@@ -222,8 +232,9 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-    with ocp.Checkpointer(handler) as checkpointer:
-        checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
+    with _quiet_orbax():
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
