@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
 from jaxmoe.config import resolve_vocab_size
+from jaxmoe.memory_check import check_step_fits, state_bytes_per_device
 from jaxmoe.metrics import MetricsWriter
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
@@ -117,17 +118,55 @@ def describe_memory(abstract_state, shardings) -> tuple[int, float]:
     """(parameter count, bytes of state held by the most loaded device)."""
     params = jax.tree.leaves(abstract_state["params"])
     count = sum(int(np.prod(p.shape)) for p in params)
-    per_device = 0.0
-    for leaf, sharding in zip(
-        jax.tree.leaves(abstract_state), jax.tree.leaves(shardings), strict=True
-    ):
-        shard = sharding.shard_shape(leaf.shape)
-        per_device += float(np.prod(shard)) * leaf.dtype.itemsize
-    return count, per_device
+    return count, state_bytes_per_device(abstract_state, shardings)
+
+
+def _first_missing(path: epath.Path) -> epath.Path | None:
+    """The topmost of `path` and its parents that does not exist yet (what mkdir creates)."""
+    missing = None
+    while not path.exists():
+        missing, parent = path, path.parent
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _holds_content(path: epath.Path) -> bool:
+    """Whether any file below `path` has content (empty directories and files do not)."""
+    for child in path.iterdir():
+        if child.is_dir() and _holds_content(child):
+            return True
+        if not child.is_dir() and child.stat().length > 0:
+            return True
+    return False
+
+
+def _remove_if_nothing_saved(path: epath.Path) -> None:
+    """Remove `path` if it holds nothing but empty directories and files."""
+    try:
+        if path.exists() and not _holds_content(path):
+            path.rmtree()
+    except Exception as error:  # never hide the error that ended the run
+        log.warning("could not remove the empty workdir %s: %s", path, error)
 
 
 def train(config, workdir: str, *, progress: bool = True) -> dict:
-    """Train (or resume) according to `config`; returns a summary dict."""
+    """Train (or resume) according to `config`; returns a summary dict.
+
+    A run that fails before it wrote anything (a config or data error) leaves no empty
+    workdir behind: what this call created is removed again.
+    """
+    created = _first_missing(epath.Path(workdir)) if jax.process_index() == 0 else None
+    try:
+        return _train(config, workdir, progress=progress)
+    except BaseException:
+        if created is not None:
+            _remove_if_nothing_saved(created)
+        raise
+
+
+def _train(config, workdir: str, *, progress: bool) -> dict:
     workdir_path = check_workdir(workdir)
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
@@ -146,6 +185,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     total_steps = config.train.steps
     optimizer, schedule = make_optimizer(config.optimizer, total_steps)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
+    check_step_fits(config, mesh, abstract_state, shardings)
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
         for key, value in data.eval_batches[0].items()

@@ -282,3 +282,64 @@ def test_t5x_checkpoint_symlink_out_of_the_directory_is_refused(tmp_path):
     (step / "checkpoint").symlink_to(tmp_path / "secret")
     with pytest.raises(ValueError, match=r"path 'checkpoint' resolves to .*, outside"):
         open_t5x(step)
+
+
+# ---------------------------------------------------------------------------- training
+
+TRAIN = [
+    "--config", "configs/default.py:dense", "--no_progress",
+    "--config.model.num_layers=2", "--config.model.d_model=32", "--config.model.num_heads=4",
+    "--config.model.num_kv_heads=2", "--config.model.head_dim=8", "--config.model.ffn_dim=64",
+    "--config.train.batch_size=8", "--config.train.steps=2", "--config.data.vocab_size=512",
+]  # fmt: skip
+
+
+def test_step_memory_lower_bound_matches_a_hand_count():
+    """Tiny dense decoder on 8 devices, batch 8 over mesh.data=8: one row per device."""
+    from jaxmoe.memory_check import step_bytes_lower_bound
+    from jaxmoe.optim import make_optimizer
+    from jaxmoe.parallel.sharding import make_mesh
+    from jaxmoe.train_state import model_spec, state_shardings
+
+    config = tiny_config("model.moe.num_experts=0")
+    mesh = make_mesh(config.mesh)
+    optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+    abstract, shardings = state_shardings(mesh, model_spec(config.model, mesh), optimizer)
+    parts = step_bytes_lower_bound(config, mesh, abstract, shardings)
+    # Parameters: embed 128*32, lm_head 32*128, final norm 32, and per layer 2 norms of 32,
+    # q 32*4*8, k and v 32*2*8, out 4*8*32, wi_0 and wi_1 32*64, wo 64*32.
+    layer = 2 * 32 + 1024 + 512 + 512 + 1024 + 3 * 2048
+    assert parts["gradients"] == 4 * (128 * 32 + 32 * 128 + 32 + 2 * layer)  # replicated f32
+    assert parts["logits"] == 1 * 16 * 128 * 4  # rows x seq_len x vocab, float32
+    assert parts["activations"] == 1 * 16 * 32 * 4 * 2  # rows x seq_len x d_model x layers
+    assert parts["state"] > 3 * parts["gradients"]  # params + AdamW's two moments, at least
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # 4 layers of d_model 65536, FFN 262144: ~215G float32 parameters, two Adam moments
+        # and gradients, about 3 TiB: more than any host's RAM.
+        (
+            ["--config.train.seq_len=32", "--config.model.d_model=65536",
+             "--config.model.ffn_dim=262144", "--config.model.num_layers=4"],
+            "jaxmoe train: error: train.batch_size=8 x train.seq_len=32 with this model needs "
+            "at least ",
+        ),
+        (
+            ["--config.train.seq_len=1000000"],
+            "jaxmoe train: error: train.seq_len=1000000 is longer than the 'train' split of "
+            "data.source='embedded' (",
+        ),
+    ],
+)  # fmt: skip
+def test_impossible_step_is_refused_before_compiling_and_leaves_no_workdir(
+    checkpoint, tmp_path, overrides, message
+):
+    workdir = tmp_path / "runs" / "new"
+    cache = checkpoint.parent / "cache"  # the tokenizer the checkpoint fixture trained
+    result = cli("train", "--workdir", str(workdir), *TRAIN, f"--config.data.cache_dir={cache}",
+                 *overrides)  # fmt: skip
+    assert result.returncode == 2
+    assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
