@@ -318,7 +318,7 @@ def test_step_memory_lower_bound_matches_a_hand_count():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        # 4 layers of d_model 65536, FFN 262144: ~215G float32 parameters, two Adam moments
+        # 4 layers of d_model 65536, FFN 262144: ~206G float32 parameters, two Adam moments
         # and gradients, about 3 TiB: more than any host's RAM.
         (
             ["--config.train.seq_len=32", "--config.model.d_model=65536",
@@ -343,3 +343,36 @@ def test_impossible_step_is_refused_before_compiling_and_leaves_no_workdir(
     assert result.returncode == 2
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
     assert not (tmp_path / "runs").exists()
+
+
+# ---------------------------------------------------------------------------- damaged items
+
+
+def _saved_run(workdir: Path, meta: dict):
+    """A one-step TrainCheckpoints save of a two-array state; (manager, abstract state)."""
+    from jaxmoe.checkpoints.manager import TrainCheckpoints
+
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state = {"params": {"w": jax.numpy.ones(3)}, "opt_state": {"m": jax.numpy.zeros(3)}}
+    checkpoints = TrainCheckpoints(str(workdir), max_to_keep=2)
+    checkpoints.save(1, state, meta, tiny_config())
+    checkpoints.wait()
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                            {**state, "step": jax.numpy.int32(0)})  # fmt: skip
+    return checkpoints, abstract
+
+
+def test_missing_or_incomplete_meta_is_one_line(tmp_path):
+    import shutil
+
+    checkpoints, abstract = _saved_run(tmp_path / "a", {"step": 1, "data": {}})
+    shutil.rmtree(tmp_path / "a" / "checkpoints" / "1" / "meta")
+    with pytest.raises(CheckpointError) as error:
+        checkpoints.restore(1, abstract)
+    assert str(error.value) == (
+        f"checkpoint '{tmp_path / 'a' / 'checkpoints' / '1'}': item 'meta' is missing "
+        "(a damaged checkpoint: move it away to resume from an earlier one)"
+    )
+    checkpoints, abstract = _saved_run(tmp_path / "b", {"step": 1})
+    with pytest.raises(CheckpointError, match="item 'meta' lacks 'step' or 'data'"):
+        checkpoints.restore(1, abstract)

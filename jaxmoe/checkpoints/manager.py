@@ -61,6 +61,13 @@ class TrainCheckpoints:
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """(state with the shardings of `abstract_state`, meta dict) of checkpoint `step`."""
+        step_dir = self.directory / str(step)
+        for item in ("params", "opt_state", "meta"):
+            if not (step_dir / item).exists():
+                raise CheckpointError(
+                    f"checkpoint {str(step_dir)!r}: item {item!r} is missing (a damaged "
+                    f"checkpoint: move it away to resume from an earlier one)"
+                )
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -70,6 +77,10 @@ class TrainCheckpoints:
             ),
         )
         meta = restored["meta"]
+        if not isinstance(meta, dict) or not {"step", "data"} <= meta.keys():
+            raise CheckpointError(
+                f"checkpoint {str(step_dir)!r}: item 'meta' lacks 'step' or 'data' ({meta!r:.80})"
+            )
         state = {
             "step": jax.device_put(
                 jax.numpy.asarray(meta["step"], jax.numpy.int32), abstract_state["step"].sharding
