@@ -4,6 +4,7 @@ Re-running with the same workdir resumes from the latest checkpoint, including t
 iterator's position. Metrics are fetched one step late so the host never stalls the device.
 """
 
+import contextlib
 import functools
 import logging
 import signal
@@ -18,6 +19,7 @@ from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
 from jaxmoe.config import resolve_vocab_size
+from jaxmoe.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.memory_check import check_step_fits, state_bytes_per_device
 from jaxmoe.metrics import MetricsWriter
 from jaxmoe.optim import make_optimizer
@@ -158,15 +160,26 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     workdir behind: what this call created is removed again.
     """
     created = _first_missing(epath.Path(workdir)) if jax.process_index() == 0 else None
+    closers = []  # what _train opened, closed again if it fails
     try:
-        return _train(config, workdir, progress=progress)
-    except BaseException:
+        with quiet_disk_full():
+            return _train(config, workdir, progress=progress, closers=closers)
+    except BaseException as error:
+        for close in reversed(closers):
+            # An unclosed async checkpointer prints asyncio tracebacks at exit.
+            with contextlib.suppress(Exception):
+                close()
         if created is not None:
             _remove_if_nothing_saved(created)
+        if no_space_left(error):
+            raise RuntimeError(
+                f"no space left on {workdir}: the checkpoint being written was not kept and "
+                f"completed checkpoints are intact; free space and rerun to resume"
+            ) from None
         raise
 
 
-def _train(config, workdir: str, *, progress: bool) -> dict:
+def _train(config, workdir: str, *, progress: bool, closers: list) -> dict:
     workdir_path = check_workdir(workdir)
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
@@ -194,6 +207,7 @@ def _train(config, workdir: str, *, progress: bool) -> dict:
     curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
     checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)
+    closers.append(checkpoints.close)
     start = checkpoints.latest_step()
     if start is not None:
         state, meta = checkpoints.restore(start, abstract_state)
@@ -220,6 +234,7 @@ def _train(config, workdir: str, *, progress: bool) -> dict:
     evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
 
     writer = MetricsWriter(str(workdir_path), total_steps, start, progress=progress)
+    closers.append(writer.close)
     count, per_device = describe_memory(abstract_state, shardings)
     writer.print(
         f"jaxmoe: {count / 1e6:.2f}M parameters; params+optimizer {per_device / 2**20:.1f} MiB "

@@ -376,3 +376,68 @@ def test_missing_or_incomplete_meta_is_one_line(tmp_path):
     checkpoints, abstract = _saved_run(tmp_path / "b", {"step": 1})
     with pytest.raises(CheckpointError, match="item 'meta' lacks 'step' or 'data'"):
         checkpoints.restore(1, abstract)
+
+
+# ---------------------------------------------------------------------------- disk full
+
+DISK_FULL = """
+set -e
+mount -t tmpfs -o size=8m tmpfs "$MNT"
+"$PY" -m jaxmoe.cli train --workdir "$MNT/run" $ARGS --config.train.steps=2 >/dev/null
+# Leave 100 KiB: the workdir probe passes, the next checkpoint (~640 KiB) cannot fit.
+avail=$(df -k "$MNT" | tail -1 | awk '{print $4}')
+dd if=/dev/zero of="$MNT/filler" bs=1k count=$((avail - 100)) 2>/dev/null || true
+set +e
+"$PY" -m jaxmoe.cli train --workdir "$MNT/run" $ARGS --config.train.steps=4 \
+    >"$OUT/full.out" 2>"$OUT/full.err"
+echo $? >"$OUT/full.rc"
+ls "$MNT/run/checkpoints" >"$OUT/after_full.txt"
+rm "$MNT/filler"
+"$PY" -m jaxmoe.cli train --workdir "$MNT/run" $ARGS --config.train.steps=4 \
+    >"$OUT/resume.out" 2>"$OUT/resume.err"
+echo $? >"$OUT/resume.rc"
+cp "$MNT/run/metrics.jsonl" "$OUT/metrics.jsonl"
+"""
+
+
+def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
+    """A real full disk: a small tmpfs mounted in a private user + mount namespace (no root
+    needed, nothing visible outside the test), filled after the step-2 checkpoint. The
+    step-4 save fails with one line; after freeing space the run resumes from step 2."""
+    probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"no user namespaces here (unshare -rm: {probe.stderr.decode().strip()})")
+    (tmp_path / "mnt").mkdir()
+    args = [*TRAIN, "--config.train.seq_len=32", "--config.train.checkpoint_every=2",
+            f"--config.data.cache_dir={checkpoint.parent / 'cache'}"]  # fmt: skip
+    environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    environ |= {
+        "PYTHONPATH": str(ROOT),
+        "JAX_PLATFORMS": "cpu",
+        "PY": sys.executable,
+        "MNT": str(tmp_path / "mnt"),
+        "OUT": str(tmp_path),
+        "ARGS": " ".join(args),
+    }
+    result = subprocess.run(
+        ["unshare", "-rm", "sh", "-c", DISK_FULL],
+        cwd=ROOT,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "full.rc").read_text().strip() == "2"
+    assert (tmp_path / "full.err").read_text() == (
+        f"jaxmoe train: error: no space left on {tmp_path / 'mnt' / 'run'}: the checkpoint "
+        "being written was not kept and completed checkpoints are intact; free space and "
+        "rerun to resume\n"
+    )
+    assert "2" in (tmp_path / "after_full.txt").read_text().split()
+    assert (tmp_path / "resume.rc").read_text().strip() == "0", (
+        tmp_path / "resume.err"
+    ).read_text()
+    assert "starting at step 2 of 4" in (tmp_path / "resume.out").read_text()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 4
