@@ -193,6 +193,8 @@ def _train(config, workdir: str, *, progress: bool, closers: list) -> dict:
 
     data = build_data(config, jax.process_index(), jax.process_count())
     resolve_vocab_size(config, data.vocab_size)
+    with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
+        config.model.max_len = max(config.model.get("max_len", 0), config.train.seq_len)
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps

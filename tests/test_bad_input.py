@@ -441,3 +441,82 @@ def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
     assert "starting at step 2 of 4" in (tmp_path / "resume.out").read_text()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["step"] == 4
+
+
+# ---------------------------------------------------------------------------- decode
+
+
+def test_prompt_beyond_the_trained_context_is_refused_or_truncated(caplog):
+    from jaxmoe.decode import fit_context
+
+    prompts = [list(range(10)), list(range(3))]
+    # Decoder: 10 prompt + 8 new tokens > 16; the 3-token prompt would fit.
+    with pytest.raises(ValueError) as error:
+        fit_context(prompts, 16, 8, truncate=False, encoder_decoder=False)
+    assert str(error.value) == (
+        "prompt 0: 10 tokens + --max_new_tokens=8 exceed the model's context of 16 tokens "
+        "(model.max_len, the longest sequence it was trained on); shorten it, or --truncate "
+        "keeps its last 8 tokens"
+    )
+    with caplog.at_level("WARNING"):
+        kept = fit_context(prompts, 16, 8, truncate=True, encoder_decoder=False)
+    assert kept == [list(range(2, 10)), list(range(3))]
+    assert "prompt 0 truncated from 10 to its last 8 tokens" in caplog.text
+    # An encoder's input has the whole context; unknown context (0) checks nothing.
+    assert fit_context(prompts, 10, 8, truncate=False, encoder_decoder=True) == prompts
+    assert fit_context(prompts, 0, 8, truncate=False, encoder_decoder=False) == prompts
+    with pytest.raises(ValueError, match="--max_new_tokens=16 leaves no room for a prompt"):
+        fit_context(prompts, 16, 16, truncate=False, encoder_decoder=False)
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint):
+    from jaxmoe.decode import Generator
+    from jaxmoe.parallel.sharding import make_mesh
+
+    config = dense_config(checkpoint.parent)
+    _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))
+    return Generator(config.model, params, make_mesh(config.mesh))
+
+
+def test_decode_memory_lower_bound_matches_a_hand_count(generator):
+    """1 prompt of 20 tokens (bucket 32) + 5 new (bucket 16) on 8 data-parallel devices:
+    one row per device; 2 layers, 2 KV heads of 8, 4 query heads, float32."""
+    parts = generator.bytes_lower_bound(1, 20, 5)
+    assert parts["kv_cache"] == 2 * 2 * 1 * 2 * 48 * 8 * 4  # K and V x layers x rows ...
+    assert parts["attention"] == 1 * 4 * 32 * 48 * (4 + 4)  # f32 scores + f32 probabilities
+
+
+def test_prompt_beyond_memory_is_refused_before_prefill(generator):
+    # A 2**20-token prompt: its prefill attention scores alone are 4 * 2**40 * 8 bytes.
+    with pytest.raises(ValueError) as error:
+        generator.generate([[5] * 2**20], 4)
+    assert str(error.value).startswith(
+        "a 1048576-token prompt (x1) with --max_new_tokens=4 needs at least "
+    )
+    assert "GiB per device (parameters " in str(error.value)
+
+
+def test_cli_decode_refuses_a_prompt_beyond_the_context(checkpoint, tmp_path):
+    config = dense_config(checkpoint.parent, "model.max_len=16")
+    (tmp_path / "config.py").write_text(
+        "from jaxmoe.checkpoints.manager import merge_into_defaults\n\n\n"
+        f"def get_config(variant=None):\n    return merge_into_defaults({config.to_dict()!r})\n"
+    )
+    prompt = "the quick brown fox jumps over the lazy dog " * 4
+    args = ["decode", "--checkpoint", str(checkpoint), "--config", str(tmp_path / "config.py"),
+            "--prompt", prompt, "--max_new_tokens", "8"]  # fmt: skip
+    result = cli(*args)
+    assert result.returncode == 2
+    # Before the error, at most decode's own warning that the tokenizer is the trained one.
+    *before, last = result.stderr.splitlines()
+    assert len(before) <= 1 and all(line.startswith("WARNING:jaxmoe.") for line in before)
+    assert last.startswith("jaxmoe decode: error: prompt 0: ")
+    assert last.endswith(
+        " + --max_new_tokens=8 exceed the model's context of 16 tokens (model.max_len, the "
+        "longest sequence it was trained on); shorten it, or --truncate keeps its last 8 "
+        "tokens"
+    )
+    truncated = cli(*args, "--truncate")
+    assert truncated.returncode == 0, truncated.stderr
+    assert "prompt 0 truncated from " in truncated.stderr

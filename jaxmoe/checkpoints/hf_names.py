@@ -312,6 +312,7 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     m.activation = _activation(hf.get("hidden_act", "silu"), "hidden_act")
     m.norm_eps = _number(hf, "rms_norm_eps")
     m.rope_theta = _rope_theta(hf)
+    m.max_len = _size(hf, "max_position_embeddings", 0)
     # A tied config whose file still holds lm_head.weight converts untied: same logits.
     if hf.get("sliding_window"):
         log.warning(
