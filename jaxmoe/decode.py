@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
-from jaxmoe.memory_check import GiB, device_memory_bytes, state_bytes_per_device
+from jaxmoe.memory_check import refuse_over_memory, state_bytes_per_device
 from jaxmoe.models.kv_cache import (
     LayerCache,
     cache_length,
@@ -341,16 +341,13 @@ class Generator:
 
     def check_fits(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> None:
         """A one-line ValueError when a request cannot fit in one device's memory."""
-        parts = self.bytes_lower_bound(num_prompts, prompt_len, max_new_tokens)
-        need = sum(parts.values())
-        have, source = device_memory_bytes(self.mesh.devices.flat[0])
-        if need > have:
-            detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
-            raise ValueError(
-                f"a {prompt_len}-token prompt (x{num_prompts}) with --max_new_tokens="
-                f"{max_new_tokens} needs at least {need / GiB:.2f} GiB per device ({detail}), "
-                f"more than the {have / GiB:.2f} GiB of {source}; shorten the prompt"
-            )
+        refuse_over_memory(
+            self.bytes_lower_bound(num_prompts, prompt_len, max_new_tokens),
+            f"a {prompt_len}-token prompt (x{num_prompts}) with --max_new_tokens={max_new_tokens}",
+            "shorten the prompt",
+            error=ValueError,
+            device=self.mesh.devices.flat[0],
+        )
 
     def generate(
         self,

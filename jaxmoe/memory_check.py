@@ -67,16 +67,24 @@ def device_memory_bytes(device=None) -> tuple[float, str]:
     return host / count, f"host RAM / {count} local device(s)"
 
 
-def check_step_fits(config, mesh, abstract_state, shardings) -> None:
-    """A one-line ConfigError when the lower bound exceeds one device's memory."""
-    parts = step_bytes_lower_bound(config, mesh, abstract_state, shardings)
+def refuse_over_memory(parts: dict, what: str, advice: str, error=ConfigError, device=None):
+    """Raise `error` in one line when the bytes in `parts` exceed one device's memory."""
     need = sum(parts.values())
-    have, source = device_memory_bytes()
+    have, source = device_memory_bytes(device)
     if need > have:
         detail = ", ".join(f"{k} {v / GiB:.2f}" for k, v in parts.items())
-        raise ConfigError(
-            f"train.batch_size={config.train.batch_size} x train.seq_len={config.train.seq_len} "
-            f"with this model needs at least {need / GiB:.2f} GiB per device ({detail}), "
-            f"more than the {have / GiB:.2f} GiB of {source}; lower train.batch_size or "
-            f"train.seq_len, raise train.grad_accum, or shard over more devices (mesh.fsdp)"
+        raise error(
+            f"{what} needs at least {need / GiB:.2f} GiB per device ({detail}), more than "
+            f"the {have / GiB:.2f} GiB of {source}; {advice}"
         )
+
+
+def check_step_fits(config, mesh, abstract_state, shardings) -> None:
+    """A one-line ConfigError when the lower bound exceeds one device's memory."""
+    t = config.train
+    refuse_over_memory(
+        step_bytes_lower_bound(config, mesh, abstract_state, shardings),
+        f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} with this model",
+        "lower train.batch_size or train.seq_len, raise train.grad_accum, or shard over "
+        "more devices (mesh.fsdp)",
+    )
