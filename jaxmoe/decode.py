@@ -406,7 +406,7 @@ def fit_context(
                 )
             log.warning(
                 "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
-                i, len(prompt), room, max_len, what,
+                i, len(prompt), room, max_len, what.replace(" +", ","),
             )  # fmt: skip
             prompt = prompt[-room:]
         out.append(prompt)
