@@ -32,7 +32,8 @@ def no_space_left(error: BaseException | None) -> bool:
         ):
             _seen = True
             return True
-        error = error.__cause__ or error.__context__
+        # `raise ... from None` hides the context: the error was already translated.
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
     return False
 
 

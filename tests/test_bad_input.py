@@ -400,16 +400,13 @@ cp "$MNT/run/metrics.jsonl" "$OUT/metrics.jsonl"
 """
 
 
-def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
-    """A real full disk: a small tmpfs mounted in a private user + mount namespace (no root
-    needed, nothing visible outside the test), filled after the step-2 checkpoint. The
-    step-4 save fails with one line; after freeing space the run resumes from step 2."""
+def in_private_tmpfs(script: str, tmp_path: Path, **env) -> subprocess.CompletedProcess:
+    """Run sh `script` in a private user + mount namespace (no root needed, nothing visible
+    outside the test) where it may mount a tmpfs on $MNT; $OUT is tmp_path."""
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"no user namespaces here (unshare -rm: {probe.stderr.decode().strip()})")
     (tmp_path / "mnt").mkdir()
-    args = [*TRAIN, "--config.train.seq_len=32", "--config.train.checkpoint_every=2",
-            f"--config.data.cache_dir={checkpoint.parent / 'cache'}"]  # fmt: skip
     environ = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     environ |= {
         "PYTHONPATH": str(ROOT),
@@ -417,16 +414,24 @@ def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
         "PY": sys.executable,
         "MNT": str(tmp_path / "mnt"),
         "OUT": str(tmp_path),
-        "ARGS": " ".join(args),
+        **env,
     }
-    result = subprocess.run(
-        ["unshare", "-rm", "sh", "-c", DISK_FULL],
+    return subprocess.run(
+        ["unshare", "-rm", "sh", "-c", script],
         cwd=ROOT,
         env=environ,
         capture_output=True,
         text=True,
         timeout=900,
     )
+
+
+def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
+    """A real full disk: a small tmpfs filled after the step-2 checkpoint. The step-4 save
+    fails with one line; after freeing space the run resumes from step 2."""
+    args = [*TRAIN, "--config.train.seq_len=32", "--config.train.checkpoint_every=2",
+            f"--config.data.cache_dir={checkpoint.parent / 'cache'}"]  # fmt: skip
+    result = in_private_tmpfs(DISK_FULL, tmp_path, ARGS=" ".join(args))
     assert result.returncode == 0, result.stderr[-2000:]
     assert (tmp_path / "full.rc").read_text().strip() == "2"
     assert (tmp_path / "full.err").read_text() == (
@@ -520,3 +525,39 @@ def test_cli_decode_refuses_a_prompt_beyond_the_context(checkpoint, tmp_path):
     truncated = cli(*args, "--truncate")
     assert truncated.returncode == 0, truncated.stderr
     assert "prompt 0 truncated from " in truncated.stderr
+
+
+CONVERT_FULL = """
+mount -t tmpfs -o size=40k tmpfs "$MNT"
+"$PY" -m jaxmoe.cli convert hf "$SRC" "$MNT/dst" 2>"$OUT/convert.err"
+echo $? >"$OUT/convert.rc"
+ls -A "$MNT" >"$OUT/left.txt"
+"""
+
+
+def test_converting_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path):
+    """Orbax writes well over ten files, each at least one 4 KiB tmpfs page: 40 KiB is
+    too little for them even though the parameters are only ~5 KiB."""
+    src = write_hf(tmp_path / "src", LLAMA, llama_tensors())
+    result = in_private_tmpfs(CONVERT_FULL, tmp_path, SRC=str(src))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (tmp_path / "convert.rc").read_text().strip() == "2"
+    assert (tmp_path / "convert.err").read_text() == (
+        f"jaxmoe convert: error: no space left on {tmp_path / 'mnt' / 'dst'}\n"
+    )
+    assert (tmp_path / "left.txt").read_text() == ""  # the staging directory is gone
+
+
+def test_aot_compile_prints_nothing_on_stderr():
+    """`jaxmoe compile` reaches libtpu for compile-only TPU devices; on a host without a
+    TPU neither that nor the CPU backend's start may print libtpu's probe lines."""
+    pytest.importorskip("libtpu", reason="the `tpu` extra is not installed")
+    model = ["--config.model.num_layers=2", "--config.model.d_model=256",
+             "--config.model.head_dim=128", "--config.model.vocab_size=512"]  # fmt: skip
+    step = ["--config.train.batch_size=256", "--config.train.seq_len=8",
+            "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]  # fmt: skip
+    result = cli("compile", "--config", "configs/default.py:dense", "--topology", "v5p-8",
+                 *model, *step)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""
+    assert "verdict: fits on v5p-8" in result.stdout
