@@ -54,7 +54,9 @@ def _data_batches(config, data_spec: str, tokenizer, data_parallel: int):
 
     encoder_decoder = config.model.arch == "encoder_decoder"
     if data_spec.startswith("jsonl:"):
-        examples = read_jsonl(data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder)
+        examples = read_jsonl(
+            data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
+        )
         batch_size = -(-int(config.train.batch_size) // data_parallel) * data_parallel
         return batch_examples(examples, batch_size, encoder_decoder)
     if tokenizer is None:
@@ -86,7 +88,7 @@ def analyze_routing(
     from jaxmoe.analysis_plots import write_report
     from jaxmoe.analysis_probe import collect_counts
     from jaxmoe.checkpoints.manager import read_config
-    from jaxmoe.config import apply_overrides, validate
+    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
     from jaxmoe.parallel.sharding import data_parallel_size, make_mesh
 
     if gate not in GATE_CHOICES:
@@ -101,6 +103,8 @@ def analyze_routing(
         from jaxmoe.data.sources import load_tokenizer
 
         tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0 and tokenizer is not None:  # a training config
+        resolve_vocab_size(config, tokenizer.vocab_size)
     dp = data_parallel_size(make_mesh(config.mesh))
     batches = _data_batches(config, data_spec, tokenizer, dp)
     counts, num_batches = collect_counts(config, checkpoint, batches, gate, max_batches)

@@ -6,8 +6,10 @@ import logging
 import os
 import sys
 
+from jaxmoe.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.parallel.sharding import ConfigError
 from jaxmoe.paths import absolute_data_spec, absolute_path
+from jaxmoe.platforms import skip_absent_tpu
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -142,11 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     del parser_args
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
     try:
-        return args.run(args, overrides)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as error:
+        with quiet_disk_full():
+            return args.run(args, overrides)
+    except Exception as error:
         # One line for the user; JAX internals are not their problem.
         if os.environ.get("JAXMOE_TRACEBACK"):
+            raise
+        if no_space_left(error):  # converters, export: `train` names its workdir itself
+            where = next(
+                (getattr(args, k) for k in ("dst", "out", "workdir") if getattr(args, k, None)),
+                None,
+            )
+            error = f"no space left on {where or 'the device'}"
+        elif not isinstance(error, ConfigError | ValueError | FileNotFoundError | RuntimeError):
             raise
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
         _silence_abandoned_reads()

@@ -155,6 +155,17 @@ def validate(config: ConfigDict) -> None:
     need(moe.num_experts >= 0, f"model.moe.num_experts={moe.num_experts} must be >= 0")
     if moe.num_experts:
         need(moe.every >= 1, f"model.moe.every={moe.every} must be >= 1")
+        # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
+        # is, and the run would silently train a dense model.
+        depths = {"model.num_layers": m.num_layers}
+        if m.arch == "encoder_decoder" and m.num_encoder_layers:
+            depths["model.num_encoder_layers"] = m.num_encoder_layers
+        need(
+            moe.every <= max(depths.values()),
+            f"model.moe.every={moe.every} exceeds "
+            + " and ".join(f"{k}={v}" for k, v in depths.items())
+            + ": no layer would be MoE (model.moe.num_experts=0 is the dense model)",
+        )
         need(moe.ffn_dim > 0, f"model.moe.ffn_dim={moe.ffn_dim} must be positive")
         need(0.0 <= moe.threshold <= 1.0, f"model.moe.threshold={moe.threshold} not in [0, 1]")
         need(0.0 < moe.top_p <= 1.0, f"model.moe.top_p={moe.top_p} not in (0, 1]")
@@ -214,3 +225,16 @@ def validate(config: ConfigDict) -> None:
         config.data.vocab_size >= 260,
         f"data.vocab_size={config.data.vocab_size} < 260 (byte fallback)",
     )
+
+
+def resolve_vocab_size(config: ConfigDict, tokenizer_vocab: int) -> None:
+    """model.vocab_size = 0 (a training config) takes the tokenizer's size, as training
+    does; a smaller explicit size cannot embed the tokenizer's ids."""
+    with config.unlocked():
+        if config.model.vocab_size == 0:
+            config.model.vocab_size = tokenizer_vocab
+    if config.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(
+            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
+            f"vocabulary ({tokenizer_vocab})"
+        )

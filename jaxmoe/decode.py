@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
+from jaxmoe.memory_check import refuse_over_memory, state_bytes_per_device
 from jaxmoe.models.kv_cache import (
     LayerCache,
     cache_length,
@@ -311,6 +312,46 @@ class Generator:
         tokens, steps, _ = compiled(self.params, *args)
         return np.asarray(tokens), int(steps), seconds
 
+    def bytes_lower_bound(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> dict:
+        """Per-device bytes a request needs at least: the parameters, the KV caches, and
+        one layer's prefill attention scores (float32 logits plus their probabilities)."""
+        sizes = dict(self.mesh.shape)
+        cfg = self.cfg
+        rows = -(-num_prompts // self.batch_multiple)  # per device: batch axes split rows
+        tensor = sizes.get("tensor", 1)
+        itemsize = jnp.dtype(cfg.dtype).itemsize
+        length, new = bucket(prompt_len), bucket(max_new_tokens)
+        if self.encoder_decoder:
+            queries, keys, cache_len = length, length, new  # encoder self-attention
+        else:
+            queries, keys, cache_len = length, length + new, length + new
+        kv_heads = max(1, cfg.num_kv_heads // tensor)
+        heads = max(1, cfg.num_heads // tensor)
+        params = state_bytes_per_device(
+            self.spec.abstract_params, named(self.mesh, self.spec.param_specs)
+        )
+        return {
+            "parameters": params,
+            "kv_cache": 2.0
+            * cfg.num_layers
+            * rows
+            * kv_heads
+            * cache_len
+            * cfg.head_dim
+            * itemsize,
+            "attention": float(rows) * heads * queries * keys * (4 + itemsize),
+        }
+
+    def check_fits(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> None:
+        """A one-line ValueError when a request cannot fit in one device's memory."""
+        refuse_over_memory(
+            self.bytes_lower_bound(num_prompts, prompt_len, max_new_tokens),
+            f"a {prompt_len}-token prompt (x{num_prompts}) with --max_new_tokens={max_new_tokens}",
+            "shorten the prompt",
+            error=ValueError,
+            device=self.mesh.devices.flat[0],
+        )
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -326,6 +367,7 @@ class Generator:
                 raise ValueError(f"prompt {i} is empty (no tokens)")
         if max_new_tokens < 1:
             raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+        self.check_fits(len(prompts), max(len(p) for p in prompts), max_new_tokens)
         new_bucket = bucket(max_new_tokens)
         start = time.perf_counter()
         state, _, compile_prefill = self.prefill(prompts, new_bucket)
@@ -338,6 +380,40 @@ class Generator:
         for row in tokens[: len(prompts), :max_new_tokens].tolist():
             out.append(row[: row.index(self.eos_id) + 1] if self.eos_id in row else row)
         return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
+
+
+def fit_context(
+    prompts: list[list[int]], max_len: int, max_new_tokens: int, truncate: bool, encoder_decoder
+) -> list[list[int]]:
+    """Prompts checked against the model's context `max_len` (model.max_len: the longest
+    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
+    prompt and new tokens share the context; an encoder's input has it alone. Too long is
+    refused, or with `truncate` cut to its last tokens and logged."""
+    if not max_len:
+        return prompts
+    room = max_len if encoder_decoder else max_len - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {max_len} tokens (model.max_len)"
+        )
+    out = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > room:
+            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
+            if not truncate:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens{what} exceed the model's context of "
+                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
+                    f"on); shorten it, or --truncate keeps its last {room} tokens"
+                )
+            log.warning(
+                "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
+                i, len(prompt), room, max_len, what.replace(" +", ","),
+            )  # fmt: skip
+            prompt = prompt[-room:]
+        out.append(prompt)
+    return out
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
@@ -369,6 +445,7 @@ def decode_main(
     overrides=(),
     config=None,
     print_fn=print,
+    truncate: bool = False,
 ) -> dict:
     """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
 
@@ -377,7 +454,7 @@ def decode_main(
     already applied to it).
     """
     from jaxmoe.checkpoints.manager import read_config, restore_params
-    from jaxmoe.config import apply_overrides, validate
+    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
     from jaxmoe.data.sources import load_tokenizer
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -392,6 +469,8 @@ def decode_main(
         # tokenizer (--config.data.tokenizer=FILE.model).
         log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
     tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
+        resolve_vocab_size(config, tokenizer.vocab_size)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     abstract = jax.tree.map(
@@ -410,6 +489,8 @@ def decode_main(
     )
     # The encoder reads the input followed by EOS, as in training and evaluation.
     ids = [tokenizer.encode(t) + ([tokenizer.eos_id] if encoder_decoder else []) for t in texts]
+    ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
+                      encoder_decoder)  # fmt: skip
     result = generator.generate(ids, max_new_tokens, sampling, seed)
     completions = []
     for text, new in zip(texts, result.tokens, strict=True):
@@ -456,6 +537,11 @@ def add_decode_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--top_p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut prompts longer than the model's context to their last tokens (logged)",
+    )
+    parser.add_argument(
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
     parser.set_defaults(run=run_decode)
@@ -477,5 +563,6 @@ def run_decode(args, overrides) -> int:
         seed=args.seed,
         overrides=overrides,
         config=config,
+        truncate=args.truncate,
     )
     return 0

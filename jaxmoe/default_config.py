@@ -32,6 +32,7 @@ def base_config() -> ConfigDict:
     m.relpos_buckets = 32  # encoder_decoder: T5 relative-position buckets
     m.relpos_max_distance = 128  # encoder_decoder: T5 relative-position max distance
     m.dropout_rate = 0.0  # training only: embeddings, attention and FFN outputs, final norm
+    m.max_len = 0  # context: longest sequence trained on (train sets it); 0 = unknown
 
     m.moe = moe = ConfigDict()
     moe.num_experts = 8  # experts per MoE layer; 0 = dense model

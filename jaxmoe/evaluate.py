@@ -33,22 +33,35 @@ class Example:
     inputs: list[int] | None = None
 
 
-def _ids(value, tokenizer, what: str, line_no: int, path: str, add_eos: bool) -> list[int]:
+def _ids(value, tokenizer, what: str, where: str, add_eos: bool, vocab_size: int) -> list[int]:
+    """Token ids of one field: text (tokenized) or a list of ints in [0, vocab_size)."""
     if isinstance(value, str):
         if tokenizer is None:
             raise ValueError(
-                f"{path}:{line_no}: '{what}' is text but the checkpoint has no tokenizer; "
+                f"{where}: '{what}' is text but the checkpoint has no tokenizer; "
                 f"pass --config.data.tokenizer=FILE.model or give token ids"
             )
         ids = tokenizer.encode(value)
         return [*ids, tokenizer.eos_id] if add_eos else ids
-    if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
-        raise ValueError(f"{path}:{line_no}: '{what}' must be a string or a list of ints")
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: '{what}' must be text or a list of token ids, not {value!r}")
+    for i, x in enumerate(value):
+        # JSON true/false parse as bool, a subclass of int; 2.0 is a float: neither is an id.
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{where}: '{what}'[{i}] = {json.dumps(x)} is not a token id")
+        if not 0 <= x < vocab_size:
+            # An id outside the embedding table is clamped or wrapped by the gather on the
+            # device: a NaN or a finite wrong loss, never an error.
+            raise ValueError(
+                f"{where}: '{what}'[{i}] = {x} is outside the vocabulary [0, {vocab_size})"
+            )
     return value
 
 
-def read_jsonl(path: str, tokenizer, encoder_decoder: bool) -> list[Example]:
-    """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists)."""
+def read_jsonl(path: str, tokenizer, encoder_decoder: bool, vocab_size: int) -> list[Example]:
+    """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists).
+
+    Every id must lie in [0, vocab_size) (the model's embedding table)."""
     file = epath.Path(path)
     if not file.exists():
         raise ValueError(f"--data jsonl:{path}: no such file")
@@ -56,29 +69,31 @@ def read_jsonl(path: str, tokenizer, encoder_decoder: bool) -> list[Example]:
     for line_no, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
+        where = f"{path}:{line_no}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
+            raise ValueError(f"{where}: not JSON ({error.msg})") from None
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{where}: expected a JSON object with 'text' or 'targets', got {line.strip()[:40]}"
+            )
+
+        def ids(key: str, add_eos: bool, record=record, where=where) -> list[int]:
+            return _ids(record[key], tokenizer, key, where, add_eos, vocab_size)
+
         if encoder_decoder:
             if "inputs" not in record or "targets" not in record:
-                raise ValueError(
-                    f"{path}:{line_no}: an encoder-decoder needs 'inputs' and 'targets'"
-                )
-            examples.append(
-                Example(
-                    targets=_ids(record["targets"], tokenizer, "targets", line_no, path, True),
-                    inputs=_ids(record["inputs"], tokenizer, "inputs", line_no, path, True),
-                )
-            )
+                raise ValueError(f"{where}: an encoder-decoder needs 'inputs' and 'targets'")
+            examples.append(Example(targets=ids("targets", True), inputs=ids("inputs", True)))
         elif "targets" in record or "text" in record:
             key = "targets" if "targets" in record else "text"
-            targets = _ids(record[key], tokenizer, key, line_no, path, False)
+            targets = ids(key, False)
             if len(targets) < 2:
-                raise ValueError(f"{path}:{line_no}: '{key}' has fewer than 2 tokens")
+                raise ValueError(f"{where}: '{key}' has fewer than 2 tokens")
             examples.append(Example(targets=targets))
         else:
-            raise ValueError(f"{path}:{line_no}: expected 'text' or 'targets'")
+            raise ValueError(f"{where}: expected 'text' or 'targets'")
     if not examples:
         raise ValueError(f"--data jsonl:{path}: no examples")
     return examples
@@ -148,25 +163,31 @@ def evaluate(
     checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
 ) -> dict:
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict."""
-    from jaxmoe.config import apply_overrides, validate
+    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
 
     if config is None:
         config = read_config(checkpoint)
         apply_overrides(config, overrides)
         validate(config)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    strict_param_check(spec, mesh)
     encoder_decoder = config.model.arch == "encoder_decoder"
     tokenizer = None
     if config.data.tokenizer or not encoder_decoder or not data_spec.startswith("jsonl:"):
         from jaxmoe.data.sources import load_tokenizer
 
         tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
+        if tokenizer is None:
+            raise ConfigError("model.vocab_size=0 needs a tokenizer: set --config.model.vocab_size")
+        resolve_vocab_size(config, tokenizer.vocab_size)
+    mesh = make_mesh(config.mesh)
+    spec = model_spec(config.model, mesh)
+    strict_param_check(spec, mesh)
     dp = data_parallel_size(mesh)
     batch_size = _round_up(config.train.batch_size, dp)
     if data_spec.startswith("jsonl:"):
-        examples = read_jsonl(data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder)
+        examples = read_jsonl(
+            data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
+        )
         batches = batch_examples(examples, batch_size, encoder_decoder)
         num_examples = len(examples)
     else:

@@ -4,6 +4,7 @@ Re-running with the same workdir resumes from the latest checkpoint, including t
 iterator's position. Metrics are fetched one step late so the host never stalls the device.
 """
 
+import contextlib
 import functools
 import logging
 import signal
@@ -13,11 +14,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
+from jaxmoe.config import resolve_vocab_size
+from jaxmoe.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.flops import train_flops_per_step
 from jaxmoe.goodput import Goodput
+from jaxmoe.memory_check import check_step_fits, state_bytes_per_device
 from jaxmoe.metrics import MetricsWriter, wandb_options
 from jaxmoe.optim import make_optimizer
 from jaxmoe.parallel.sharding import (
@@ -26,6 +31,7 @@ from jaxmoe.parallel.sharding import (
     data_parallel_size,
     make_mesh,
 )
+from jaxmoe.paths import absolute_path
 from jaxmoe.peak_flops import device_peak_flops
 from jaxmoe.profiling import ProfileWindow
 from jaxmoe.steps import eval_step, step_fns, train_step
@@ -33,18 +39,6 @@ from jaxmoe.train_state import init_state, model_spec, state_shardings
 from jaxmoe.workdir import WorkdirLock, check_workdir
 
 log = logging.getLogger("jaxmoe")
-
-
-def resolve_vocab(config, data) -> None:
-    """model.vocab_size = 0 takes the tokenizer's size; a smaller explicit size is an error."""
-    with config.unlocked():
-        if config.model.vocab_size == 0:
-            config.model.vocab_size = data.vocab_size
-    if config.model.vocab_size < data.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({data.vocab_size})"
-        )
 
 
 def to_global(batch: dict, shardings: dict) -> dict:
@@ -119,24 +113,72 @@ def describe_memory(abstract_state, shardings) -> tuple[int, float]:
     """(parameter count, bytes of state held by the most loaded device)."""
     params = jax.tree.leaves(abstract_state["params"])
     count = sum(int(np.prod(p.shape)) for p in params)
-    per_device = 0.0
-    for leaf, sharding in zip(
-        jax.tree.leaves(abstract_state), jax.tree.leaves(shardings), strict=True
-    ):
-        shard = sharding.shard_shape(leaf.shape)
-        per_device += float(np.prod(shard)) * leaf.dtype.itemsize
-    return count, per_device
+    return count, state_bytes_per_device(abstract_state, shardings)
+
+
+def _first_missing(path: epath.Path) -> epath.Path | None:
+    """The topmost of `path` and its parents that does not exist yet (what mkdir creates)."""
+    missing = None
+    while not path.exists():
+        missing, parent = path, path.parent
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _holds_content(path: epath.Path) -> bool:
+    """Whether any file below `path` has content (empty directories and files do not)."""
+    for child in path.iterdir():
+        if child.is_dir() and _holds_content(child):
+            return True
+        if not child.is_dir() and child.stat().length > 0:
+            return True
+    return False
+
+
+def _remove_if_nothing_saved(path: epath.Path) -> None:
+    """Remove `path` if it holds nothing but empty directories and files."""
+    try:
+        if path.exists() and not _holds_content(path):
+            path.rmtree()
+    except Exception as error:  # never hide the error that ended the run
+        log.warning("could not remove the empty workdir %s: %s", path, error)
 
 
 def train(config, workdir: str, *, progress: bool = True) -> dict:
-    """Train (or resume) according to `config`; returns a summary dict."""
+    """Train (or resume) according to `config`; returns a summary dict.
+
+    A run that fails before it wrote anything (a config or data error) leaves no empty
+    workdir behind: what this call created is removed again.
+    """
     goodput = Goodput()
-    workdir_path = check_workdir(workdir)
-    with WorkdirLock(workdir_path, enabled=jax.process_index() == 0) as lock:
-        return _train(config, workdir_path, lock, goodput, progress)
+    first = jax.process_index() == 0
+    created = _first_missing(epath.Path(absolute_path(workdir))) if first else None
+    closers = []  # what _train opened, closed again if it fails
+    try:
+        with quiet_disk_full():
+            workdir_path = check_workdir(workdir)
+            with WorkdirLock(workdir_path, enabled=jax.process_index() == 0) as lock:
+                return _train(config, workdir_path, lock, goodput, progress, closers)
+    except BaseException as error:
+        for close in reversed(closers):
+            # An unclosed async checkpointer prints asyncio tracebacks at exit.
+            with contextlib.suppress(Exception):
+                close()
+        if created is not None:
+            _remove_if_nothing_saved(created)
+        if no_space_left(error):
+            raise RuntimeError(
+                f"no space left on {workdir}: the checkpoint being written was not kept and "
+                f"completed checkpoints are intact; free space and rerun to resume"
+            ) from None
+        raise
 
 
-def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool) -> dict:
+def _train(
+    config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool, closers: list
+) -> dict:
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
     if config.train.batch_size % dp:
@@ -148,12 +190,15 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
     from jaxmoe.data.pipeline import build_data
 
     data = build_data(config, jax.process_index(), jax.process_count())
-    resolve_vocab(config, data)
+    resolve_vocab_size(config, data.vocab_size)
+    with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
+        config.model.max_len = max(config.model.get("max_len", 0), config.train.seq_len)
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps
     optimizer, schedule = make_optimizer(config.optimizer, total_steps)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
+    check_step_fits(config, mesh, abstract_state, shardings)
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
         for key, value in data.eval_batches[0].items()
@@ -162,6 +207,7 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
     curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
     checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)
+    closers.append(checkpoints.close)
     restored = checkpoints.restore_latest(abstract_state)
     if restored is not None:
         start, state, meta = restored
@@ -194,6 +240,7 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
     writer = MetricsWriter(
         str(workdir_path), total_steps, start, progress=progress, wandb=wandb_options(config)
     )
+    closers.append(writer.close)
     count, per_device = describe_memory(abstract_state, shardings)
     writer.print(
         f"jaxmoe: {count / 1e6:.2f}M parameters; params+optimizer {per_device / 2**20:.1f} MiB "

@@ -95,10 +95,10 @@ class SafetensorsFolder:
                 files.append(file)
             return files, weight_map
         if (self.root / SINGLE_FILE).is_file():
-            return [self.root / SINGLE_FILE], {}
+            return [self._inside(SINGLE_FILE)], {}
         found = sorted(self.root.glob("*.safetensors"))
         if len(found) == 1:
-            return found, {}
+            return [self._inside(found[0].name)], {}
         if found:
             raise CheckpointError(
                 f"{self.root}: {len(found)} .safetensors files but no {INDEX_FILE} naming them"
@@ -111,6 +111,14 @@ class SafetensorsFolder:
                 "save_pretrained(..., safe_serialization=True)"
             )
         raise CheckpointError(f"{self.root}: no model.safetensors or {INDEX_FILE}")
+
+    def _inside(self, name: str) -> Path:
+        """`root/name` resolved; a symlink leading out of the checkpoint is refused, exactly
+        as a shard name from the index is."""
+        try:
+            return resolve_inside(self.root, name)
+        except ValueError as error:
+            raise CheckpointError(f"{self.root}: {error}") from None
 
     def _open(self, file: Path) -> None:
         # safe_open validates the file: header, dtypes, and offsets that tile the data
@@ -177,6 +185,10 @@ def _read_index(path: Path) -> dict[str, str]:
 def read_hf_config(root: Path) -> dict:
     path = root / "config.json"
     try:
+        resolve_inside(root, "config.json")
+    except ValueError as error:
+        raise CheckpointError(f"{root}: {error}") from None
+    try:
         config = json.loads(path.read_text())
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an HF checkpoint carries its config)") from None
@@ -242,6 +254,18 @@ def check_coverage(plan: ImportPlan, leaves: dict, what: str) -> None:
         raise CheckpointError(f"jaxmoe parameter {'.'.join(path)} {what}")
 
 
+def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
+    """Tensor `name`, refused if any value is NaN or infinite: such a model would only ever
+    produce NaN losses and garbage tokens, far from the file that caused them."""
+    value = folder.read(name)
+    if not np.isfinite(value).all():
+        bad = np.size(value) - int(np.isfinite(value).sum())
+        raise CheckpointError(
+            f"tensor {name} in {folder.file(name).name} holds {bad} NaN or infinite value(s)"
+        )
+    return value
+
+
 def _convert_tensors(plan, leaves, folder, dtype: np.dtype, staging: Path) -> dict:
     """Fill one file-backed array per jaxmoe parameter, reading one HF tensor at a time."""
     staging.mkdir(parents=True, exist_ok=True)
@@ -252,7 +276,7 @@ def _convert_tensors(plan, leaves, folder, dtype: np.dtype, staging: Path) -> di
     # File order, then name: each shard is read front to back once.
     for m in sorted(plan.maps, key=lambda m: (str(folder.file(m.hf_name)), m.hf_name)):
         target = arrays[m.path]
-        value = m.layout.to_jaxmoe(folder.read(m.hf_name), m.slot_shape(target.shape))
+        value = m.layout.to_jaxmoe(_finite(folder, m.hf_name), m.slot_shape(target.shape))
         if m.expert is None:
             target[...] = value
         else:

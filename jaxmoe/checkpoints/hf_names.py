@@ -236,10 +236,40 @@ def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scal
 # ----------------------------------------------------------------------------- import
 
 
-def _get(hf: dict, key: str):
-    if hf.get(key) is None:
-        raise CheckpointError(f"config.json: missing key {key!r}")
-    return hf[key]
+def _size(hf: dict, key: str, default=None) -> int:
+    """A positive integer size from config.json (`default` when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json: missing key {key!r}")
+        return default
+    # JSON true parses as a bool (an int subclass); "4096" and 4096.5 are not sizes either.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.json: {key}={value!r} is not a positive integer")
+    return value
+
+
+def _number(hf: dict, key: str, default: float | None = None) -> float:
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json: missing key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"config.json: {key}={value!r} is not a finite number")
+    return float(value)
+
+
+def _check_layer_count(present: set[str], pattern: str, key: str, count: int) -> None:
+    """`count` layers in config.json must be the layers whose tensors the files hold, checked
+    before anything is built per layer (a config claiming 10**6 layers would hang there)."""
+    regex = re.compile(pattern)
+    found = {int(match.group(1)) for name in present if (match := regex.match(name))}
+    if found != set(range(count)):
+        held = f"{len(found)} layers, indices {min(found)}..{max(found)}" if found else "none"
+        raise CheckpointError(
+            f"config.json: {key}={count}, but the checkpoint holds tensors of {held}"
+        )
 
 
 def _activation(hf_name: str, key: str) -> str:
@@ -262,25 +292,27 @@ def _rope_theta(hf: dict) -> float:
         )
     if hf.get("partial_rotary_factor", 1.0) != 1.0:
         raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported")
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    return _number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
 
 
 def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     for key in ("attention_bias", "mlp_bias"):
         if hf.get(key):
             raise CheckpointError(f"config.json: {key}=true: jaxmoe projections have no bias")
-    heads = _get(hf, "num_attention_heads")
+    heads = _size(hf, "num_attention_heads")
     m.arch = "decoder"
-    m.vocab_size = _get(hf, "vocab_size")
-    m.num_layers = _get(hf, "num_hidden_layers")
-    m.d_model = _get(hf, "hidden_size")
+    m.vocab_size = _size(hf, "vocab_size")
+    m.num_layers = _size(hf, "num_hidden_layers")
+    _check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m.num_layers)
+    m.d_model = _size(hf, "hidden_size")
     m.num_heads = heads
-    m.num_kv_heads = hf.get("num_key_value_heads") or heads
-    m.head_dim = hf.get("head_dim") or m.d_model // heads
-    m.ffn_dim = _get(hf, "intermediate_size")
+    m.num_kv_heads = _size(hf, "num_key_value_heads", heads)
+    m.head_dim = _size(hf, "head_dim", m.d_model // heads)
+    m.ffn_dim = _size(hf, "intermediate_size")
     m.activation = _activation(hf.get("hidden_act", "silu"), "hidden_act")
-    m.norm_eps = float(_get(hf, "rms_norm_eps"))
+    m.norm_eps = _number(hf, "rms_norm_eps")
     m.rope_theta = _rope_theta(hf)
+    m.max_len = _size(hf, "max_position_embeddings", 0)
     # A tied config whose file still holds lm_head.weight converts untied: same logits.
     if hf.get("sliding_window"):
         log.warning(
@@ -293,9 +325,9 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     )
     moe_prefix, moe_style = "block_sparse_moe", "per_expert"
     if hf["model_type"] == "mixtral":
-        k = _get(hf, "num_experts_per_tok")
+        k = _size(hf, "num_experts_per_tok")
         moe = m.moe
-        moe.num_experts = _get(hf, "num_local_experts")
+        moe.num_experts = _size(hf, "num_local_experts")
         moe.every = 1
         moe.ffn_dim = m.ffn_dim
         moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
@@ -304,8 +336,8 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         moe.single_weight = "one"  # k = 1: the renormalised weight of one expert is 1
         moe.eval_gating = ""
         moe.capacity_factor = 0.0  # Mixtral is dropless
-        moe.jitter = float(hf.get("router_jitter_noise") or 0.0)
-        moe.balance_loss_weight = float(hf.get("router_aux_loss_coef", 0.0))
+        moe.jitter = _number(hf, "router_jitter_noise", 0.0)
+        moe.balance_loss_weight = _number(hf, "router_aux_loss_coef", 0.0)
         moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
         if not any(".block_sparse_moe." in n for n in present):
             moe_prefix = "mlp"  # transformers 5.x module names
@@ -325,19 +357,21 @@ def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         )
     act = ffn.removeprefix("gated-")
     m.arch = "encoder_decoder"
-    m.vocab_size = _get(hf, "vocab_size")
-    m.d_model = _get(hf, "d_model")
-    m.num_heads = m.num_kv_heads = _get(hf, "num_heads")
+    m.vocab_size = _size(hf, "vocab_size")
+    m.d_model = _size(hf, "d_model")
+    m.num_heads = m.num_kv_heads = _size(hf, "num_heads")
     m.encoder_num_kv_heads = 0
-    m.head_dim = _get(hf, "d_kv")
-    m.ffn_dim = _get(hf, "d_ff")
-    m.num_encoder_layers = _get(hf, "num_layers")
-    m.num_layers = hf.get("num_decoder_layers") or m.num_encoder_layers
+    m.head_dim = _size(hf, "d_kv")
+    m.ffn_dim = _size(hf, "d_ff")
+    m.num_encoder_layers = _size(hf, "num_layers")
+    m.num_layers = _size(hf, "num_decoder_layers", m.num_encoder_layers)
+    _check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m.num_encoder_layers)
+    _check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m.num_layers)
     m.activation = _activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
-    m.norm_eps = float(hf.get("layer_norm_epsilon", 1e-6))
+    m.norm_eps = _number(hf, "layer_norm_epsilon", 1e-6)
     m.rope_theta = 0.0
-    m.relpos_buckets = hf.get("relative_attention_num_buckets", 32)
-    m.relpos_max_distance = hf.get("relative_attention_max_distance", 128)
+    m.relpos_buckets = _size(hf, "relative_attention_num_buckets", 32)
+    m.relpos_max_distance = _size(hf, "relative_attention_max_distance", 128)
     m.tie_embeddings = False  # jaxmoe's T5 always has its own output layer
     m.moe.num_experts = 0
     # transformers: v4 configs scale decoder outputs by d**-0.5 unless tie_word_embeddings is

@@ -8,6 +8,7 @@ Orbax writes each step into a temporary directory and renames it when complete, 
 interrupted save is never mistaken for a checkpoint.
 """
 
+import contextlib
 import json
 import logging
 
@@ -65,6 +66,13 @@ class TrainCheckpoints:
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """(state with the shardings of `abstract_state`, meta dict) of checkpoint `step`."""
+        step_dir = self.directory / str(step)
+        for item in ("params", "opt_state", "meta"):
+            if not (step_dir / item).exists():
+                raise CheckpointError(
+                    f"checkpoint {str(step_dir)!r}: item {item!r} is missing (a damaged "
+                    f"checkpoint: move it away to resume from an earlier one)"
+                )
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -74,6 +82,10 @@ class TrainCheckpoints:
             ),
         )
         meta = restored["meta"]
+        if not isinstance(meta, dict) or not {"step", "data"} <= meta.keys():
+            raise CheckpointError(
+                f"checkpoint {str(step_dir)!r}: item 'meta' lacks 'step' or 'data' ({meta!r:.80})"
+            )
         state = {
             "step": jax.device_put(
                 jax.numpy.asarray(meta["step"], jax.numpy.int32), abstract_state["step"].sharding
@@ -199,9 +211,77 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
     return config
 
 
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax's absl warnings about its own metadata files ("Metadata file does not exist",
+    "ArrayMetadata persistence is disabled") say nothing a jaxmoe user can act on."""
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl_log.setLevel(level)
+
+
+def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
+    """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
+    try:
+        with _quiet_orbax():
+            metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
+    except (OSError, ValueError, KeyError) as error:
+        raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
+    tree = getattr(metadata, "item_metadata", metadata)
+    tree = getattr(tree, "tree", tree)
+    return {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(tree)}
+
+
+def _leaves(tree):
+    return jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: hasattr(x, "shape"))
+
+
+def _dotted(path) -> str:
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
+def check_params_match(step_dir: epath.Path, abstract_params) -> None:
+    """One CheckpointError naming the first tensor whose name or shape differs between the
+    checkpoint and the model; checked on metadata before Orbax starts reading arrays (a
+    mismatch found mid-restore buries its message in asyncio tracebacks)."""
+    stored = _stored_shapes(step_dir / "params")
+    expected = {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(abstract_params)}
+    where = f"checkpoint {str(step_dir)!r}"
+    for name, shape in expected.items():
+        if name in stored and stored[name] != shape:
+            raise CheckpointError(
+                f"{where}: tensor {name} has shape {stored[name]}, the model config expects "
+                f"{shape} (a checkpoint of another architecture or width?)"
+            )
+    missing = sorted(expected.keys() - stored.keys())
+    extra = sorted(stored.keys() - expected.keys())
+    if missing or extra:
+        parts = []
+        if missing:
+            name = missing[0]
+            parts.append(
+                f"the model's tensor {name} {expected[name]} is not in the checkpoint "
+                f"({len(missing)} missing)"
+            )
+        if extra:
+            name = extra[0]
+            parts.append(
+                f"the checkpoint's tensor {name} {stored[name]} is not in the model "
+                f"({len(extra)} extra)"
+            )
+        raise CheckpointError(
+            f"{where}: " + "; ".join(parts) + " (a checkpoint of another architecture?)"
+        )
+
+
 def restore_params(path: str, abstract_params) -> dict:
     """Parameters of checkpoint `path`, placed with the shardings in `abstract_params`."""
     step_dir = resolve_checkpoint(path)
+    check_params_match(step_dir, abstract_params)
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore(step_dir / "params", abstract_params)
@@ -261,8 +341,9 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
-    handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-    with ocp.Checkpointer(handler) as checkpointer:
-        checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
+    with _quiet_orbax():
+        handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+        with ocp.Checkpointer(handler) as checkpointer:
+            checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))

@@ -61,7 +61,9 @@ def open_t5x(path: str | Path) -> "T5xCheckpoint":
     or a bare msgpack file. Parses the msgpack index only; tensors are read on demand."""
     path = Path(path)
     if path.is_dir():
-        file = path / "checkpoint"
+        # The same gate as every path the checkpoint names: a `checkpoint` symlink that
+        # leads out of the directory is refused.
+        file = resolve_inside(path, "checkpoint")
         if not file.is_file():
             newer = " (a newer Orbax checkpoint?)" if (path / "_METADATA").exists() else ""
             raise ValueError(f"{path}: no `checkpoint` msgpack file in this directory{newer}")

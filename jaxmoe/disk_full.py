@@ -1,0 +1,84 @@
+"""A full disk under the workdir: one line for the user instead of hundreds.
+
+When a write fails with ENOSPC, the error reaches `train` once, but every background writer
+reports it too: Orbax's save threads log a traceback per item, TensorStore callbacks that
+complete after the failed save find their asyncio loop closed, TensorBoard's writer thread
+and its exit hook fail to flush. `quiet_disk_full()` drops exactly those secondary reports
+(records and hooks whose error is ENOSPC, or that only occur after one) so that stderr holds
+jaxmoe's own line; any other error still prints as before.
+"""
+
+import contextlib
+import errno
+import logging
+import sys
+import threading
+
+_seen = False  # a no-space error was seen in this process: its aftermath may be dropped
+
+
+def no_space_left(error: BaseException | None) -> bool:
+    """Whether `error`, or an error it was raised from, is ENOSPC. TensorStore (Orbax's
+    writer) reports it as a ValueError carrying the OS error code in its text."""
+    global _seen
+    checked = set()
+    while error is not None and id(error) not in checked:
+        checked.add(id(error))
+        text = str(error)
+        if (
+            (isinstance(error, OSError) and error.errno == errno.ENOSPC)
+            or "No space left on device" in text
+            or f"os_error_code='{errno.ENOSPC}'" in text
+        ):
+            _seen = True
+            return True
+        # `raise ... from None` hides the context: the error was already translated.
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return False
+
+
+def _aftermath(error: BaseException | None) -> bool:
+    """Secondary errors of a failed write: loops closed under pending callbacks, writer
+    pipes closed under their threads."""
+    if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+        return True
+    return _seen and isinstance(error, OSError) and str(error) == "handle is closed"
+
+
+class _DropNoSpace(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        error = record.exc_info[1] if record.exc_info else None
+        message = record.getMessage()
+        return not (no_space_left(error) or no_space_left(Exception(message)))
+
+
+def _drop(hook, error_of):
+    """`hook` (sys.unraisablehook or threading.excepthook) minus disk-full reports."""
+    if getattr(hook, "drops_disk_full", False):
+        return hook
+
+    def filtered(arg):
+        error = error_of(arg)
+        if no_space_left(error) or _aftermath(error):
+            return
+        hook(arg)
+
+    filtered.drops_disk_full = True
+    return filtered
+
+
+@contextlib.contextmanager
+def quiet_disk_full():
+    """Within: background loggers drop ENOSPC records. The hooks stay installed afterwards,
+    since TensorBoard's exit hook and abandoned callbacks report at interpreter exit."""
+    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+    log_filter = _DropNoSpace()
+    for logger in loggers:
+        logger.addFilter(log_filter)
+    sys.unraisablehook = _drop(sys.unraisablehook, lambda u: u.exc_value)
+    threading.excepthook = _drop(threading.excepthook, lambda a: a.exc_value)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(log_filter)

@@ -1,0 +1,51 @@
+"""Keep libtpu quiet on hosts without a TPU.
+
+With the `tpu` extra installed, JAX's first backend initialisation loads libtpu to probe
+for TPU chips. On a host without one, libtpu prints its own warnings and `E0000 ...
+INVALID_ARGUMENT` lines to stderr (written before its logging is set up, so no log level
+silences them), and every jaxmoe command would start with them. Where no TPU is attached
+and the user chose no platform, jaxmoe asks JAX for the CPU backend only, so libtpu is
+never probed. `jaxmoe compile` still reaches libtpu: it builds compile-only TPU devices
+from a topology description, which does not go through backend discovery.
+"""
+
+import glob
+import importlib.util
+import os
+from pathlib import Path
+
+# PCI vendor id of Google's TPU chips (what JAX itself looks for under /sys/bus/pci).
+_GOOGLE_PCI_VENDOR = "0x1ae0"
+
+
+def tpu_attached() -> bool:
+    """Whether this host has TPU chips: /dev/accel* (v2-v4) or a Google PCI device."""
+    if glob.glob("/dev/accel*"):
+        return True
+    for vendor in glob.glob("/sys/bus/pci/devices/*/vendor"):
+        try:
+            if Path(vendor).read_text().strip() == _GOOGLE_PCI_VENDOR:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def _gpu_plugin_installed() -> bool:
+    """A JAX GPU plugin is installed: leave platform discovery to JAX then."""
+    names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm6_plugin", "jax_rocm7_plugin")
+    return any(importlib.util.find_spec(name) is not None for name in names)
+
+
+def skip_absent_tpu() -> bool:
+    """Restrict JAX to the CPU backend when libtpu is installed but no TPU is attached and
+    neither JAX_PLATFORMS nor JAX_FORCE_TPU_INIT says otherwise. Must run before JAX
+    initialises its backends (the first jax.devices() or computation). True if it did."""
+    if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
+        return False
+    if importlib.util.find_spec("libtpu") is None or _gpu_plugin_installed() or tpu_attached():
+        return False
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")
+    return True
