@@ -271,19 +271,29 @@ def test_gs_workdir_train_kill_resume_eval(gcs, tmp_path):
 
     # Eval of the remote checkpoint on a TFDS dataset in a remote data_dir, from a machine
     # with an empty local cache (the tokenizer comes from gs://bucket/cache), equals eval of
-    # the reference checkpoint on the same dataset on local disk (the reference run's copy).
+    # the reference checkpoint on the same dataset on local disk (the reference run's copy)
+    # with the reference's tokenizer file copied to gs://bucket/tokenizer.model.
     (prepared,) = (tmp_path / "c" / "tfds" / "local").glob("*/jaxmoe_local_text")
     for file in prepared.rglob("*"):
         if file.is_file():
             bucket.write(f"tfds/{file.relative_to(prepared.parent)}", file.read_bytes())
+    (tokenizer,) = (tmp_path / "c" / "tokenizers").glob("*.model")
+    bucket.write("tokenizer.model", tokenizer.read_bytes())
     scores = []
     evals = (
-        (f"gs://{BUCKET}/run", f"gs://{BUCKET}/tfds", "home_eval"),
-        (str(local), str(prepared.parent), "home_reference"),
+        (f"gs://{BUCKET}/run", [f"--config.data.data_dir=gs://{BUCKET}/tfds"], "home_eval"),
+        (
+            str(local),
+            [
+                f"--config.data.data_dir={prepared.parent}",
+                f"--config.data.tokenizer=gs://{BUCKET}/tokenizer.model",
+            ],
+            "home_reference",
+        ),
     )
-    for checkpoint, data_dir, home_dir in evals:
+    for checkpoint, overrides, home_dir in evals:
         args = ["eval", "--checkpoint", checkpoint, "--data", "jaxmoe_local_text/validation"]
-        process = jaxmoe([*args, f"--config.data.data_dir={data_dir}"], tmp_path / home_dir)
+        process = jaxmoe([*args, *overrides], tmp_path / home_dir)
         scores.append(json.loads(finish(process).strip().splitlines()[-1]))
     assert scores[0]["num_tokens"] == scores[1]["num_tokens"] > 0
     assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], abs=1e-6)

@@ -123,7 +123,7 @@ def open_split(config, split_key: str) -> SplitDocuments:
 def load_tokenizer(config) -> Tokenizer:
     """The tokenizer file named by `data.tokenizer`, or one trained on the train split."""
     if config.data.tokenizer:
-        return Tokenizer(os.path.expanduser(config.data.tokenizer))
+        return Tokenizer(_expand(config.data.tokenizer))
     train = open_split(config, "train_split")
     return cached_tokenizer(
         train.documents,
