@@ -30,9 +30,13 @@ class Mirror:
         if not src.exists():
             return False
         self.local.mkdir(parents=True, exist_ok=True)
-        tmp = self.local / f"{name}{TMP_MARK}-pull"
-        _copy(src, tmp)
-        os.replace(tmp, self.local / name)
+        # Processes on one machine may share the local folder: each copies to its own name.
+        tmp = self.local / f"{name}{TMP_MARK}-{os.getpid()}"
+        try:
+            _copy(src, tmp)
+            os.replace(tmp, self.local / name)
+        finally:
+            tmp.unlink(missing_ok=True)
         self._pushed[name] = self._signature(name)
         return True
 

@@ -561,3 +561,13 @@ def test_aot_compile_prints_nothing_on_stderr():
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "verdict: fits on v5p-8" in result.stdout
+
+
+def test_resuming_with_another_width_names_the_tensor(tmp_path):
+    checkpoints, abstract = _saved_run(tmp_path, {"step": 1, "data": {}})
+    w = abstract["params"]["w"]
+    wider = {**abstract, "params": {"w": jax.ShapeDtypeStruct((4,), w.dtype, sharding=w.sharding)}}
+    with pytest.raises(
+        CheckpointError, match=r"tensor w has shape \(3,\), the model config expects \(4,\)"
+    ):
+        checkpoints.restore(1, wider)

