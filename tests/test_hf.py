@@ -8,6 +8,7 @@ init (std 0.02) gives near-zero logits that would hide a wrong layout inside the
 
 import argparse
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -143,7 +144,8 @@ def test_llama_gqa_converts_to_same_logits(llama, tmp_path, capsys):
     m = config.model
     assert (m.arch, m.num_kv_heads, m.head_dim, m.moe.num_experts) == ("decoder", 2, 8, 0)
     assert (m.rope_theta, m.norm_eps, m.tie_embeddings) == (500.0, 1e-5, False)
-    assert config.data.tokenizer == "spm.model"
+    # A relative path is the user's, relative to where they typed it: stored absolute.
+    assert config.data.tokenizer == os.path.abspath("spm.model")
     assert_close(jaxmoe_logits(load_converted(dst), IDS), hf_logits(model, IDS))
     assert "already exists" in one_line_error(convert_hf, str(src), str(dst))
 
