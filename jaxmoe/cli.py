@@ -71,6 +71,14 @@ def _cmd_eval(args, overrides) -> int:
     return 0
 
 
+def _cmd_lm_eval(args, overrides) -> int:
+    try:
+        from jaxmoe.lm_eval_backend import run_lm_eval
+    except ImportError as error:
+        raise RuntimeError(f"{error}; install the eval extra: pip install 'jaxmoe[eval]'") from None
+    return run_lm_eval(args.lm_eval_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="jaxmoe", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -121,6 +129,13 @@ def build_parser() -> argparse.ArgumentParser:
     export_sub = export.add_subparsers(dest="target", required=True)
     hf_export.add_parser(export_sub)
 
+    lm_eval = sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        help="lm-evaluation-harness tasks on a checkpoint: lm-eval's flags, --model jaxmoe implied",
+    )
+    lm_eval.set_defaults(run=_cmd_lm_eval, lm_eval_args=[])
+
     from jaxmoe.decode import add_decode_parser
 
     add_decode_parser(sub)
@@ -137,9 +152,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rest, overrides = _split_overrides(argv)
-    args = parser_args = build_parser().parse_args(rest)
-    del parser_args
+    if argv[:1] == ["lm-eval"]:  # every later flag is lm-eval's, parsed by lm-eval itself
+        args = build_parser().parse_args(["lm-eval"])
+        args.lm_eval_args, overrides = argv[1:], []
+    else:
+        rest, overrides = _split_overrides(argv)
+        args = build_parser().parse_args(rest)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     try:

@@ -144,16 +144,32 @@ def packed_batches(config, data_spec: str, tokenizer):
     ]
 
 
+def checkpoint_config(checkpoint: str, overrides=()):
+    """The config stored with `checkpoint`, `--config.KEY=VALUE` overrides applied."""
+    from jaxmoe.config import apply_overrides, validate
+
+    config = read_config(checkpoint)
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def restore_on_mesh(checkpoint: str, spec, mesh):
+    """The parameters of `checkpoint`, read straight into their shards on `mesh`."""
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        spec.abstract_params,
+        spec.param_specs,
+    )
+    return restore_params(checkpoint, abstract)
+
+
 def evaluate(
     checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
 ) -> dict:
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict."""
-    from jaxmoe.config import apply_overrides, validate
-
     if config is None:
-        config = read_config(checkpoint)
-        apply_overrides(config, overrides)
-        validate(config)
+        config = checkpoint_config(checkpoint, overrides)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     strict_param_check(spec, mesh)
@@ -175,12 +191,7 @@ def evaluate(
         batches = packed_batches(config, data_spec, tokenizer)
         num_examples = None
 
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        spec.abstract_params,
-        spec.param_specs,
-    )
-    params = restore_params(checkpoint, abstract)
+    params = restore_on_mesh(checkpoint, spec, mesh)
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()
