@@ -21,29 +21,50 @@ PROMPTS = [[3, 5, 2], [7, 4, 6, 2, 5], [6]]
 MESH = {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
 
 
-@pytest.fixture(scope="module")
-def model():
-    cfg = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}").model
+T5 = (
+    "model.arch=encoder_decoder",
+    "model.activation=gelu",
+    "model.rope_theta=0.0",
+    "model.relpos_buckets=8",
+    "model.relpos_max_distance=16",
+)
+
+
+@pytest.fixture(scope="module", params=["decoder", "encoder_decoder"])
+def model(request):
+    """(config, params, token_logp): token_logp(prompt, seqs [N, STEPS]) -> log p of each
+    token of each sequence [N, STEPS], from one full forward pass without a cache."""
+    extra = T5 if request.param == "encoder_decoder" else ()
+    cfg = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}", *extra).model
     rng = np.random.default_rng(3)  # unit-scale weights: peaked, distinct scores
     params = jax.tree.map(
         lambda a: (a.ndim == 1) + rng.standard_normal(a.shape, np.float32) / a.shape[0] ** 0.5,
         abstract_params(cfg),
     )
     graphdef, _ = nnx.split(nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0))))
-    forward = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t)[0])
-    return cfg, params, lambda tokens: np.asarray(forward(params, np.asarray(tokens, np.int32)))
+    forward = jax.jit(lambda p, *t: nnx.merge(graphdef, p)(*t)[0])
+
+    def token_logp(prompt, seqs):
+        n = len(seqs)
+        if request.param == "encoder_decoder":  # the decoder starts from id 0
+            decoder = np.concatenate([np.zeros((n, 1), np.int32), seqs[:, :-1]], 1)
+            logits = forward(params, np.tile(prompt, (n, 1)).astype(np.int32), decoder)
+        else:
+            logits = forward(params, np.concatenate([np.tile(prompt, (n, 1)), seqs], 1))
+            logits = logits[:, len(prompt) - 1 : -1]
+        logits = np.asarray(logits, np.float64)
+        logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+        return np.take_along_axis(logp, seqs[..., None], -1)[..., 0]
+
+    return cfg, params, token_logp
 
 
-def exhaustive(forward, prompt, alpha):
-    """(best tokens, score) over every sequence of at most STEPS tokens: those ending at their
-    first EOS scored log p / brevity penalty (plus, if none could end, the best by log p)."""
+def exhaustive(token_logp, prompt, alpha):
+    """(best tokens, score) over every sequence of at most STEPS tokens that ends at its
+    first EOS, scored log p / brevity penalty (EOS always has some probability)."""
     every = np.array(list(itertools.product(range(VOCAB), repeat=STEPS)), np.int32)
-    logits = forward(np.concatenate([np.tile(prompt, (len(every), 1)), every], 1))
-    logits = logits[:, len(prompt) - 1 : -1].astype(np.float64)
-    logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
-    token_logp = np.take_along_axis(logp, every[..., None], -1)[..., 0]
     best = (None, -np.inf)
-    for seq, lps in zip(every.tolist(), token_logp, strict=True):
+    for seq, lps in zip(every.tolist(), token_logp(prompt, every), strict=True):
         n = seq.index(EOS) + 1 if EOS in seq else None
         if n is not None:
             score = lps[:n].sum() / brevity_penalty(alpha, n)
