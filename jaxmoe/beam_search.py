@@ -11,13 +11,14 @@ The whole search is one compiled `lax.fori_loop`.
 """
 
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.decode import bucket
+from jaxmoe.decode import Generation, bucket
 from jaxmoe.models.kv_cache import LayerCache, decoder_forward, encoder_decoder_forward
 
 NEG_INF = -1.0e30  # finite, so that sums and divisions stay ordered and never make NaN
@@ -92,11 +93,9 @@ def _beam_loop(
 
 def beam_search(
     generator, prompts: list[list[int]], max_new_tokens: int, beams: int, alpha: float = 0.6
-):
-    """([new tokens per prompt, up to and including EOS], [their scores]) of the best beam.
-
-    `generator` is a decode.Generator (its model, mesh, EOS id and vocabulary limit).
-    """
+) -> tuple[Generation, list[float]]:
+    """The best beam's new tokens per prompt (up to and including EOS) with timings, and
+    its score. `generator` is a decode.Generator (model, mesh, EOS id, vocabulary limit)."""
     if beams < 1:
         raise ValueError(f"--num_beams={beams} must be >= 1")
     if max_new_tokens < 1:
@@ -108,7 +107,11 @@ def beam_search(
     padded = -(-len(prompts) // multiple) * multiple
     rows = [p for p in prompts for _ in range(beams)]
     rows += [[generator.eos_id if generator.eos_id >= 0 else 0]] * ((padded - len(prompts)) * beams)
-    state, _, _ = generator.prefill(rows, bucket(max_new_tokens))
+    start = time.perf_counter()
+    state, _, compile_prefill = generator.prefill(rows, bucket(max_new_tokens))
+    jax.block_until_ready(state)
+    prefill_s = time.perf_counter() - start - compile_prefill
+    start = time.perf_counter()
     cache_len = state["caches"][0].v.shape[1]
     fn = functools.partial(
         _beam_loop,
@@ -122,9 +125,13 @@ def beam_search(
     )
     rest = {k: v for k, v in state.items() if k != "caches"}
     name = ("beam", beams, max_new_tokens, float(alpha))
-    compiled, _ = generator._compile(name, fn, generator.params, state["caches"], rest, donate=(1,))
+    compiled, compile_loop = generator._compile(
+        name, fn, generator.params, state["caches"], rest, donate=(1,)
+    )
     best, scores = jax.device_get(compiled(generator.params, state["caches"], rest))
+    decode_s = time.perf_counter() - start - compile_loop
     out = []
     for row in np.asarray(best)[: len(prompts)].tolist():
         out.append(row[: row.index(generator.eos_id) + 1] if generator.eos_id in row else row)
-    return out, [float(s) for s in np.asarray(scores)[: len(prompts)]]
+    generation = Generation(out, prefill_s, decode_s, compile_prefill + compile_loop)
+    return generation, [float(s) for s in np.asarray(scores)[: len(prompts)]]

@@ -64,9 +64,18 @@ def _cmd_eval(args, overrides) -> int:
 
     initialize(args.coordinator_address, args.num_processes, args.process_id, args.init_timeout)
     config = load_config(args.config, overrides) if args.config else None
-    result = evaluate(
-        args.checkpoint, args.data, config=config, per_example=args.per_example, overrides=overrides
-    )
+    if args.task == "generate":
+        from jaxmoe.generate_eval import run_generate_eval
+
+        result = run_generate_eval(args, config, overrides)
+    else:
+        result = evaluate(
+            args.checkpoint,
+            args.data,
+            config=config,
+            per_example=args.per_example,
+            overrides=overrides,
+        )
     print(json.dumps(result))
     return 0
 
@@ -113,6 +122,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
     ev.add_argument("--per_example", action="store_true", help="add per-example losses")
+    ev.add_argument(
+        "--task",
+        choices=["score", "generate"],
+        default="score",
+        help="score: loss/perplexity/accuracy; generate: ROUGE/BLEU/EM/F1 of generations",
+    )
+    from jaxmoe.generate_eval import add_generate_flags
+
+    add_generate_flags(ev)
     _add_distributed_flags(ev)
     ev.set_defaults(run=_cmd_eval)
 

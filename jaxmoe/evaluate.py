@@ -47,19 +47,24 @@ def _ids(value, tokenizer, what: str, line_no: int, path: str, add_eos: bool) ->
     return value
 
 
-def read_jsonl(path: str, tokenizer, encoder_decoder: bool) -> list[Example]:
-    """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists)."""
+def jsonl_records(path: str):
+    """(line number, object) for each non-empty line of the JSON-lines file `path`."""
     file = epath.Path(path)
     if not file.exists():
         raise ValueError(f"--data jsonl:{path}: no such file")
-    examples = []
     for line_no, line in enumerate(file.read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
-            record = json.loads(line)
+            yield line_no, json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
+
+
+def read_jsonl(path: str, tokenizer, encoder_decoder: bool) -> list[Example]:
+    """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists)."""
+    examples = []
+    for line_no, record in jsonl_records(path):
         if encoder_decoder:
             if "inputs" not in record or "targets" not in record:
                 raise ValueError(

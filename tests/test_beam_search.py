@@ -14,27 +14,18 @@ from jaxmoe.checkpoints.hf import abstract_params
 from jaxmoe.decode import Generator
 from jaxmoe.models import build_model
 from jaxmoe.parallel.sharding import make_mesh
-from tests.helpers import tiny_config
+from tests.helpers import TINY_T5, tiny_config
 
 VOCAB, EOS, STEPS = 8, 1, 3
 PROMPTS = [[3, 5, 2], [7, 4, 6, 2, 5], [6]]
 MESH = {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
 
 
-T5 = (
-    "model.arch=encoder_decoder",
-    "model.activation=gelu",
-    "model.rope_theta=0.0",
-    "model.relpos_buckets=8",
-    "model.relpos_max_distance=16",
-)
-
-
 @pytest.fixture(scope="module", params=["decoder", "encoder_decoder"])
 def model(request):
     """(config, params, token_logp): token_logp(prompt, seqs [N, STEPS]) -> log p of each
     token of each sequence [N, STEPS], from one full forward pass without a cache."""
-    extra = T5 if request.param == "encoder_decoder" else ()
+    extra = TINY_T5 if request.param == "encoder_decoder" else ()
     cfg = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}", *extra).model
     rng = np.random.default_rng(3)  # unit-scale weights: peaked, distinct scores
     params = jax.tree.map(
@@ -78,8 +69,8 @@ def test_wide_beam_finds_the_exhaustive_best(model, alpha):
     cfg, params, forward = model
     generator = Generator(cfg, params, make_mesh(MESH), eos_id=EOS)
     # 7 * 7 live prefixes of two tokens (no EOS): 64 beams keep every one of them.
-    tokens, scores = beam_search(generator, PROMPTS, STEPS, beams=64, alpha=alpha)
-    for prompt, got, score in zip(PROMPTS, tokens, scores, strict=True):
+    generation, scores = beam_search(generator, PROMPTS, STEPS, beams=64, alpha=alpha)
+    for prompt, got, score in zip(PROMPTS, generation.tokens, scores, strict=True):
         want, want_score = exhaustive(forward, prompt, alpha)
         assert got == want
         assert score == pytest.approx(want_score, abs=1e-4)
