@@ -40,7 +40,7 @@ def _reorder(cache: LayerCache, source_R) -> LayerCache:
 def _beam_loop(
     params, caches, state, *, graphdef, beams, max_new, alpha, eos_id, vocab_limit, constrain
 ):
-    """(best sequences [P, max_new] padded with 0, their scores [P]) for P = rows / beams."""
+    """(best sequences [P, max_new] padded with 0, their scores [P], caches), P = rows / beams."""
     model = nnx.merge(graphdef, params)
     rows = state["logits_BV"].shape[0]
     prompts = rows // beams
@@ -85,10 +85,13 @@ def _beam_loop(
     live_logp = jnp.tile(jnp.array([0.0] + [NEG_INF] * (beams - 1), jnp.float32), (prompts, 1))
     seqs = jnp.zeros((prompts, beams, max_new), jnp.int32)
     carry = (state["logits_BV"], caches, seqs, live_logp, seqs, jnp.full_like(live_logp, NEG_INF))
-    _, _, live_seqs, live_logp, fin_seqs, fin_scores = jax.lax.fori_loop(0, max_new, body, carry)
+    _, caches, live_seqs, live_logp, fin_seqs, fin_scores = jax.lax.fori_loop(
+        0, max_new, body, carry
+    )
     none_finished = fin_scores[:, 0] <= NEG_INF / 2
     best = jnp.where(none_finished[:, None], live_seqs[:, 0], fin_seqs[:, 0])
-    return best, jnp.where(none_finished, live_logp[:, 0], fin_scores[:, 0])
+    # The caches are returned so that XLA updates the donated buffers in place.
+    return best, jnp.where(none_finished, live_logp[:, 0], fin_scores[:, 0]), caches
 
 
 def beam_search(
@@ -128,7 +131,8 @@ def beam_search(
     compiled, compile_loop = generator._compile(
         name, fn, generator.params, state["caches"], rest, donate=(1,)
     )
-    best, scores = jax.device_get(compiled(generator.params, state["caches"], rest))
+    best, scores, _ = compiled(generator.params, state["caches"], rest)
+    best, scores = jax.device_get((best, scores))
     decode_s = time.perf_counter() - start - compile_loop
     out = []
     for row in np.asarray(best)[: len(prompts)].tolist():
