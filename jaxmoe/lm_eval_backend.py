@@ -169,6 +169,11 @@ class JaxmoeLM(TemplateLM):
         for _, context, continuation in requests:
             if not continuation:
                 raise ValueError("lm-eval asked to score an empty continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens does not fit in "
+                    f"max_length={self.max_length} (--model_args max_length=N)"
+                )
             # As lm-eval's HF backend: the last max_length + 1 tokens, the final one unfed.
             whole = (context + continuation)[-(self.max_length + 1) :]
             sequences.append((whole, len(continuation)))

@@ -167,6 +167,9 @@ def test_model_args_errors(dense):
         JaxmoeLM()
     with pytest.raises(ValueError, match="--model_args dtype: unknown"):
         JaxmoeLM(checkpoint=str(dense / "ckpt"), dtype="float32")
+    lm = JaxmoeLM(checkpoint=str(dense / "ckpt"), max_length=8)
+    with pytest.raises(ValueError, match="9 tokens does not fit in max_length=8"):
+        lm._loglikelihood_tokens([(None, [1], list(range(3, 12)))])
 
 
 def jaxmoe_cli(*args, cwd=REPO):
