@@ -100,25 +100,6 @@ def same_text_up_to_bad_bytes(ours: str, hf: str) -> bool:
     )
 
 
-def test_exported_tokenizer_matches_sentencepiece(dense, tokenizer_path):
-    from transformers import AutoTokenizer
-
-    from jaxmoe.data.tokenizer import Tokenizer
-
-    spm, hf = Tokenizer(tokenizer_path), AutoTokenizer.from_pretrained(dense / "hf")
-    texts = [
-        "Question: How many legs does a spider have?\nAnswer: eight",
-        "  two  spaces\tand a tab",
-        "digits 12345 3.14",
-        "unicode é ü 日本語 🙂 ☃",
-        " leading and trailing ",
-    ]
-    for text in texts:
-        assert hf.encode(text) == spm.encode(text), text
-        assert hf.decode(hf.encode(text)) == text
-    assert hf.eos_token_id == spm.eos_id and hf.bos_token_id is None
-
-
 def test_same_loglikelihoods_generations_and_metrics_as_hf_backend(dense):
     from lm_eval.models.huggingface import HFLM
 
