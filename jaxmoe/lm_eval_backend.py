@@ -1,7 +1,8 @@
 """jaxmoe checkpoints in EleutherAI's lm-evaluation-harness: `jaxmoe lm-eval ...`.
 
-`JaxmoeLM` is an lm-eval model (registered as `jaxmoe`) that restores a checkpoint onto a
-device mesh and answers lm-eval's three request kinds:
+`JaxmoeLM` is an lm-eval model (registered as `jaxmoe`) that restores a checkpoint (a
+decoder, or an encoder-decoder as lm-eval's `seq2seq` models) onto a device mesh and answers
+lm-eval's three request kinds:
 
 - loglikelihood / loglikelihood_rolling: context + continuation in one forward pass, the
   continuation's summed log-probabilities read from the logits. Sequences are sorted by
@@ -11,8 +12,9 @@ device mesh and answers lm-eval's three request kinds:
   the first stop string.
 
 Tokenization follows lm-eval's Hugging Face backend (TemplateLM): context and continuation
-are encoded together and split at the context's length, an empty context becomes EOS (the
-tokenizer has no BOS), and rolling windows are lm-eval's own. So an exported checkpoint
+are encoded together and split at the context's length (an encoder-decoder encodes them
+apart, the context ending with EOS), an empty context becomes EOS (the tokenizer has no
+BOS), and rolling windows are lm-eval's own. So an exported checkpoint
 scores the same under `--model hf` and `--model jaxmoe`.
 
 Model args: `checkpoint=PATH` (required), `mesh=data:4/tensor:2` (mesh axis sizes),
@@ -59,9 +61,10 @@ def mesh_overrides(mesh: str) -> list[str]:
     return overrides
 
 
-def _token_logprobs(params, inputs_BL, targets_BL, *, graphdef, rest):
+def _token_logprobs(params, batch, *, graphdef, rest):
     """Per-position log p(target) [B, L] and whether the target is the argmax [B, L]."""
-    logits_BLV, _ = forward(graphdef, params, {"inputs": inputs_BL}, train=False, rest=rest)
+    targets_BL = batch["targets"]
+    logits_BLV, _ = forward(graphdef, params, batch, train=False, rest=rest)
     logp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
     logp_BL = jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]
     return logp_BL, logits_BLV.argmax(-1) == targets_BL
@@ -110,12 +113,10 @@ class JaxmoeLM(TemplateLM):
         overrides += mesh_overrides(mesh) if mesh else []
         self.checkpoint = absolute_path(checkpoint)
         config = checkpoint_config(self.checkpoint, overrides)
-        if config.model.arch != "decoder":
-            raise ConfigError(
-                f"the lm-eval backend runs decoder-only checkpoints; {self.checkpoint} has "
-                f"model.arch={config.model.arch!r}"
-            )
         self.config = config
+        # lm-eval's TemplateLM encodes an encoder-decoder's context and continuation apart.
+        self.encoder_decoder = config.model.arch == "encoder_decoder"
+        self.backend = "seq2seq" if self.encoder_decoder else "causal"
         self.tokenizer = load_tokenizer(config)
         self.mesh = make_mesh(config.mesh)
         self.spec = model_spec(config.model, self.mesh)
@@ -157,8 +158,11 @@ class JaxmoeLM(TemplateLM):
         return self.tokenizer.path.replace("/", "__")
 
     def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
-        del add_special_tokens, kwargs  # no BOS: nothing special is ever added
-        return self.tokenizer.encode(string)
+        """The text's ids; an encoder-decoder's input ends with EOS (as T5's tokenizer and
+        jaxmoe's training add it) unless lm-eval asks for no special tokens."""
+        del kwargs
+        eos = self.encoder_decoder and add_special_tokens is not False
+        return self.tokenizer.encode(string) + ([self.eot_token_id] if eos else [])
 
     def tok_decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens)
@@ -174,9 +178,11 @@ class JaxmoeLM(TemplateLM):
                     f"a continuation of {len(continuation)} tokens does not fit in "
                     f"max_length={self.max_length} (--model_args max_length=N)"
                 )
-            # As lm-eval's HF backend: the last max_length + 1 tokens, the final one unfed.
-            whole = (context + continuation)[-(self.max_length + 1) :]
-            sequences.append((whole, len(continuation)))
+            if self.encoder_decoder:  # the encoder reads the context's last max_length ids
+                sequences.append((context[-self.max_length :], continuation))
+            else:  # as lm-eval's HF backend: the last max_length + 1 ids, the final one unfed
+                whole = (context + continuation)[-(self.max_length + 1) :]
+                sequences.append((whole, len(continuation)))
         scores = self._score_sequences(sequences, disable_tqdm)
         for (key, _, _), score in zip(requests, scores, strict=True):
             if key is not None:
@@ -228,10 +234,10 @@ class JaxmoeLM(TemplateLM):
                 top_k=int(kwargs.get("top_k") or 0),
                 top_p=float(kwargs.get("top_p") or 1.0),
             )
+            # A decoder's context and new tokens share max_length; an encoder's input has it.
+            room = self.max_length if self.encoder_decoder else self.max_length - max_new
             prompts = {
-                i: (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[
-                    -(self.max_length - max_new) :
-                ]
+                i: (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-room:]
                 for i in indices
             }
             order = sorted(indices, key=lambda i: -len(prompts[i]))
@@ -252,34 +258,49 @@ class JaxmoeLM(TemplateLM):
     # ------------------------------------------------------------------ batched scoring
 
     def _score_sequences(self, sequences, disable_tqdm: bool) -> list[tuple[float, bool]]:
-        """[(token ids, n scored at the end)] -> [(sum of their log p, all greedy)]."""
-        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i][0]))
+        """Decoder: [(token ids, n scored at the end)]; encoder-decoder: [(encoder ids,
+        decoder targets)]. -> [(sum of the scored log p, all of them greedy)]."""
+        length_of = (lambda s: len(s[1])) if self.encoder_decoder else (lambda s: len(s[0]) - 1)
+        order = sorted(range(len(sequences)), key=lambda i: -length_of(sequences[i]))
         results: list[tuple[float, bool] | None] = [None] * len(sequences)
+        sharding = NamedSharding(self.mesh, batch_spec(self.mesh, 2, self.rows))
         batches = range(0, len(order), self.rows)
         for start in tqdm(batches, disable=disable_tqdm, desc="jaxmoe loglikelihood"):
             chunk = order[start : start + self.rows]
-            length = bucket(max(len(sequences[i][0]) - 1 for i in chunk))
-            inputs = np.zeros((self.rows, length), np.int32)
-            targets = np.zeros((self.rows, length), np.int32)
-            for row, i in enumerate(chunk):
-                ids = sequences[i][0]
-                inputs[row, : len(ids) - 1] = ids[:-1]
-                targets[row, : len(ids) - 1] = ids[1:]
-            sharding = NamedSharding(self.mesh, batch_spec(self.mesh, 2, self.rows))
-            self.compiled_shapes.add(inputs.shape)
+            batch, scored = self._batch([sequences[i] for i in chunk])
+            self.compiled_shapes.add(tuple(v.shape for v in batch.values()))
             with jax.set_mesh(self.mesh):
                 logp, greedy = jax.device_get(
-                    self._score(
-                        self.params,
-                        jax.device_put(inputs, sharding),
-                        jax.device_put(targets, sharding),
-                    )
+                    self._score(self.params, jax.device_put(batch, sharding))
                 )
-            for row, i in enumerate(chunk):
-                ids, n = sequences[i]
-                scored = slice(len(ids) - 1 - n, len(ids) - 1)
-                results[i] = (float(logp[row, scored].sum()), bool(greedy[row, scored].all()))
+            for row, (i, span) in enumerate(zip(chunk, scored, strict=True)):
+                results[i] = (float(logp[row, span].sum()), bool(greedy[row, span].all()))
         return results
+
+    def _batch(self, sequences) -> tuple[dict, list[slice]]:
+        """Arrays of `rows` rows right-padded to power-of-two lengths, and each row's span
+        of scored positions. An encoder-decoder's decoder reads its targets shifted right
+        with 0 (T5's start token); its encoder padding (id 0) is masked by the model."""
+        if self.encoder_decoder:
+            enc_len = bucket(max(len(enc) for enc, _ in sequences))
+            dec_len = bucket(max(len(dec) for _, dec in sequences))
+            encoder = np.zeros((self.rows, enc_len), np.int32)
+            inputs = np.zeros((self.rows, dec_len), np.int32)
+            targets = np.zeros((self.rows, dec_len), np.int32)
+            for row, (enc, dec) in enumerate(sequences):
+                encoder[row, : len(enc)] = enc
+                inputs[row, 1 : len(dec)] = dec[:-1]
+                targets[row, : len(dec)] = dec
+            batch = {"encoder_inputs": encoder, "inputs": inputs, "targets": targets}
+            return batch, [slice(0, len(dec)) for _, dec in sequences]
+        length = bucket(max(len(ids) - 1 for ids, _ in sequences))
+        inputs = np.zeros((self.rows, length), np.int32)
+        targets = np.zeros((self.rows, length), np.int32)
+        for row, (ids, _) in enumerate(sequences):
+            inputs[row, : len(ids) - 1] = ids[:-1]
+            targets[row, : len(ids) - 1] = ids[1:]
+        spans = [slice(len(ids) - 1 - n, len(ids) - 1) for ids, n in sequences]
+        return {"inputs": inputs, "targets": targets}, spans
 
 
 def run_lm_eval(argv: list[str]) -> int:

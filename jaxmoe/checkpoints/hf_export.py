@@ -101,11 +101,12 @@ def export_hf(
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    encoder_decoder = m.arch == "encoder_decoder"
     if tokenizer:
-        write_hf_tokenizer(absolute_path(tokenizer), dst)
+        write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
     elif config.data.tokenizer:
         try:
-            write_hf_tokenizer(config.data.tokenizer, dst)
+            write_hf_tokenizer(config.data.tokenizer, dst, encoder_decoder)
         except ValueError as error:  # e.g. T5's tokenizer: the weights are still useful
             log.warning("no tokenizer.json written: %s", error)
     return hf_config

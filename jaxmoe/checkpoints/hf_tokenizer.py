@@ -42,8 +42,21 @@ def _load(sp_model_path: str):
     return proto
 
 
-def tokenizer_json(sp_model_path: str) -> dict:
-    """The `tokenizer.json` of a jaxmoe SentencePiece model."""
+def _append_eos(eos: str, eos_id: int) -> dict:
+    """A post-processor that ends every encoded text with EOS (what T5 encoders read)."""
+    a, b = ({"Sequence": {"id": x, "type_id": 0}} for x in "AB")
+    end = {"SpecialToken": {"id": eos, "type_id": 0}}
+    return {
+        "type": "TemplateProcessing",
+        "single": [a, end],
+        "pair": [a, end, b, end],
+        "special_tokens": {eos: {"id": eos, "ids": [eos_id], "tokens": [eos]}},
+    }
+
+
+def tokenizer_json(sp_model_path: str, append_eos: bool = False) -> dict:
+    """The `tokenizer.json` of a jaxmoe SentencePiece model; `append_eos` for an
+    encoder-decoder, whose inputs end with EOS as in jaxmoe's training and evaluation."""
     proto = _load(sp_model_path)
     kinds = sentencepiece_model_pb2.ModelProto.SentencePiece
     vocab, added, unk_id = [], [], None
@@ -70,7 +83,11 @@ def tokenizer_json(sp_model_path: str) -> dict:
         "added_tokens": added,
         "normalizer": {"type": "Replace", "pattern": {"String": " "}, "content": SPACE},
         "pre_tokenizer": None,
-        "post_processor": None,
+        "post_processor": _append_eos(
+            proto.pieces[proto.trainer_spec.eos_id].piece, proto.trainer_spec.eos_id
+        )
+        if append_eos
+        else None,
         "decoder": {
             "type": "Sequence",
             "decoders": [
@@ -88,9 +105,9 @@ def tokenizer_json(sp_model_path: str) -> dict:
     }
 
 
-def write_hf_tokenizer(sp_model_path: str, dst: Path) -> None:
+def write_hf_tokenizer(sp_model_path: str, dst: Path, append_eos: bool = False) -> None:
     """Writes `tokenizer.json` + `tokenizer_config.json` into the model directory `dst`."""
-    tokenizer = tokenizer_json(sp_model_path)
+    tokenizer = tokenizer_json(sp_model_path, append_eos)
     trainer = _load(sp_model_path).trainer_spec
     vocab = tokenizer["model"]["vocab"]
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False}
