@@ -82,7 +82,7 @@ def _batch_size(value) -> int:
 
 @register_model("jaxmoe")
 class JaxmoeLM(TemplateLM):
-    """A decoder-only jaxmoe checkpoint (dense or MoE, adaptive gating included) on a mesh."""
+    """A jaxmoe checkpoint (decoder, dense or MoE with adaptive gating, or encoder-decoder)."""
 
     def __init__(
         self,
