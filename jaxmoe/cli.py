@@ -66,11 +66,28 @@ def _cmd_eval(args, overrides) -> int:
 
     initialize(args.coordinator_address, args.num_processes, args.process_id, args.init_timeout)
     config = load_config(args.config, overrides) if args.config else None
-    result = evaluate(
-        args.checkpoint, args.data, config=config, per_example=args.per_example, overrides=overrides
-    )
+    if args.task == "generate":
+        from jaxmoe.generate_eval import run_generate_eval
+
+        result = run_generate_eval(args, config, overrides)
+    else:
+        result = evaluate(
+            args.checkpoint,
+            args.data,
+            config=config,
+            per_example=args.per_example,
+            overrides=overrides,
+        )
     print(json.dumps(result))
     return 0
+
+
+def _cmd_lm_eval(args, overrides) -> int:
+    try:
+        from jaxmoe.lm_eval_backend import run_lm_eval
+    except ImportError as error:
+        raise RuntimeError(f"{error}; install the eval extra: pip install 'jaxmoe[eval]'") from None
+    return run_lm_eval(args.lm_eval_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -107,6 +124,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
     ev.add_argument("--per_example", action="store_true", help="add per-example losses")
+    ev.add_argument(
+        "--task",
+        choices=["score", "generate"],
+        default="score",
+        help="score: loss/perplexity/accuracy; generate: ROUGE/BLEU/EM/F1 of generations",
+    )
+    from jaxmoe.generate_eval import add_generate_flags
+
+    add_generate_flags(ev)
     _add_distributed_flags(ev)
     ev.set_defaults(run=_cmd_eval)
 
@@ -122,6 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf)")
     export_sub = export.add_subparsers(dest="target", required=True)
     hf_export.add_parser(export_sub)
+
+    lm_eval = sub.add_parser(
+        "lm-eval",
+        add_help=False,
+        help="lm-evaluation-harness tasks on a checkpoint: lm-eval's flags, --model jaxmoe implied",
+    )
+    lm_eval.set_defaults(run=_cmd_lm_eval, lm_eval_args=[])
 
     from jaxmoe.decode import add_decode_parser
 
@@ -139,9 +172,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    rest, overrides = _split_overrides(argv)
-    args = parser_args = build_parser().parse_args(rest)
-    del parser_args
+    if argv[:1] == ["lm-eval"]:  # every later flag is lm-eval's, parsed by lm-eval itself
+        args = build_parser().parse_args(["lm-eval"])
+        args.lm_eval_args, overrides = argv[1:], []
+    else:
+        rest, overrides = _split_overrides(argv)
+        args = build_parser().parse_args(rest)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr

@@ -453,16 +453,14 @@ def decode_main(
     "compile_s"}. `config` replaces the checkpoint's stored config (then `overrides` are
     already applied to it).
     """
-    from jaxmoe.checkpoints.manager import read_config, restore_params
-    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
+    from jaxmoe.config import resolve_vocab_size
     from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.evaluate import checkpoint_config, restore_on_mesh
 
     sampling = Sampling(temperature, top_k, top_p)
     texts = read_prompts(prompt, prompts_file)
     if config is None:
-        config = read_config(checkpoint)
-        apply_overrides(config, overrides)
-        validate(config)
+        config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
     if not config.data.tokenizer:
         # What `jaxmoe train` uses too; a checkpoint converted from elsewhere needs its own
@@ -473,12 +471,7 @@ def decode_main(
         resolve_vocab_size(config, tokenizer.vocab_size)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        spec.abstract_params,
-        spec.param_specs,
-    )
-    params = restore_params(checkpoint, abstract)
+    params = restore_on_mesh(checkpoint, spec, mesh)
     generator = Generator(
         config.model,
         params,

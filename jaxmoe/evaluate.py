@@ -58,25 +58,31 @@ def _ids(value, tokenizer, what: str, where: str, add_eos: bool, vocab_size: int
     return value
 
 
+def jsonl_records(path: str):
+    """(line number, value) for each non-empty line of the JSON-lines file `path`."""
+    file = epath.Path(path)
+    if not file.exists():
+        raise ValueError(f"--data jsonl:{path}: no such file")
+    for line_no, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
+
+
 def read_jsonl(path: str, tokenizer, encoder_decoder: bool, vocab_size: int) -> list[Example]:
     """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists).
 
     Every id must lie in [0, vocab_size) (the model's embedding table)."""
-    file = epath.Path(path)
-    if not file.exists():
-        raise ValueError(f"--data jsonl:{path}: no such file")
     examples = []
-    for line_no, line in enumerate(file.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
+    for line_no, record in jsonl_records(path):
         where = f"{path}:{line_no}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{where}: not JSON ({error.msg})") from None
         if not isinstance(record, dict):
             raise ValueError(
-                f"{where}: expected a JSON object with 'text' or 'targets', got {line.strip()[:40]}"
+                f"{where}: expected a JSON object with 'text' or 'targets', "
+                f"got {json.dumps(record)[:40]}"
             )
 
         def ids(key: str, add_eos: bool, record=record, where=where) -> list[int]:
@@ -159,16 +165,34 @@ def packed_batches(config, data_spec: str, tokenizer):
     ]
 
 
+def checkpoint_config(checkpoint: str, overrides=()):
+    """The config stored with `checkpoint`, `--config.KEY=VALUE` overrides applied."""
+    from jaxmoe.config import apply_overrides, validate
+
+    config = read_config(checkpoint)
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def restore_on_mesh(checkpoint: str, spec, mesh):
+    """The parameters of `checkpoint`, read straight into their shards on `mesh`."""
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
+        spec.abstract_params,
+        spec.param_specs,
+    )
+    return restore_params(checkpoint, abstract)
+
+
 def evaluate(
     checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
 ) -> dict:
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict."""
-    from jaxmoe.config import apply_overrides, resolve_vocab_size, validate
+    from jaxmoe.config import resolve_vocab_size
 
     if config is None:
-        config = read_config(checkpoint)
-        apply_overrides(config, overrides)
-        validate(config)
+        config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
     tokenizer = None
     if config.data.tokenizer or not encoder_decoder or not data_spec.startswith("jsonl:"):
@@ -196,12 +220,7 @@ def evaluate(
         batches = packed_batches(config, data_spec, tokenizer)
         num_examples = None
 
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        spec.abstract_params,
-        spec.param_specs,
-    )
-    params = restore_params(checkpoint, abstract)
+    params = restore_on_mesh(checkpoint, spec, mesh)
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()

@@ -5,6 +5,15 @@ import numpy as np
 from jaxmoe.config import apply_overrides, load_config, validate
 
 CONFIG = "configs/default.py"
+# A tiny T5 v1.1-style encoder-decoder (dense, relative position buckets): tiny_config(*TINY_T5)
+TINY_T5 = (
+    "model.arch=encoder_decoder",
+    "model.moe.num_experts=0",
+    "model.activation=gelu",
+    "model.rope_theta=0.0",
+    "model.relpos_buckets=8",
+    "model.relpos_max_distance=16",
+)
 
 
 def tiny_config(*overrides: str, variant: str = ""):

@@ -1,4 +1,6 @@
-"""`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`.
+"""`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`,
+plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`) or
+`--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: hf_tokenizer.py).
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
 (as Llama), decoders with an MoE FFN in every layer routed top-k with renormalised weights
@@ -8,6 +10,7 @@ gating, `moe.every` > 1, GQA in T5...) is refused with a one-line reason.
 
 import argparse
 import json
+import logging
 import struct
 import time
 from pathlib import Path
@@ -26,8 +29,11 @@ from jaxmoe.checkpoints.hf import (
     unflatten,
 )
 from jaxmoe.checkpoints.hf_names import ImportPlan, TensorMap, export_plan
+from jaxmoe.checkpoints.hf_tokenizer import write_hf_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, restore_params
 from jaxmoe.paths import absolute_path
+
+log = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -65,9 +71,12 @@ def write_safetensors(path: Path, shapes: dict[str, tuple[int, ...]], dtype: str
             f.write(tensor.tobytes())
 
 
-def export_hf(ckpt_path: str, dst_dir: str, dtype: str = "float32") -> dict:
+def export_hf(
+    ckpt_path: str, dst_dir: str, dtype: str = "float32", tokenizer: str | None = None
+) -> dict:
     """Writes the model of jaxmoe checkpoint `ckpt_path` as an HF checkpoint in `dst_dir`
-    (`config.json` + `model.safetensors`, tensors in `dtype`). Returns the HF config."""
+    (`config.json` + `model.safetensors`, tensors in `dtype`; the tokenizer `tokenizer`,
+    default the checkpoint's `data.tokenizer`, if any). Returns the HF config."""
     out_dtype = output_dtype(dtype)
     config = read_config(ckpt_path)
     m = config.model
@@ -92,17 +101,26 @@ def export_hf(ckpt_path: str, dst_dir: str, dtype: str = "float32") -> dict:
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    encoder_decoder = m.arch == "encoder_decoder"
+    if tokenizer:
+        write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
+    elif config.data.tokenizer:
+        try:
+            write_hf_tokenizer(config.data.tokenizer, dst, encoder_decoder)
+        except ValueError as error:  # e.g. T5's tokenizer: the weights are still useful
+            log.warning("no tokenizer.json written: %s", error)
     return hf_config
 
 
-def run_export_hf(ckpt: str, dst: str, dtype: str = "float32") -> int:
-    """`jaxmoe export hf CKPT DST [--dtype]`: prints one JSON line."""
+def run_export_hf(ckpt: str, dst: str, dtype: str = "float32", tokenizer: str | None = None) -> int:
+    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer]`: prints one JSON line."""
     start = time.perf_counter()
-    hf_config = export_hf(ckpt, dst, dtype)
+    hf_config = export_hf(ckpt, dst, dtype, tokenizer)
     summary = {
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
         "dtype": dtype,
+        "tokenizer": (Path(dst) / "tokenizer.json").exists(),
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))
@@ -125,6 +143,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("dst", type=absolute_path, help="new Hugging Face model directory")
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.add_argument(
+        "--tokenizer",
+        type=absolute_path,
+        default=None,
+        help="SentencePiece .model to write as tokenizer.json (default: data.tokenizer)",
+    )
     parser.set_defaults(run=_run_parsed)
     return parser
 
@@ -132,4 +156,4 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def _run_parsed(args, overrides=()) -> int:
     if overrides:
         raise CheckpointError(f"export hf takes no --config overrides (got {overrides[0]!r})")
-    return run_export_hf(args.ckpt, args.dst, args.dtype)
+    return run_export_hf(args.ckpt, args.dst, args.dtype, args.tokenizer)
