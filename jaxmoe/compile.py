@@ -45,9 +45,9 @@ def model_vocab_size(config) -> int:
     if config.model.vocab_size:
         return config.model.vocab_size
     if config.data.tokenizer:
-        from jaxmoe.data.tokenizer import Tokenizer
+        from jaxmoe.data.tokenizer import open_tokenizer
 
-        return Tokenizer(config.data.tokenizer).vocab_size
+        return open_tokenizer(config.data.tokenizer).vocab_size
     return config.data.vocab_size  # the size of the SentencePiece model train would fit
 
 

@@ -377,6 +377,7 @@ def decode_main(
     from jaxmoe.checkpoints.manager import read_config, restore_params
     from jaxmoe.config import apply_overrides, validate
     from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.data.tokenizer import with_bos
 
     sampling = Sampling(temperature, top_k, top_p)
     texts = read_prompts(prompt, prompts_file)
@@ -407,7 +408,9 @@ def decode_main(
         vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
     )
     # The encoder reads the input followed by EOS, as in training and evaluation.
-    ids = [tokenizer.encode(t) + ([tokenizer.eos_id] if encoder_decoder else []) for t in texts]
+    # Prompts start like training documents: with BOS when the tokenizer has one.
+    eos = [tokenizer.eos_id] if encoder_decoder else []
+    ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
     result = generator.generate(ids, max_new_tokens, sampling, seed)
     completions = []
     for text, new in zip(texts, result.tokens, strict=True):

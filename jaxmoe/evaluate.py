@@ -40,8 +40,11 @@ def _ids(value, tokenizer, what: str, line_no: int, path: str, add_eos: bool) ->
                 f"{path}:{line_no}: '{what}' is text but the checkpoint has no tokenizer; "
                 f"pass --config.data.tokenizer=FILE.model or give token ids"
             )
+        from jaxmoe.data.tokenizer import with_bos
+
         ids = tokenizer.encode(value)
-        return [*ids, tokenizer.eos_id] if add_eos else ids
+        # Encoder-decoder sides end with EOS; LM text starts as training documents do.
+        return [*ids, tokenizer.eos_id] if add_eos else with_bos(tokenizer, ids)
     if not isinstance(value, list) or not all(isinstance(x, int) for x in value):
         raise ValueError(f"{path}:{line_no}: '{what}' must be a string or a list of ints")
     return value

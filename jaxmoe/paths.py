@@ -10,7 +10,7 @@ import os
 # Config keys holding one path each ("" keeps the key's default).
 PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
 # Data specs `KIND:PATH` whose argument is a local path or glob (tfds:NAME is not).
-PATH_SPEC_KINDS = ("jsonl", "text")
+PATH_SPEC_KINDS = ("jsonl", "text", "parquet")
 
 
 def is_remote(path: str) -> bool:

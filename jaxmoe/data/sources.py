@@ -17,7 +17,7 @@ import numpy as np
 
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
-from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
+from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
 from jaxmoe.paths import absolute_path
 
 # Bump when the token stream layout changes, so old token caches are not reused.
@@ -68,12 +68,13 @@ def open_split(config, split_key: str) -> SplitDocuments:
     text_key = config.data.get("text_key", "text") or "text"
     if spec.is_local:
         fraction = validation_fraction(config)
-        source_hash = corpus.local_fingerprint(spec, fraction)
+        source_hash = corpus.local_fingerprint(spec, fraction, text_key)
         local_dir = os.path.join(data_dir(config), "local", source_hash[:20])
+        documents = functools.partial(
+            corpus.local_documents, spec, fraction=fraction, text_key=text_key
+        )
         try:
-            tfds_text.prepare_local_dataset(
-                functools.partial(corpus.local_documents, spec, fraction=fraction), local_dir
-            )
+            tfds_text.prepare_local_dataset(documents, local_dir)
         except ValueError as e:
             raise ValueError(
                 f"data.source={config.data.source!r} (data.validation_fraction={fraction}): {e}"
@@ -92,9 +93,10 @@ def open_split(config, split_key: str) -> SplitDocuments:
 
 
 def load_tokenizer(config) -> Tokenizer:
-    """The tokenizer file named by `data.tokenizer`, or one trained on the train split."""
+    """The tokenizer named by `data.tokenizer` (SentencePiece .model, Hugging Face
+    tokenizer.json or a folder holding one), or one trained on the train split."""
     if config.data.tokenizer:
-        return Tokenizer(absolute_path(config.data.tokenizer))
+        return open_tokenizer(absolute_path(config.data.tokenizer))
     train = open_split(config, "train_split")
     return cached_tokenizer(
         train.documents, train.fingerprint, int(config.data.vocab_size), cache_dir(config)
