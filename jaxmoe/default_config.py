@@ -91,6 +91,8 @@ def base_config() -> ConfigDict:
 
     c.data = d = ConfigDict()
     d.source = "embedded"  # embedded | text:GLOB | jsonl:GLOB | parquet:GLOB | tfds:NAME
+    # Several sources with weights, "SOURCE=WEIGHT,SOURCE=WEIGHT" ("" = data.source alone).
+    d.mixture = ""
     d.train_split = "train"  # tfds split for training
     d.eval_split = "validation"  # tfds split for evaluation
     d.validation_fraction = 0.05  # local sources: share of documents held out for evaluation

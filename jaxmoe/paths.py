@@ -36,6 +36,15 @@ def absolute_data_spec(spec: str) -> str:
     return spec
 
 
+def absolute_mixture(mixture: str) -> str:
+    """`data.mixture` ("SPEC=WEIGHT,...") with each spec's path made absolute."""
+    entries = []
+    for entry in mixture.split(","):
+        spec, sep, weight = entry.strip().rpartition("=")
+        entries.append(f"{absolute_data_spec(spec)}={weight}" if sep else entry)
+    return ",".join(entries)
+
+
 def absolute_config_paths(config) -> None:
     """Make every path-valued key of a ConfigDict absolute, in place."""
     with config.unlocked():
@@ -45,3 +54,5 @@ def absolute_config_paths(config) -> None:
                 config[section][leaf] = absolute_path(config[section][leaf])
         if "data" in config and "source" in config.data:
             config.data.source = absolute_data_spec(config.data.source)
+        if "data" in config and config.data.get("mixture"):
+            config.data.mixture = absolute_mixture(config.data.mixture)

@@ -66,10 +66,11 @@ class Evaluator:
             in_shardings=(param_shardings, batch_shardings),
         )
 
-    def __call__(self, params) -> dict:
+    def __call__(self, params, batches: list[dict] | None = None) -> dict:
+        """Metrics over `batches` (default: the evaluator's own)."""
         totals = None
         with jax.set_mesh(self.mesh):
-            for batch in self.batches:
+            for batch in self.batches if batches is None else batches:
                 sums = self.fn(params, to_global(batch, self.batch_shardings))
                 sums = {k: v for k, v in sums.items() if not k.endswith("per_example")}
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -183,7 +184,11 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
         donate_argnums=0,
     )
     eval_batches = data.eval_batches
-    if config.train.eval_batches:
+    # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.
+    eval_sets = {name: b[: config.train.eval_batches or None] for name, b in data.eval_sets.items()}
+    if eval_sets:
+        eval_batches = [batch for batches in eval_sets.values() for batch in batches]
+    elif config.train.eval_batches:
         eval_batches = eval_batches[: config.train.eval_batches]
     evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
 
@@ -217,6 +222,8 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
     def evaluate(step):
         with goodput.phase("eval"):
             result = evaluator(state["params"])
+            for name, batches in eval_sets.items():
+                result[f"loss/{name}"] = evaluator(state["params"], batches)["loss"]
         writer.write(step, "eval", result)
         return result
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxmoe.data.mixture import MixtureBatches, component_config, parse_mixture
 from jaxmoe.data.packing import PackedWindows
 from jaxmoe.data.seq2seq import EXTRA_IDS, SpanCorruptionExamples, span_corruption_split
 from jaxmoe.data.sources import load_tokenizer, packed_split
@@ -215,18 +216,28 @@ class DataBundle:
     """Everything the trainer needs from the data side."""
 
     tokenizer: Tokenizer
-    train: TrainBatches
+    train: TrainBatches | MixtureBatches
     eval_batches: list[Batch]
     vocab_size: int
     num_train_examples: int
     num_eval_examples: int
     num_train_tokens: int
     num_eval_tokens: int
+    # With data.mixture: each source's own eval batches by name (eval_batches holds them all).
+    eval_sets: dict[str, list[Batch]] = dataclasses.field(default_factory=dict)
+
+
+def model_vocab(config, tokenizer: Tokenizer) -> int:
+    """The vocabulary the model needs: span corruption's sentinels sit above the
+    tokenizer's ids (T5's extra ids)."""
+    return tokenizer.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0)
 
 
 def build_data(config, process_index: int = 0, process_count: int = 1) -> DataBundle:
     """Prepares (idempotently, cached) and opens the data named by `config.data`."""
     tokenizer = load_tokenizer(config)
+    if parse_mixture(config.data.get("mixture", "") or ""):
+        return _build_mixture(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)
     eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(train.global_batch_size, process_index, process_count, "train.batch_size")
@@ -234,10 +245,47 @@ def build_data(config, process_index: int = 0, process_count: int = 1) -> DataBu
         tokenizer=tokenizer,
         train=train,
         eval_batches=_padded_batches(eval_examples, train.global_batch_size, rows, None),
-        # Span corruption's sentinels sit above the tokenizer's ids (T5's extra ids).
-        vocab_size=tokenizer.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0),
+        vocab_size=model_vocab(config, tokenizer),
         num_train_examples=train.num_examples,
         num_eval_examples=len(eval_examples),
         num_train_tokens=train.examples.num_tokens,
         num_eval_tokens=eval_examples.num_tokens,
+    )
+
+
+def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_count: int):
+    """The DataBundle of `data.mixture`: one MixtureBatches, eval split by source."""
+    components = parse_mixture(config.data.mixture)
+    if config.data.get("curriculum", "none") != "none":
+        raise ValueError(
+            f"data.curriculum={config.data.curriculum!r} orders one source's examples; it "
+            f"cannot be combined with data.mixture"
+        )
+    batch_size = int(config.train.batch_size)
+    rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
+    parts, eval_sets, eval_tokens, eval_examples = [], {}, 0, 0
+    for component in components:
+        source_config = component_config(config, component.source)
+        part = split_examples(source_config, tokenizer, "train_split", partial_last=False)
+        if len(part) == 0:
+            raise ValueError(
+                f"data.mixture source {component.source!r} has no train example of "
+                f"train.seq_len={config.train.seq_len} tokens"
+            )
+        parts.append(part)
+        evals = split_examples(source_config, tokenizer, "eval_split", partial_last=True)
+        eval_sets[component.name] = _padded_batches(evals, batch_size, rows, None)
+        eval_tokens += evals.num_tokens
+        eval_examples += len(evals)
+    train = MixtureBatches(components, parts, batch_size, int(config.train.seed), rows)
+    return DataBundle(
+        tokenizer=tokenizer,
+        train=train,
+        eval_batches=[batch for batches in eval_sets.values() for batch in batches],
+        vocab_size=model_vocab(config, tokenizer),
+        num_train_examples=train.num_examples,
+        num_eval_examples=eval_examples,
+        num_train_tokens=train.num_tokens,
+        num_eval_tokens=eval_tokens,
+        eval_sets=eval_sets,
     )

@@ -94,10 +94,13 @@ def open_split(config, split_key: str) -> SplitDocuments:
 
 def load_tokenizer(config) -> Tokenizer:
     """The tokenizer named by `data.tokenizer` (SentencePiece .model, Hugging Face
-    tokenizer.json or a folder holding one), or one trained on the train split."""
+    tokenizer.json or a folder holding one), or one trained on the train split (of the
+    mixture's first source when `data.mixture` is set)."""
     if config.data.tokenizer:
         return open_tokenizer(absolute_path(config.data.tokenizer))
-    train = open_split(config, "train_split")
+    from jaxmoe.data.mixture import primary_config
+
+    train = open_split(primary_config(config), "train_split")
     return cached_tokenizer(
         train.documents, train.fingerprint, int(config.data.vocab_size), cache_dir(config)
     )
