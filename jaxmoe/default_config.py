@@ -100,7 +100,9 @@ def base_config() -> ConfigDict:
     d.vocab_size = 1024  # SentencePiece vocabulary when training one
     d.tokenizer = ""  # SentencePiece .model, HF tokenizer.json or its folder ("" = train one)
     d.cache_dir = ""  # tokenizer / token cache ("" = ~/.cache/jaxmoe)
+    d.prepare_timeout_s = 3600  # other processes wait this long for process 0 to prepare
     d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)
+    d.prefetch = 2  # batches built ahead on a background thread (0 = on the training thread)
     d.shuffle = True  # shuffle examples each epoch (by train.seed and epoch)
     d.curriculum = "none"  # none | paper | magnitude
     d.curriculum_source = "previous_epoch"  # routing from: previous_epoch | scoring_pass

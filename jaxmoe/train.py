@@ -147,8 +147,9 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
         )
     from jaxmoe.data.curriculum_hooks import make_curriculum
     from jaxmoe.data.pipeline import build_data
+    from jaxmoe.distributed import barrier
 
-    data = build_data(config, jax.process_index(), jax.process_count())
+    data = build_data(config, jax.process_index(), jax.process_count(), barrier)
     resolve_vocab(config, data)
 
     spec = model_spec(config.model, mesh)

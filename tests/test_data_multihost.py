@@ -1,0 +1,88 @@
+"""Data across processes through the real CLI: 2 processes x 4 devices prepare the cache
+once (process 0; process 1 waits at a barrier) and read disjoint rows whose union is the
+global batch of a 1-process run (rows traced by JAXMOE_DATA_TRACE)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jaxmoe.data import pipeline
+from tests.test_faults import ROOT, env, launch_two, train_args
+
+
+def rows(trace_dir) -> dict[int, list[list[int]]]:
+    out = {}
+    for name in sorted(os.listdir(trace_dir)):
+        process = int(name.removeprefix("rows_").removesuffix(".jsonl"))
+        lines = (trace_dir / name).read_text().splitlines()
+        out[process] = [json.loads(line) for line in lines]
+    return out
+
+
+@pytest.mark.slow
+def test_two_processes_prepare_once_and_read_disjoint_rows(tmp_path):
+    steps = 4
+    single = subprocess.run(
+        [sys.executable, "-m", "jaxmoe", *train_args(tmp_path / "one", tmp_path / "c1", steps)],
+        cwd=ROOT,
+        env={**env(), "JAXMOE_DATA_TRACE": str(tmp_path / "trace1")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-2000:]
+    multi = launch_two(
+        train_args(tmp_path / "two", tmp_path / "c2", steps),
+        JAXMOE_DATA_TRACE=str(tmp_path / "trace2"),
+    )
+    log = multi.stdout + multi.stderr
+    assert multi.returncode == 0, log[-3000:]
+    assert log.count("data: prepared by process 0") == 1
+    assert "[0] data: prepared by process 0" in log
+    assert "[1] data: process 1 opens the cache prepared by process 0" in log
+    assert not any(name.startswith(".tmp") for name in os.listdir(tmp_path / "c2" / "tokens"))
+
+    reference = rows(tmp_path / "trace1")[0]
+    traced = rows(tmp_path / "trace2")
+    assert sorted(traced) == [0, 1] and len(reference) == steps
+    for step in range(steps):
+        first, second = traced[0][step], traced[1][step]
+        assert len(first) == len(second) == 4
+        assert not set(first) & set(second)
+        assert first + second == reference[step]  # process p holds rows [4p, 4p + 4)
+
+
+class Barrier:
+    """Test double for the distributed barrier: records the calls, or times out."""
+
+    def __init__(self, times_out=False):
+        self.calls, self.times_out = [], times_out
+
+    def __call__(self, name, timeout_s):
+        self.calls.append((name, timeout_s))
+        if self.times_out:
+            raise TimeoutError(f"barrier {name!r} after {timeout_s:g}s: DEADLINE_EXCEEDED")
+
+
+def test_only_process_zero_prepares(tmp_path, monkeypatch):
+    from tests.test_data import make_config
+
+    config = make_config(tmp_path / "cache")
+    config.data.prepare_timeout_s = 5
+    prepared, lines = [], []
+    monkeypatch.setattr(pipeline, "prepare", lambda c: prepared.append(c))
+    barrier = Barrier()
+    pipeline.prepare_once(config, 1, barrier, lines.append)
+    assert prepared == [] and barrier.calls == [("jaxmoe_data_prepared", 5.0)]
+    assert lines == []  # nothing prepared yet: process 1 warns and prepares its own copy
+    pipeline.prepare_once(config, 0, barrier, lines.append)
+    assert len(prepared) == 1 and lines[0].startswith("data: prepared by process 0")
+    pipeline.prepare_once(config, 1, barrier, lines.append)
+    assert lines[1] == "data: process 1 opens the cache prepared by process 0"
+
+    with pytest.raises(RuntimeError, match=r"process 1: .*data.prepare_timeout_s=5") as error:
+        pipeline.prepare_once(config, 1, Barrier(times_out=True), lines.append)
+    assert "\n" not in str(error.value)
