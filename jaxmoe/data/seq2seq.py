@@ -88,6 +88,16 @@ def replace_spans(tokens: np.ndarray, mask: np.ndarray, first_sentinel: int) -> 
     return np.where(starts, sentinels, tokens)[~(mask & previous)]
 
 
+def _replace_rows(tokens_RN: np.ndarray, mask_RN: np.ndarray, first_sentinel: int):
+    """`replace_spans` of every row at once; rows must keep equally many tokens."""
+    previous_RN = np.zeros_like(mask_RN)
+    previous_RN[:, 1:] = mask_RN[:, :-1]
+    starts_RN = mask_RN & ~previous_RN
+    sentinels_RN = first_sentinel + 1 - np.cumsum(starts_RN, axis=1)
+    values_RN = np.where(starts_RN, sentinels_RN, tokens_RN)
+    return values_RN[~(mask_RN & previous_RN)].reshape(len(tokens_RN), -1)
+
+
 class SpanCorruptionExamples:
     """Span-corrupted windows of one split, addressed by example index (like PackedWindows).
 
@@ -145,16 +155,44 @@ class SpanCorruptionExamples:
         targets = np.concatenate([replace_spans(tokens, ~mask, self.first_sentinel), eos])
         return encoder, targets
 
+    def _corrupt_whole(self, ids_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(encoder ids [R, E], target ids [R, D]) of whole windows, EOS-terminated: what
+        `example` gives each (the same random draws, in the same order), built row-wise."""
+        n = self.raw_len
+        tokens_RN = np.asarray(self.tokens_N[ids_R[:, None] * n + np.arange(n)], np.int64)
+        num_noise, num_spans = span_counts(n, self.noise_density, self.mean_noise_span)
+        lengths_RS = np.empty((len(ids_R), 2 * num_spans), np.int64)  # kept, noise, kept, ...
+        for r, index in enumerate(ids_R):  # only the draws stay per example
+            rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
+            lengths_RS[r, 1::2] = random_segmentation(num_noise, num_spans, rng)
+            lengths_RS[r, 0::2] = random_segmentation(n - num_noise, num_spans, rng)
+        # Span number of every position: +1 where each span after the first starts.
+        bumps_RN = np.zeros((len(ids_R), n + 1), np.int64)
+        np.put_along_axis(bumps_RN, np.cumsum(lengths_RS, axis=1)[:, :-1], 1, axis=1)
+        mask_RN = np.cumsum(bumps_RN[:, :n], axis=1) % 2 == 1
+        eos_R1 = np.full((len(ids_R), 1), self.eos_id, np.int64)
+        encoder = _replace_rows(tokens_RN, mask_RN, self.first_sentinel)
+        targets = _replace_rows(tokens_RN, ~mask_RN, self.first_sentinel)
+        return np.concatenate([encoder, eos_R1], 1), np.concatenate([targets, eos_R1], 1)
+
     def batch(self, ids_B: np.ndarray) -> dict[str, np.ndarray]:
         ids_B = np.asarray(ids_B, dtype=np.int64)
         b = len(ids_B)
         encoder = np.zeros((b, self.encoder_len), np.int32)
         targets = np.zeros((b, self.decoder_len), np.int32)
         weights = np.zeros((b, self.decoder_len), np.float32)
-        for row, index in enumerate(ids_B):  # one corruption per example, vectorised inside
-            if index < 0:
-                continue
-            enc_ids, target_ids = self.example(int(index))
+        if ids_B.size and ids_B.max() >= len(self):
+            raise IndexError(f"example ids out of range [0, {len(self)}): {ids_B}")
+        # Whole windows all have raw_len tokens, so they are corrupted together, row-wise.
+        full = (ids_B >= 0) & ((ids_B + 1) * self.raw_len <= self.num_tokens)
+        rows = np.flatnonzero(full)
+        if rows.size:
+            enc_RE, target_RD = self._corrupt_whole(ids_B[rows])
+            encoder[rows, : enc_RE.shape[1]] = enc_RE
+            targets[rows, : target_RD.shape[1]] = target_RD
+            weights[rows, : target_RD.shape[1]] = 1.0
+        for row in np.flatnonzero((ids_B >= 0) & ~full):  # the partial last window (eval)
+            enc_ids, target_ids = self.example(int(ids_B[row]))
             encoder[row, : len(enc_ids)] = enc_ids
             targets[row, : len(target_ids)] = target_ids
             weights[row, : len(target_ids)] = 1.0
