@@ -189,3 +189,29 @@ def test_jsonl_source_with_hf_tokenizer_trains_evaluates_and_decodes(tmp_path):
         print_fn=lambda *_: None,
     )
     assert len(result["texts"]) == 1 and result["new_tokens"] > 0
+
+
+def test_t5_sentinels_come_from_the_tokenizer(tmp_path):
+    from jaxmoe.data.seq2seq import tokenizer_sentinels
+
+    build_bpe(tmp_path / "tok", {**CONFIG, "add_bos_token": False})
+    reference = tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    # T5's tokenizer.json lists <extra_id_99> ... <extra_id_0> after the pieces.
+    reference.add_special_tokens([f"<extra_id_{k}>" for k in reversed(range(100))])
+    reference.save(str(tmp_path / "tok" / "tokenizer.json"))
+    tok = open_tokenizer(str(tmp_path / "tok"))
+    expected = [reference.token_to_id(f"<extra_id_{k}>") for k in range(100)]
+    np.testing.assert_array_equal(tokenizer_sentinels(tok), expected)
+    write_jsonl(tmp_path / "data" / "a.jsonl", documents(200, "t"))
+    config = make_config(
+        tmp_path / "cache",
+        data__source=f"jsonl:{tmp_path}/data/*.jsonl",
+        data__tokenizer=str(tmp_path / "tok"),
+    )
+    config.model = {"arch": "encoder_decoder"}
+    bundle = pipeline.build_data(config)
+    assert bundle.vocab_size == tok.vocab_size  # no ids added above the vocabulary
+    batch = next(bundle.train)
+    first = batch["targets"][:, 0]  # every target sequence starts with sentinel 0
+    np.testing.assert_array_equal(first, reference.token_to_id("<extra_id_0>"))
+    assert set(batch["encoder_inputs"][batch["encoder_inputs"] >= min(expected)]) <= set(expected)

@@ -114,6 +114,10 @@ class HFTokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, or None if it has no such token."""
+        return self._tok.token_to_id(token)
+
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 

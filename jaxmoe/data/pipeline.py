@@ -24,7 +24,12 @@ import numpy as np
 from jaxmoe.data.mixture import MixtureBatches, component_config, parse_mixture
 from jaxmoe.data.packing import PackedWindows
 from jaxmoe.data.prefetch import Prefetch
-from jaxmoe.data.seq2seq import EXTRA_IDS, SpanCorruptionExamples, span_corruption_split
+from jaxmoe.data.seq2seq import (
+    EXTRA_IDS,
+    SpanCorruptionExamples,
+    span_corruption_split,
+    tokenizer_sentinels,
+)
 from jaxmoe.data.sources import cache_dir, load_tokenizer, packed_split, token_stream
 from jaxmoe.data.tokenizer import Tokenizer, write_atomically
 
@@ -339,8 +344,9 @@ def data_key(config) -> str:
 
 def model_vocab(config, tokenizer: Tokenizer) -> int:
     """The vocabulary the model needs: span corruption's sentinels sit above the
-    tokenizer's ids (T5's extra ids)."""
-    return tokenizer.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0)
+    tokenizer's ids (T5's extra ids) unless the tokenizer has its own."""
+    extra = is_encoder_decoder(config) and tokenizer_sentinels(tokenizer) is None
+    return tokenizer.vocab_size + (EXTRA_IDS if extra else 0)
 
 
 def build_data(

@@ -62,6 +62,11 @@ class Tokenizer:
         """None: documents and prompts start without BOS (the models trained here have none)."""
         return None
 
+    def token_id(self, piece: str) -> int | None:
+        """The id of a piece of the model, or None if it has no such piece."""
+        token_id = self._sp.piece_to_id(piece)
+        return token_id if self._sp.id_to_piece(token_id) == piece else None
+
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
