@@ -279,6 +279,8 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
             last_eval = evaluate(step)
     preemption.restore()
     checkpoints.close()
+    if hasattr(data.train, "close"):
+        data.train.close()  # stops the prefetch thread
     time_spent = goodput.summary()
     writer.write_summary(step, "goodput", time_spent)
     writer.print(Goodput.describe(time_spent))

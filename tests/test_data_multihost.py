@@ -86,3 +86,28 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"process 1: .*data.prepare_timeout_s=5") as error:
         pipeline.prepare_once(config, 1, Barrier(times_out=True), lines.append)
     assert "\n" not in str(error.value)
+
+
+def test_prepare_command_caches_what_train_opens(tmp_path):
+    argv = ["prepare", "--config", "configs/default.py", f"--config.data.cache_dir={tmp_path}"]
+    result = subprocess.run(
+        [sys.executable, "-m", "jaxmoe", *argv],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "prepared 1 source(s)" in result.stdout
+    tokens = sorted(os.listdir(tmp_path / "tokens"))
+    assert [name.split("_")[0] for name in tokens] == ["train", "validation"]
+    # Opening the data afterwards prepares nothing new.
+    from tests.test_data import make_config
+
+    config = make_config(tmp_path)
+    config.data.vocab_size = 1024
+    before = {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens}
+    pipeline.build_data(config)
+    assert sorted(os.listdir(tmp_path / "tokens")) == tokens
+    assert {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens} == before
