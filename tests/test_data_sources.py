@@ -215,3 +215,19 @@ def test_t5_sentinels_come_from_the_tokenizer(tmp_path):
     first = batch["targets"][:, 0]  # every target sequence starts with sentinel 0
     np.testing.assert_array_equal(first, reference.token_to_id("<extra_id_0>"))
     assert set(batch["encoder_inputs"][batch["encoder_inputs"] >= min(expected)]) <= set(expected)
+
+
+def test_compile_check_takes_the_vocabulary_train_would(tmp_path):
+    from jaxmoe.compile import model_vocab_size
+    from tests.helpers import tiny_config
+
+    config = tiny_config("model.vocab_size=0", "data.vocab_size=512")
+    assert model_vocab_size(config) == 512
+    config = tiny_config("model.vocab_size=0", "model.arch=encoder_decoder")
+    assert model_vocab_size(config) == 512 + 100  # T5's extra ids above the vocabulary
+    build_bpe(tmp_path / "tok", CONFIG)
+    config = tiny_config("model.vocab_size=0", f"data.tokenizer={tmp_path}/tok")
+    assert (
+        model_vocab_size(config)
+        == tokenizers.Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json")).get_vocab_size()
+    )
