@@ -87,6 +87,18 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
         pipeline.prepare_once(config, 1, Barrier(times_out=True), lines.append)
     assert "\n" not in str(error.value)
 
+    # Process 0 fails: it still reaches the barrier, the others stop naming its error.
+    def failing(config):
+        raise ValueError("data.source='jsonl:/x/*.jsonl' matches no files")
+
+    monkeypatch.setattr(pipeline, "prepare", failing)
+    barrier = Barrier()
+    with pytest.raises(ValueError, match="matches no files"):
+        pipeline.prepare_once(config, 0, barrier, lines.append)
+    assert len(barrier.calls) == 1
+    with pytest.raises(RuntimeError, match=r"process 0 could not prepare the data: data\.source="):
+        pipeline.prepare_once(config, 1, barrier, lines.append)
+
 
 def test_prepare_command_caches_what_train_opens(tmp_path):
     argv = ["prepare", "--config", "configs/default.py", f"--config.data.cache_dir={tmp_path}"]

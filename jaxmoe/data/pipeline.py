@@ -296,14 +296,25 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
 
     With a cache_dir that is not shared between hosts, the others then find nothing and
     prepare their own copy (with a warning): correct, but each host pays the full cost.
+    If process 0 fails, it still reaches the barrier, so the others stop at once, naming
+    its error, instead of waiting out the timeout.
     """
     timeout = float(config.data.get("prepare_timeout_s", 3600))
     marker = os.path.join(cache_dir(config), "prepared", f"{data_key(config)}.json")
+    failure = None
     if process_index == 0:
         start = time.monotonic()
-        prepare(config)
-        write_atomically(marker, json.dumps({"host": socket.gethostname()}).encode())
-        report(f"data: prepared by process 0 in {time.monotonic() - start:.1f} s")
+        try:
+            prepare(config)
+            outcome = {"host": socket.gethostname(), "error": None}
+        except Exception as e:  # raised again after the barrier
+            failure, outcome = e, {"host": socket.gethostname(), "error": str(e)}
+        try:
+            write_atomically(marker, json.dumps(outcome).encode())
+        except OSError as e:
+            failure = failure or e
+        if failure is None:
+            report(f"data: prepared by process 0 in {time.monotonic() - start:.1f} s")
     try:
         barrier("jaxmoe_data_prepared", timeout)
     except TimeoutError as e:
@@ -312,7 +323,12 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
             f"data.prepare_timeout_s={timeout:g} ({e}); raise it, or prepare the data "
             f"beforehand on one process (`jaxmoe prepare` with the same config)"
         ) from None
+    if failure is not None:
+        raise failure
     if process_index != 0:
+        error = _marker_error(marker)
+        if error:
+            raise RuntimeError(f"process 0 could not prepare the data: {error}")
         if os.path.exists(marker):
             report(f"data: process {process_index} opens the cache prepared by process 0")
         else:
@@ -322,6 +338,15 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
                 process_index,
                 cache_dir(config),
             )
+
+
+def _marker_error(marker: str) -> str | None:
+    """The error process 0 recorded in its marker, if it recorded one."""
+    try:
+        with open(marker) as f:
+            return json.load(f).get("error")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def data_key(config) -> str:
