@@ -61,7 +61,8 @@ def _cmd_prepare(args, overrides) -> int:
     import time
 
     from jaxmoe.config import load_config
-    from jaxmoe.data.pipeline import prepare, source_configs
+    from jaxmoe.data.mixture import source_configs
+    from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
 
     config = load_config(args.config, overrides)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from jaxmoe.data import pipeline
+from jaxmoe.data import multihost, pipeline
 from tests.test_faults import ROOT, env, launch_two, train_args
 
 
@@ -73,31 +73,31 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
     config = make_config(tmp_path / "cache")
     config.data.prepare_timeout_s = 5
     prepared, lines = [], []
-    monkeypatch.setattr(pipeline, "prepare", lambda c: prepared.append(c))
+    monkeypatch.setattr(multihost, "prepare", lambda c: prepared.append(c))
     barrier = Barrier()
-    pipeline.prepare_once(config, 1, barrier, lines.append)
+    multihost.prepare_once(config, 1, barrier, lines.append)
     assert prepared == [] and barrier.calls == [("jaxmoe_data_prepared", 5.0)]
     assert lines == []  # nothing prepared yet: process 1 warns and prepares its own copy
-    pipeline.prepare_once(config, 0, barrier, lines.append)
+    multihost.prepare_once(config, 0, barrier, lines.append)
     assert len(prepared) == 1 and lines[0].startswith("data: prepared by process 0")
-    pipeline.prepare_once(config, 1, barrier, lines.append)
+    multihost.prepare_once(config, 1, barrier, lines.append)
     assert lines[1] == "data: process 1 opens the cache prepared by process 0"
 
     with pytest.raises(RuntimeError, match=r"process 1: .*data.prepare_timeout_s=5") as error:
-        pipeline.prepare_once(config, 1, Barrier(times_out=True), lines.append)
+        multihost.prepare_once(config, 1, Barrier(times_out=True), lines.append)
     assert "\n" not in str(error.value)
 
     # Process 0 fails: it still reaches the barrier, the others stop naming its error.
     def failing(config):
         raise ValueError("data.source='jsonl:/x/*.jsonl' matches no files")
 
-    monkeypatch.setattr(pipeline, "prepare", failing)
+    monkeypatch.setattr(multihost, "prepare", failing)
     barrier = Barrier()
     with pytest.raises(ValueError, match="matches no files"):
-        pipeline.prepare_once(config, 0, barrier, lines.append)
+        multihost.prepare_once(config, 0, barrier, lines.append)
     assert len(barrier.calls) == 1
     with pytest.raises(RuntimeError, match=r"process 0 could not prepare the data: data\.source="):
-        pipeline.prepare_once(config, 1, barrier, lines.append)
+        multihost.prepare_once(config, 1, barrier, lines.append)
 
 
 def test_prepare_command_caches_what_train_opens(tmp_path):

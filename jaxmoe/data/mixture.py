@@ -78,6 +78,12 @@ def component_config(config, source: str):
     return copy
 
 
+def source_configs(config) -> list:
+    """One config per source read: the mixture's sources, or `data.source` alone."""
+    components = parse_mixture(config.data.get("mixture", "") or "")
+    return [component_config(config, c.source) for c in components] or [config]
+
+
 def primary_config(config):
     """The config whose source trains the tokenizer: the mixture's first source, if any."""
     components = parse_mixture(config.data.get("mixture", "") or "")
