@@ -102,6 +102,7 @@ def base_config() -> ConfigDict:
     d.cache_dir = ""  # tokenizer / token cache ("" = ~/.cache/jaxmoe)
     d.prepare_timeout_s = 3600  # other processes wait this long for process 0 to prepare
     d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)
+    d.streaming = False  # train split tokenized and packed as read (no token cache; LM only)
     d.prefetch = 2  # batches built ahead on a background thread (0 = on the training thread)
     d.shuffle = True  # shuffle examples each epoch (by train.seed and epoch)
     d.curriculum = "none"  # none | paper | magnitude

@@ -13,6 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_params
@@ -216,9 +217,10 @@ def _train(config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: 
         with goodput.phase("checkpoint"):
             if curriculum:
                 curriculum.before_save(step)
-            checkpoints.save(
-                step, state, {"step": step, "data": data.train.get_state()}, config, force=force
-            )
+            data_state = data.train.get_state()
+            if hasattr(data.train, "gather_state"):  # a stream: each process has its lanes
+                data_state = data.train.gather_state(data_state, process_allgather)
+            checkpoints.save(step, state, {"step": step, "data": data_state}, config, force=force)
 
     def evaluate(step):
         with goodput.phase("eval"):

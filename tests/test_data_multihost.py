@@ -123,3 +123,25 @@ def test_prepare_command_caches_what_train_opens(tmp_path):
     pipeline.build_data(config)
     assert sorted(os.listdir(tmp_path / "tokens")) == tokens
     assert {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens} == before
+
+
+@pytest.mark.slow
+def test_stream_across_two_processes_matches_one_and_resumes_on_one(tmp_path):
+    from tests.test_faults import jaxmoe, losses
+
+    stream = ("--config.data.streaming=True", "--config.train.checkpoint_every=2")
+    one = tmp_path / "one"
+    result = jaxmoe(train_args(one, tmp_path / "c1", 6, *stream))
+    assert result.returncode == 0, result.stderr[-2000:]
+    two = tmp_path / "two"
+    result = launch_two(train_args(two, tmp_path / "c2", 4, *stream))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    reference, multi = losses(one), losses(two)
+    for step in range(1, 5):  # the lanes do not depend on the process count
+        assert multi[step] == pytest.approx(reference[step], abs=1e-5), step
+    # The 2-process checkpoint holds every lane: one process resumes it exactly.
+    result = jaxmoe(train_args(two, tmp_path / "c2", 6, *stream))
+    assert result.returncode == 0, result.stderr[-2000:]
+    resumed = losses(two)
+    for step in (5, 6):
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-5), step

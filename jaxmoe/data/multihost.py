@@ -28,8 +28,10 @@ def prepare(config) -> Tokenizer:
     """Prepares everything `build_data` opens (tokenizer, every split's token cache),
     idempotently; returns the tokenizer."""
     tokenizer = load_tokenizer(config)
+    # A streamed train split is tokenized as it is read, by the process that reads it.
+    streaming = bool(config.data.get("streaming", False))
     for source_config in source_configs(config):
-        for split_key in ("train_split", "eval_split"):
+        for split_key in ("eval_split",) if streaming else ("train_split", "eval_split"):
             token_stream(source_config, tokenizer, split_key)
     return tokenizer
 

@@ -26,7 +26,8 @@ from jaxmoe.data.seq2seq import (
     span_corruption_split,
     tokenizer_sentinels,
 )
-from jaxmoe.data.sources import load_tokenizer, packed_split
+from jaxmoe.data.sources import load_tokenizer, open_split, packed_split
+from jaxmoe.data.stream import StreamBatches
 from jaxmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -268,6 +269,8 @@ def build_data(
     tokenizer = load_tokenizer(config)
     if parse_mixture(config.data.get("mixture", "") or ""):
         return _build_mixture(config, tokenizer, process_index, process_count)
+    if config.data.get("streaming", False):
+        return _build_stream(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)
     eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(train.global_batch_size, process_index, process_count, "train.batch_size")
@@ -318,4 +321,38 @@ def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_cou
         num_train_tokens=train.num_tokens,
         num_eval_tokens=eval_tokens,
         eval_sets=eval_sets,
+    )
+
+
+def _build_stream(config, tokenizer: Tokenizer, process_index: int, process_count: int):
+    """The DataBundle of `data.streaming`: train read as a stream, eval from the cache."""
+    for culprit, unsupported in (
+        ("model.arch=encoder_decoder", is_encoder_decoder(config)),
+        (
+            f"data.curriculum={config.data.get('curriculum')!r}",
+            config.data.get("curriculum", "none") != "none",
+        ),
+    ):
+        if unsupported:
+            raise ValueError(f"data.streaming reads language-model windows only, not {culprit}")
+    batch_size = int(config.train.batch_size)
+    rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
+    train = StreamBatches(
+        open_split(config, "train_split").documents,
+        tokenizer,
+        int(config.train.seq_len),
+        batch_size,
+        int(config.train.seed),
+        rows,
+    )
+    evals = split_examples(config, tokenizer, "eval_split", partial_last=True)
+    return DataBundle(
+        tokenizer=tokenizer,
+        train=wrapped(train, config, process_index),
+        eval_batches=_padded_batches(evals, batch_size, rows, None),
+        vocab_size=model_vocab(config, tokenizer),
+        num_train_examples=train.num_documents,
+        num_eval_examples=len(evals),
+        num_train_tokens=0,  # not known before the stream is read
+        num_eval_tokens=evals.num_tokens,
     )
