@@ -93,3 +93,27 @@ def test_streaming_run_trains_and_resumes_exactly(tmp_path):
     assert np.isfinite(summary["eval"]["loss"])
     tokens = list((tmp_path / "cache" / "tokens").iterdir())
     assert [p.name.split("_")[0] for p in tokens] == ["validation"]  # no train token cache
+
+
+@pytest.mark.slow
+def test_stream_resumed_after_sigkill_matches_uninterrupted(tmp_path):
+    from tests.test_faults import jaxmoe, losses, start, train_args, wait_for_step
+
+    def args(workdir):
+        extra = ("--config.data.streaming=True", "--config.train.checkpoint_every=2")
+        return train_args(workdir, tmp_path / "cache", 8, *extra)
+
+    assert jaxmoe(args(tmp_path / "full")).returncode == 0
+    process = start(args(tmp_path / "cut"))
+    wait_for_step(tmp_path / "cut", 5, process)
+    process.kill()
+    process.wait()
+    checkpoints = tmp_path / "cut" / "checkpoints"
+    kept = sorted(int(p.name) for p in checkpoints.iterdir() if p.name.isdigit())
+    result = jaxmoe(args(tmp_path / "cut"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    reference, resumed = losses(tmp_path / "full"), losses(tmp_path / "cut")
+    compared = range(kept[-1] + 1, 9)
+    assert len(compared) >= 2, f"killed too late to test a resume: checkpoints {kept}"
+    for step in compared:
+        assert resumed[step] == pytest.approx(reference[step], abs=1e-6), step
