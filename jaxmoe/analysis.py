@@ -34,6 +34,8 @@ def piece_namer(tokenizer, encoder_decoder: bool):
     if tokenizer is None:
         return lambda v: f"<id {v}>"
     specials = {tokenizer.pad_id: "<pad>", tokenizer.eos_id: "</s>"}
+    if tokenizer.bos_id is not None:
+        specials[tokenizer.bos_id] = "<s>"
     size = tokenizer.vocab_size
 
     def piece(v: int) -> str:

@@ -59,6 +59,24 @@ def _cmd_train(args, overrides) -> int:
     return 0
 
 
+def _cmd_prepare(args, overrides) -> int:
+    import time
+
+    from jaxmoe.config import load_config
+    from jaxmoe.data.mixture import source_configs
+    from jaxmoe.data.multihost import prepare
+    from jaxmoe.data.sources import cache_dir
+
+    config = load_config(args.config, overrides)
+    start = time.monotonic()
+    tokenizer = prepare(config)
+    print(
+        f"prepared {len(source_configs(config))} source(s) with {tokenizer!r} under "
+        f"{cache_dir(config)} in {time.monotonic() - start:.1f} s"
+    )
+    return 0
+
+
 def _cmd_eval(args, overrides) -> int:
     from jaxmoe.config import load_config
     from jaxmoe.distributed import initialize
@@ -106,6 +124,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--no_progress", action="store_true", help="no progress bar")
     _add_distributed_flags(train)
     train.set_defaults(run=_cmd_train)
+
+    prep = sub.add_parser(
+        "prepare", help="tokenize and cache the data of a config (what train opens), once"
+    )
+    prep.add_argument(
+        "--config", default="configs/default.py", help="config file, optionally with :variant"
+    )
+    prep.set_defaults(run=_cmd_prepare)
 
     ev = sub.add_parser("eval", help="score data with a checkpoint, sharded on the mesh")
     ev.add_argument(

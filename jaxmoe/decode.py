@@ -455,6 +455,7 @@ def decode_main(
     """
     from jaxmoe.config import resolve_vocab_size
     from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.evaluate import checkpoint_config, restore_on_mesh
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -481,7 +482,9 @@ def decode_main(
         vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
     )
     # The encoder reads the input followed by EOS, as in training and evaluation.
-    ids = [tokenizer.encode(t) + ([tokenizer.eos_id] if encoder_decoder else []) for t in texts]
+    # Prompts start like training documents: with BOS when the tokenizer has one.
+    eos = [tokenizer.eos_id] if encoder_decoder else []
+    ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
     ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
                       encoder_decoder)  # fmt: skip
     result = generator.generate(ids, max_new_tokens, sampling, seed)

@@ -99,15 +99,20 @@ def base_config() -> ConfigDict:
     ms.dcn_fsdp = 1  # multislice: slices the fsdp axis spans
 
     c.data = d = ConfigDict()
-    d.source = "embedded"  # embedded | text:GLOB | tfds:NAME
+    d.source = "embedded"  # embedded | text:GLOB | jsonl:GLOB | parquet:GLOB | tfds:NAME
+    # Several sources with weights, "SOURCE=WEIGHT,SOURCE=WEIGHT" ("" = data.source alone).
+    d.mixture = ""
     d.train_split = "train"  # tfds split for training
     d.eval_split = "validation"  # tfds split for evaluation
     d.validation_fraction = 0.05  # local sources: share of documents held out for evaluation
-    d.text_key = "text"  # tfds feature holding the text
+    d.text_key = "text"  # tfds feature, jsonl field or parquet column holding the text
     d.vocab_size = 1024  # SentencePiece vocabulary when training one
-    d.tokenizer = ""  # path of a SentencePiece .model ("" = train one and cache it)
+    d.tokenizer = ""  # SentencePiece .model, HF tokenizer.json or its folder ("" = train one)
     d.cache_dir = ""  # tokenizer / token cache ("" = ~/.cache/jaxmoe)
+    d.prepare_timeout_s = 3600  # other processes wait this long for process 0 to prepare
     d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)
+    d.streaming = False  # train split tokenized and packed as read (no token cache; LM only)
+    d.prefetch = 2  # batches built ahead on a background thread (0 = on the training thread)
     d.shuffle = True  # shuffle examples each epoch (by train.seed and epoch)
     d.curriculum = "none"  # none | paper | magnitude
     d.curriculum_source = "previous_epoch"  # routing from: previous_epoch | scoring_pass

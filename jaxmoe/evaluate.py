@@ -41,8 +41,11 @@ def _ids(value, tokenizer, what: str, where: str, add_eos: bool, vocab_size: int
                 f"{where}: '{what}' is text but the checkpoint has no tokenizer; "
                 f"pass --config.data.tokenizer=FILE.model or give token ids"
             )
+        from jaxmoe.data.tokenizer import with_bos
+
         ids = tokenizer.encode(value)
-        return [*ids, tokenizer.eos_id] if add_eos else ids
+        # Encoder-decoder sides end with EOS; LM text starts as training documents do.
+        return [*ids, tokenizer.eos_id] if add_eos else with_bos(tokenizer, ids)
     if not isinstance(value, list):
         raise ValueError(f"{where}: '{what}' must be text or a list of token ids, not {value!r}")
     for i, x in enumerate(value):

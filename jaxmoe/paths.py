@@ -14,7 +14,7 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 # Config keys holding one path each ("" keeps the key's default).
 PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
 # Data specs `KIND:PATH` whose argument is a local path or glob (tfds:NAME is not).
-PATH_SPEC_KINDS = ("jsonl", "text")
+PATH_SPEC_KINDS = ("jsonl", "text", "parquet")
 
 
 def is_remote(path) -> bool:
@@ -39,6 +39,15 @@ def absolute_data_spec(spec: str) -> str:
     return spec
 
 
+def absolute_mixture(mixture: str) -> str:
+    """`data.mixture` ("SPEC=WEIGHT,...") with each spec's path made absolute."""
+    entries = []
+    for entry in mixture.split(","):
+        spec, sep, weight = entry.strip().rpartition("=")
+        entries.append(f"{absolute_data_spec(spec)}={weight}" if sep else entry)
+    return ",".join(entries)
+
+
 def absolute_config_paths(config) -> None:
     """Make every path-valued key of a ConfigDict absolute, in place."""
     with config.unlocked():
@@ -48,6 +57,8 @@ def absolute_config_paths(config) -> None:
                 config[section][leaf] = absolute_path(config[section][leaf])
         if "data" in config and "source" in config.data:
             config.data.source = absolute_data_spec(config.data.source)
+        if "data" in config and config.data.get("mixture"):
+            config.data.mixture = absolute_mixture(config.data.mixture)
 
 
 def finished_steps(directory) -> list[int]:

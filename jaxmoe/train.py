@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from etils import epath
+from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
@@ -60,10 +61,11 @@ class Evaluator:
             in_shardings=(param_shardings, batch_shardings),
         )
 
-    def __call__(self, params) -> dict:
+    def __call__(self, params, batches: list[dict] | None = None) -> dict:
+        """Metrics over `batches` (default: the evaluator's own)."""
         totals = None
         with jax.set_mesh(self.mesh):
-            for batch in self.batches:
+            for batch in self.batches if batches is None else batches:
                 sums = self.fn(params, to_global(batch, self.batch_shardings))
                 sums = {k: v for k, v in sums.items() if not k.endswith("per_example")}
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
@@ -188,8 +190,9 @@ def _train(
         )
     from jaxmoe.data.curriculum_hooks import make_curriculum
     from jaxmoe.data.pipeline import build_data
+    from jaxmoe.distributed import barrier
 
-    data = build_data(config, jax.process_index(), jax.process_count())
+    data = build_data(config, jax.process_index(), jax.process_count(), barrier)
     resolve_vocab_size(config, data.vocab_size)
     with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
         config.model.max_len = max(config.model.get("max_len", 0), config.train.seq_len)
@@ -233,7 +236,11 @@ def _train(
         donate_argnums=0,
     )
     eval_batches = data.eval_batches
-    if config.train.eval_batches:
+    # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.
+    eval_sets = {name: b[: config.train.eval_batches or None] for name, b in data.eval_sets.items()}
+    if eval_sets:
+        eval_batches = [batch for batches in eval_sets.values() for batch in batches]
+    elif config.train.eval_batches:
         eval_batches = eval_batches[: config.train.eval_batches]
     evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
 
@@ -262,13 +269,16 @@ def _train(
             writer.flush()  # rows up to `step` are stored before its checkpoint exists
             if curriculum:
                 curriculum.before_save(step)
-            checkpoints.save(
-                step, state, {"step": step, "data": data.train.get_state()}, config, force=force
-            )
+            data_state = data.train.get_state()
+            if hasattr(data.train, "gather_state"):  # a stream: each process has its lanes
+                data_state = data.train.gather_state(data_state, process_allgather)
+            checkpoints.save(step, state, {"step": step, "data": data_state}, config, force=force)
 
     def evaluate(step):
         with goodput.phase("eval"):
             result = evaluator(state["params"])
+            for name, batches in eval_sets.items():
+                result[f"loss/{name}"] = evaluator(state["params"], batches)["loss"]
         writer.write(step, "eval", result)
         return result
 
@@ -323,6 +333,8 @@ def _train(
             last_eval = evaluate(step)
     preemption.restore()
     checkpoints.close()
+    if hasattr(data.train, "close"):
+        data.train.close()  # stops the prefetch thread
     time_spent = goodput.summary()
     writer.write_summary(step, "goodput", time_spent)
     writer.print(Goodput.describe(time_spent))

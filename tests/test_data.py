@@ -207,7 +207,7 @@ def _overrides(config):
 class CharTokenizer:
     """Test double: one id per character (its code point), EOS = 1."""
 
-    vocab_size, eos_id, pad_id = 1000, 1, 0
+    vocab_size, eos_id, pad_id, bos_id = 1000, 1, 0, None
 
     def encode_batch(self, texts):
         return [[ord(c) for c in t] for t in texts]

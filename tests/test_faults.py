@@ -89,25 +89,22 @@ def reference(tmp_path_factory, cache):
     return losses(workdir)
 
 
-@pytest.mark.slow
-def test_two_processes_match_one(tmp_path, cache, reference):
-    workdir = tmp_path / "multi"
-    result = subprocess.run(
-        [
-            "bash",
-            "launch/local.sh",
-            "2",
-            "--devices_per_process",
-            "4",
-            "--",
-            *train_args(workdir, cache, 5),
-        ],
+def launch_two(args, **extra_env):
+    """`launch/local.sh 2 --devices_per_process 4 -- ARGS`: 2 processes x 4 CPU devices."""
+    return subprocess.run(
+        ["bash", "launch/local.sh", "2", "--devices_per_process", "4", "--", *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHON": sys.executable},
+        env={**os.environ, "PYTHON": sys.executable, **extra_env},
         capture_output=True,
         text=True,
         timeout=600,
     )
+
+
+@pytest.mark.slow
+def test_two_processes_match_one(tmp_path, cache, reference):
+    workdir = tmp_path / "multi"
+    result = launch_two(train_args(workdir, cache, 5))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     multi = losses(workdir)
     for step in range(1, 6):

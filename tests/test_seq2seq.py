@@ -225,3 +225,29 @@ def test_tiny_t5_trains_and_evaluates(cache_dir, bundle, tmp_path):
     tokenizer = f"data.tokenizer={bundle.tokenizer.path}"
     result = evaluate(str(tmp_path), "embedded", overrides=[tokenizer, "train.batch_size=128"])
     assert result["num_tokens"] > 0 and result["loss"] < losses[1]
+
+
+def test_batch_corrupts_rows_together_exactly_as_one_by_one():
+    stream = np.random.default_rng(0).integers(2, 300, size=5000)
+    for density, span in ((0.15, 3.0), (0.5, 1.0), (0.3, 8.0)):
+        examples = SpanCorruptionExamples(
+            stream,
+            encoder_len=64,
+            seed=3,
+            tokenizer_vocab=300,
+            eos_id=EOS,
+            noise_density=density,
+            mean_noise_span=span,
+            partial_last=True,
+        )
+        ids = np.array([0, len(examples) - 1, -1, 7, 7, len(examples) - 2, 40])
+        batch = examples.batch(ids)
+        for row, index in enumerate(ids):
+            enc = np.zeros(examples.encoder_len, int)
+            tgt = np.zeros(examples.decoder_len, int)
+            if index >= 0:  # the reference: one example at a time
+                e, t = examples.example(int(index))
+                enc[: len(e)], tgt[: len(t)] = e, t
+            np.testing.assert_array_equal(batch["encoder_inputs"][row], enc)
+            np.testing.assert_array_equal(batch["targets"][row], tgt)
+            np.testing.assert_array_equal(batch["weights"][row], tgt != 0)

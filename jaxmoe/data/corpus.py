@@ -11,15 +11,21 @@ Two local sources, named by `data.source`:
   separated by EOS). A paragraph is the text between runs of blank lines, without the
   surrounding line breaks; its own indentation and inner newlines are kept exactly.
   Files are read in sorted path order, paragraphs in file order.
+- ``"jsonl:GLOB"``: JSON-lines files, one document per line, its text in the field
+  `data.text_key` (default ``text``); ``"parquet:GLOB"``: Parquet files, one document per
+  row of the column `data.text_key`. Files in sorted path order, records in file order;
+  blank lines and null or empty texts are skipped.
 
 A document goes to the validation split when a hash of its key (the topic name; the
 paragraph's text for files, so duplicated paragraphs never straddle the two splits) falls
 below `validation_fraction`: deterministic, independent of order and of other documents.
+For jsonl and parquet the key is the document's text.
 """
 
 import dataclasses
 import glob
 import hashlib
+import json
 import os
 import pydoc_data.topics
 import re
@@ -36,24 +42,33 @@ _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*(?:\n[ \t\r\f\v]*)*\n")
 
 @dataclasses.dataclass(frozen=True)
 class SourceSpec:
-    """A parsed `data.source`: kind is "embedded", "text" or "tfds"; arg the glob or name."""
+    """A parsed `data.source`: kind is "embedded", one of FILE_KINDS or "tfds"; arg the glob
+    or name."""
 
     kind: str
     arg: str = ""
 
     @property
     def is_local(self) -> bool:
-        return self.kind in ("embedded", "text")
+        return self.kind == "embedded" or self.kind in FILE_KINDS
+
+
+# Local sources read from files matched by a glob.
+FILE_KINDS = ("text", "jsonl", "parquet")
 
 
 def parse_source(source: str) -> SourceSpec:
-    """Parses `data.source` ("embedded" | "text:GLOB" | "tfds:NAME")."""
+    """Parses `data.source` ("embedded" | "text:GLOB" | "jsonl:GLOB" | "parquet:GLOB" |
+    "tfds:NAME")."""
     if source == "embedded":
         return SourceSpec("embedded")
     kind, sep, arg = source.partition(":")
-    if sep and kind in ("text", "tfds") and arg:
+    if sep and kind in (*FILE_KINDS, "tfds") and arg:
         return SourceSpec(kind, arg)
-    raise ValueError(f"data.source={source!r} is not one of 'embedded', 'text:GLOB', 'tfds:NAME'")
+    raise ValueError(
+        f"data.source={source!r} is not one of 'embedded', 'text:GLOB', 'jsonl:GLOB', "
+        f"'parquet:GLOB', 'tfds:NAME'"
+    )
 
 
 def in_validation(key: str, fraction: float) -> bool:
@@ -85,13 +100,13 @@ def embedded_fingerprint(fraction: float) -> str:
     return h.hexdigest()
 
 
-def matching_files(pattern: str) -> list[str]:
+def matching_files(pattern: str, kind: str = "text") -> list[str]:
     """Sorted absolute paths of the regular files matching `pattern`; raises if none."""
     expanded = os.path.expanduser(pattern)
     paths = sorted(os.path.abspath(p) for p in glob.glob(expanded, recursive=True))
     paths = [p for p in paths if os.path.isfile(p)]
     if not paths:
-        raise ValueError(f"data.source='text:{pattern}' matches no files")
+        raise ValueError(f"data.source='{kind}:{pattern}' matches no files")
     return paths
 
 
@@ -118,25 +133,84 @@ def text_documents(pattern: str, split: str, fraction: float) -> Iterator[str]:
                 yield paragraph
 
 
-def text_fingerprint(pattern: str, fraction: float) -> str:
+def files_fingerprint(spec: SourceSpec, fraction: float, text_key: str) -> str:
     """Hash of (path, size, mtime) of every matched file: cheap, and changes on edits."""
-    h = hashlib.sha256(f"text|{fraction!r}".encode())
-    for path in matching_files(pattern):
+    # The text key changes jsonl/parquet documents only; text files keep their old hash.
+    key = "" if spec.kind == "text" else f"|{text_key}"
+    h = hashlib.sha256(f"{spec.kind}|{fraction!r}{key}".encode())
+    for path in matching_files(spec.arg, spec.kind):
         st = os.stat(path)
         h.update(f"\0{path}\0{st.st_size}\0{st.st_mtime_ns}".encode())
     return h.hexdigest()
 
 
-def local_documents(spec: SourceSpec, split: str, fraction: float) -> Iterator[str]:
+def _record_text(record, text_key: str, where: str) -> str | None:
+    if not isinstance(record, dict) or text_key not in record:
+        raise ValueError(f"{where}: no field data.text_key={text_key!r}")
+    text = record[text_key]
+    if text is not None and not isinstance(text, str):
+        raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, not text")
+    return text or None
+
+
+def jsonl_texts(path: str, text_key: str) -> Iterator[str]:
+    """The texts of a JSON-lines file, in line order (blank lines and empty texts skipped)."""
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
+            text = _record_text(record, text_key, f"{path}:{line_no}")
+            if text is not None:
+                yield text
+
+
+def parquet_texts(path: str, text_key: str) -> Iterator[str]:
+    """The column `text_key` of a Parquet file, row by row (nulls and empty texts skipped)."""
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError on non-parquet files
+        raise ValueError(f"{path}: not a Parquet file ({e})") from None
+    if text_key not in file.schema_arrow.names:
+        raise ValueError(
+            f"{path}: no column data.text_key={text_key!r} (columns: {file.schema_arrow.names})"
+        )
+    for batch in file.iter_batches(columns=[text_key], batch_size=4096):
+        for text in batch.column(0).to_pylist():
+            if text is not None and not isinstance(text, str):
+                raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}")
+            if text:
+                yield text
+
+
+def record_documents(spec: SourceSpec, split: str, fraction: float, text_key: str):
+    """Yields the documents of the jsonl / parquet files of `spec` that belong to `split`."""
+    read = jsonl_texts if spec.kind == "jsonl" else parquet_texts
+    for path in matching_files(spec.arg, spec.kind):
+        for text in read(path, text_key):
+            if in_validation(text, fraction) == (split == VALIDATION):
+                yield text
+
+
+def local_documents(
+    spec: SourceSpec, split: str, fraction: float, text_key: str = "text"
+) -> Iterator[str]:
     """Yields the documents of a local source's split ("train" or "validation")."""
     if split not in LOCAL_SPLITS:
         raise ValueError(f"split {split!r} of data.source is not one of {LOCAL_SPLITS}")
     if spec.kind == "embedded":
         return embedded_documents(split, fraction)
-    return text_documents(spec.arg, split, fraction)
+    if spec.kind == "text":
+        return text_documents(spec.arg, split, fraction)
+    return record_documents(spec, split, fraction, text_key)
 
 
-def local_fingerprint(spec: SourceSpec, fraction: float) -> str:
+def local_fingerprint(spec: SourceSpec, fraction: float, text_key: str = "text") -> str:
     if spec.kind == "embedded":
         return embedded_fingerprint(fraction)
-    return text_fingerprint(spec.arg, fraction)
+    return files_fingerprint(spec, fraction, text_key)

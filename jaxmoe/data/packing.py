@@ -1,6 +1,7 @@
 """Packing: one token stream per split, cached as .npy, read as windows of seq_len + 1.
 
-The stream is every document's tokens followed by EOS, concatenated (documents without
+The stream is every document's tokens followed by EOS (and preceded by BOS when the
+tokenizer's own config asks for one, as Llama's does), concatenated (documents without
 tokens are skipped). Example i is the window stream[i*L : i*L + L + 1] (L = seq_len):
 inputs are its first L tokens, targets its last L. Consecutive windows share one token, so
 every token after the first is a target exactly once. There is no mask across documents
@@ -36,6 +37,7 @@ def write_token_cache(documents: Iterable[str], tokenizer: Tokenizer, path: str)
     os.makedirs(folder, exist_ok=True)
     dtype = token_dtype(tokenizer.vocab_size)
     eos = [tokenizer.eos_id]
+    bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
     raw_fd, raw_path = tempfile.mkstemp(dir=folder, prefix=".tmp-raw-")
     npy_fd, npy_path = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".npy")
     try:
@@ -43,7 +45,7 @@ def write_token_cache(documents: Iterable[str], tokenizer: Tokenizer, path: str)
         with os.fdopen(raw_fd, "wb") as raw:
             docs = iter(documents)
             while chunk := list(itertools.islice(docs, _DOCS_PER_CHUNK)):
-                encoded = [ids + eos for ids in tokenizer.encode_batch(chunk) if ids]
+                encoded = [bos + ids + eos for ids in tokenizer.encode_batch(chunk) if ids]
                 flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype)
                 raw.write(flat.tobytes())
                 num_tokens += flat.size

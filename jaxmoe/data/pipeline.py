@@ -10,14 +10,24 @@ shuffle seeded by (train.seed, epoch)); the curriculum supplies its own. A globa
 
 import dataclasses
 import functools
+import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxmoe.data.mixture import MixtureBatches, component_config, parse_mixture
+from jaxmoe.data.multihost import Barrier, TracedBatches, prepare_once
 from jaxmoe.data.packing import PackedWindows
-from jaxmoe.data.seq2seq import EXTRA_IDS, SpanCorruptionExamples, span_corruption_split
-from jaxmoe.data.sources import load_tokenizer, packed_split
+from jaxmoe.data.prefetch import Prefetch
+from jaxmoe.data.seq2seq import (
+    EXTRA_IDS,
+    SpanCorruptionExamples,
+    span_corruption_split,
+    tokenizer_sentinels,
+)
+from jaxmoe.data.sources import load_tokenizer, open_split, packed_split
+from jaxmoe.data.stream import StreamBatches
 from jaxmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -210,34 +220,139 @@ def _padded_batches(
     return [examples.batch(ids_B[rows]) for ids_B in ids.reshape(num_batches, batch_size)]
 
 
+def wrapped(batches, config, process_index: int):
+    """`batches` built ahead on a thread (`data.prefetch` batches; not with a curriculum,
+    which reorders epochs as they start) and traced when JAXMOE_DATA_TRACE names a folder."""
+    depth = int(config.data.get("prefetch", 2))
+    if depth and config.data.get("curriculum", "none") == "none":
+        batches = Prefetch(batches, depth)
+    folder = os.environ.get("JAXMOE_DATA_TRACE")
+    return TracedBatches(batches, folder, process_index) if folder else batches
+
+
 @dataclasses.dataclass
 class DataBundle:
     """Everything the trainer needs from the data side."""
 
     tokenizer: Tokenizer
-    train: TrainBatches
+    train: TrainBatches | MixtureBatches
     eval_batches: list[Batch]
     vocab_size: int
     num_train_examples: int
     num_eval_examples: int
     num_train_tokens: int
     num_eval_tokens: int
+    # With data.mixture: each source's own eval batches by name (eval_batches holds them all).
+    eval_sets: dict[str, list[Batch]] = dataclasses.field(default_factory=dict)
 
 
-def build_data(config, process_index: int = 0, process_count: int = 1) -> DataBundle:
-    """Prepares (idempotently, cached) and opens the data named by `config.data`."""
+def model_vocab(config, tokenizer: Tokenizer) -> int:
+    """The vocabulary the model needs: span corruption's sentinels sit above the
+    tokenizer's ids (T5's extra ids) unless the tokenizer has its own."""
+    extra = is_encoder_decoder(config) and tokenizer_sentinels(tokenizer) is None
+    return tokenizer.vocab_size + (EXTRA_IDS if extra else 0)
+
+
+def build_data(
+    config,
+    process_index: int = 0,
+    process_count: int = 1,
+    barrier: Barrier | None = None,
+    report=print,
+) -> DataBundle:
+    """Prepares (idempotently, cached) and opens the data named by `config.data`.
+
+    With several processes and a `barrier`, only process 0 prepares (`prepare_once`).
+    """
+    if process_count > 1 and barrier is not None:
+        prepare_once(config, process_index, barrier, report)
     tokenizer = load_tokenizer(config)
+    if parse_mixture(config.data.get("mixture", "") or ""):
+        return _build_mixture(config, tokenizer, process_index, process_count)
+    if config.data.get("streaming", False):
+        return _build_stream(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)
     eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(train.global_batch_size, process_index, process_count, "train.batch_size")
     return DataBundle(
         tokenizer=tokenizer,
-        train=train,
+        train=wrapped(train, config, process_index),
         eval_batches=_padded_batches(eval_examples, train.global_batch_size, rows, None),
-        # Span corruption's sentinels sit above the tokenizer's ids (T5's extra ids).
-        vocab_size=tokenizer.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0),
+        vocab_size=model_vocab(config, tokenizer),
         num_train_examples=train.num_examples,
         num_eval_examples=len(eval_examples),
         num_train_tokens=train.examples.num_tokens,
         num_eval_tokens=eval_examples.num_tokens,
+    )
+
+
+def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_count: int):
+    """The DataBundle of `data.mixture`: one MixtureBatches, eval split by source."""
+    components = parse_mixture(config.data.mixture)
+    if config.data.get("curriculum", "none") != "none":
+        raise ValueError(
+            f"data.curriculum={config.data.curriculum!r} orders one source's examples; it "
+            f"cannot be combined with data.mixture"
+        )
+    batch_size = int(config.train.batch_size)
+    rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
+    parts, eval_sets, eval_tokens, eval_examples = [], {}, 0, 0
+    for component in components:
+        source_config = component_config(config, component.source)
+        part = split_examples(source_config, tokenizer, "train_split", partial_last=False)
+        if len(part) == 0:
+            raise ValueError(
+                f"data.mixture source {component.source!r} has no train example of "
+                f"train.seq_len={config.train.seq_len} tokens"
+            )
+        parts.append(part)
+        evals = split_examples(source_config, tokenizer, "eval_split", partial_last=True)
+        eval_sets[component.name] = _padded_batches(evals, batch_size, rows, None)
+        eval_tokens += evals.num_tokens
+        eval_examples += len(evals)
+    train = MixtureBatches(components, parts, batch_size, int(config.train.seed), rows)
+    return DataBundle(
+        tokenizer=tokenizer,
+        train=wrapped(train, config, process_index),
+        eval_batches=[batch for batches in eval_sets.values() for batch in batches],
+        vocab_size=model_vocab(config, tokenizer),
+        num_train_examples=train.num_examples,
+        num_eval_examples=eval_examples,
+        num_train_tokens=train.num_tokens,
+        num_eval_tokens=eval_tokens,
+        eval_sets=eval_sets,
+    )
+
+
+def _build_stream(config, tokenizer: Tokenizer, process_index: int, process_count: int):
+    """The DataBundle of `data.streaming`: train read as a stream, eval from the cache."""
+    for culprit, unsupported in (
+        ("model.arch=encoder_decoder", is_encoder_decoder(config)),
+        (
+            f"data.curriculum={config.data.get('curriculum')!r}",
+            config.data.get("curriculum", "none") != "none",
+        ),
+    ):
+        if unsupported:
+            raise ValueError(f"data.streaming reads language-model windows only, not {culprit}")
+    batch_size = int(config.train.batch_size)
+    rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
+    train = StreamBatches(
+        open_split(config, "train_split").documents,
+        tokenizer,
+        int(config.train.seq_len),
+        batch_size,
+        int(config.train.seed),
+        rows,
+    )
+    evals = split_examples(config, tokenizer, "eval_split", partial_last=True)
+    return DataBundle(
+        tokenizer=tokenizer,
+        train=wrapped(train, config, process_index),
+        eval_batches=_padded_batches(evals, batch_size, rows, None),
+        vocab_size=model_vocab(config, tokenizer),
+        num_train_examples=train.num_documents,
+        num_eval_examples=len(evals),
+        num_train_tokens=0,  # not known before the stream is read
+        num_eval_tokens=evals.num_tokens,
     )

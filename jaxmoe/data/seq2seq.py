@@ -12,10 +12,13 @@ end with EOS:
     encoder  a b S0 e f g S1 EOS
     targets  S0 c d S1 h EOS        (each unmasked span becomes the next sentinel)
 
-Sentinels are T5's extra ids: the `EXTRA_IDS` ids above the tokenizer's vocabulary, the
-first sentinel being the top one (S_k = tokenizer vocab + EXTRA_IDS - 1 - k), so with T5's
-own SentencePiece model they are exactly T5's `<extra_id_k>`. The mask of example i depends
-only on (train.seed, i), so batches are reproducible and resumable like the LM task's.
+Sentinels are T5's extra ids. A tokenizer that defines `<extra_id_0>`, `<extra_id_1>`, ...
+(T5's tokenizer.json, a SentencePiece model with them as pieces) gives their ids, wherever
+they sit. Otherwise they are the `EXTRA_IDS` ids above the tokenizer's vocabulary, the first
+sentinel being the top one (S_k = tokenizer vocab + EXTRA_IDS - 1 - k), exactly T5's
+`<extra_id_k>` with its own SentencePiece model (which seqio extends by 100 ids). The mask
+of example i depends only on (train.seed, i), so batches are reproducible and resumable like
+the LM task's.
 
 N is the longest raw window whose encoder input fits `train.seq_len` (T5's
 `random_spans_helper`); the decoder length follows from N. Id 0 pads both sides (the model
@@ -80,12 +83,37 @@ def noise_mask(length: int, noise_density: float, mean_noise_span: float, rng) -
     return np.repeat(is_noise, lengths)[:length]
 
 
-def replace_spans(tokens: np.ndarray, mask: np.ndarray, first_sentinel: int) -> np.ndarray:
-    """Tokens with each run of `mask` replaced by one sentinel, counting down from the first."""
-    previous = np.concatenate([[False], mask[:-1]])
-    starts = mask & ~previous
-    sentinels = first_sentinel + 1 - np.cumsum(starts)
-    return np.where(starts, sentinels, tokens)[~(mask & previous)]
+def sentinel_table(sentinels, count: int) -> np.ndarray:
+    """Ids of sentinels 0, 1, ...: given, or (an int) counting down from the first."""
+    if np.ndim(sentinels) == 0:
+        return int(sentinels) - np.arange(count)
+    return np.asarray(sentinels, dtype=np.int64)
+
+
+def replace_spans(tokens: np.ndarray, mask: np.ndarray, sentinels) -> np.ndarray:
+    """Tokens with each run of `mask` replaced by the next sentinel: `sentinels` is the id
+    list, or the first id (the next ones count down)."""
+    return _replace_rows(tokens[None], mask[None], sentinels)[0]
+
+
+def _replace_rows(tokens_RN: np.ndarray, mask_RN: np.ndarray, sentinels) -> np.ndarray:
+    """`replace_spans` of every row at once; rows must keep equally many tokens."""
+    previous_RN = np.zeros_like(mask_RN)
+    previous_RN[:, 1:] = mask_RN[:, :-1]
+    starts_RN = mask_RN & ~previous_RN
+    table = sentinel_table(sentinels, mask_RN.shape[1] + 1)
+    # Before the first start the index is -1: np.where discards that lookup.
+    sentinels_RN = table[np.cumsum(starts_RN, axis=1) - 1]
+    values_RN = np.where(starts_RN, sentinels_RN, tokens_RN)
+    return values_RN[~(mask_RN & previous_RN)].reshape(len(tokens_RN), -1)
+
+
+def tokenizer_sentinels(tokenizer) -> np.ndarray | None:
+    """Ids of the tokenizer's own `<extra_id_0>`, `<extra_id_1>`, ..., or None if it has none."""
+    ids = []
+    while (token_id := tokenizer.token_id(f"<extra_id_{len(ids)}>")) is not None:
+        ids.append(token_id)
+    return np.array(ids, dtype=np.int64) if ids else None
 
 
 class SpanCorruptionExamples:
@@ -103,6 +131,7 @@ class SpanCorruptionExamples:
         seed: int,
         tokenizer_vocab: int,
         eos_id: int,
+        sentinels: np.ndarray | None = None,
         noise_density: float = 0.15,
         mean_noise_span: float = 3.0,
         partial_last: bool = False,
@@ -116,12 +145,15 @@ class SpanCorruptionExamples:
         self.raw_len = raw_length_for(self.encoder_len, noise_density, mean_noise_span)
         self.decoder_len = corrupted_lengths(self.raw_len, noise_density, mean_noise_span)[1]
         num_spans = span_counts(self.raw_len, noise_density, mean_noise_span)[1]
-        if num_spans > EXTRA_IDS:
+        self.first_sentinel = int(tokenizer_vocab) + EXTRA_IDS - 1
+        if sentinels is None:
+            sentinels = sentinel_table(self.first_sentinel, EXTRA_IDS)
+        self.sentinels = np.asarray(sentinels, dtype=np.int64)
+        if num_spans > len(self.sentinels):
             raise ValueError(
                 f"train.seq_len={encoder_len}: span corruption masks {num_spans} spans per "
-                f"example but there are only {EXTRA_IDS} sentinel ids"
+                f"example but there are only {len(self.sentinels)} sentinel ids"
             )
-        self.first_sentinel = int(tokenizer_vocab) + EXTRA_IDS - 1
         whole, rest = divmod(self.num_tokens, self.raw_len)
         self._num_examples = whole + (1 if partial_last and rest else 0)
 
@@ -141,9 +173,29 @@ class SpanCorruptionExamples:
         rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
         mask = noise_mask(len(tokens), self.noise_density, self.mean_noise_span, rng)
         eos = [self.eos_id]
-        encoder = np.concatenate([replace_spans(tokens, mask, self.first_sentinel), eos])
-        targets = np.concatenate([replace_spans(tokens, ~mask, self.first_sentinel), eos])
+        encoder = np.concatenate([replace_spans(tokens, mask, self.sentinels), eos])
+        targets = np.concatenate([replace_spans(tokens, ~mask, self.sentinels), eos])
         return encoder, targets
+
+    def _corrupt_whole(self, ids_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(encoder ids [R, E], target ids [R, D]) of whole windows, EOS-terminated: what
+        `example` gives each (the same random draws, in the same order), built row-wise."""
+        n = self.raw_len
+        tokens_RN = np.asarray(self.tokens_N[ids_R[:, None] * n + np.arange(n)], np.int64)
+        num_noise, num_spans = span_counts(n, self.noise_density, self.mean_noise_span)
+        lengths_RS = np.empty((len(ids_R), 2 * num_spans), np.int64)  # kept, noise, kept, ...
+        for r, index in enumerate(ids_R):  # only the draws stay per example
+            rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
+            lengths_RS[r, 1::2] = random_segmentation(num_noise, num_spans, rng)
+            lengths_RS[r, 0::2] = random_segmentation(n - num_noise, num_spans, rng)
+        # Span number of every position: +1 where each span after the first starts.
+        bumps_RN = np.zeros((len(ids_R), n + 1), np.int64)
+        np.put_along_axis(bumps_RN, np.cumsum(lengths_RS, axis=1)[:, :-1], 1, axis=1)
+        mask_RN = np.cumsum(bumps_RN[:, :n], axis=1) % 2 == 1
+        eos_R1 = np.full((len(ids_R), 1), self.eos_id, np.int64)
+        encoder = _replace_rows(tokens_RN, mask_RN, self.sentinels)
+        targets = _replace_rows(tokens_RN, ~mask_RN, self.sentinels)
+        return np.concatenate([encoder, eos_R1], 1), np.concatenate([targets, eos_R1], 1)
 
     def batch(self, ids_B: np.ndarray) -> dict[str, np.ndarray]:
         ids_B = np.asarray(ids_B, dtype=np.int64)
@@ -151,10 +203,18 @@ class SpanCorruptionExamples:
         encoder = np.zeros((b, self.encoder_len), np.int32)
         targets = np.zeros((b, self.decoder_len), np.int32)
         weights = np.zeros((b, self.decoder_len), np.float32)
-        for row, index in enumerate(ids_B):  # one corruption per example, vectorised inside
-            if index < 0:
-                continue
-            enc_ids, target_ids = self.example(int(index))
+        if ids_B.size and ids_B.max() >= len(self):
+            raise IndexError(f"example ids out of range [0, {len(self)}): {ids_B}")
+        # Whole windows all have raw_len tokens, so they are corrupted together, row-wise.
+        full = (ids_B >= 0) & ((ids_B + 1) * self.raw_len <= self.num_tokens)
+        rows = np.flatnonzero(full)
+        if rows.size:
+            enc_RE, target_RD = self._corrupt_whole(ids_B[rows])
+            encoder[rows, : enc_RE.shape[1]] = enc_RE
+            targets[rows, : target_RD.shape[1]] = target_RD
+            weights[rows, : target_RD.shape[1]] = 1.0
+        for row in np.flatnonzero((ids_B >= 0) & ~full):  # the partial last window (eval)
+            enc_ids, target_ids = self.example(int(ids_B[row]))
             encoder[row, : len(enc_ids)] = enc_ids
             targets[row, : len(target_ids)] = target_ids
             weights[row, : len(target_ids)] = 1.0
@@ -180,6 +240,7 @@ def span_corruption_split(config, tokenizer, split_key: str, partial_last: bool)
         seed=int(config.train.seed),
         tokenizer_vocab=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
+        sentinels=tokenizer_sentinels(tokenizer),
         noise_density=float(data.get("noise_density", 0.15)),
         mean_noise_span=float(data.get("mean_noise_span", 3.0)),
         partial_last=partial_last,

@@ -23,7 +23,7 @@ import numpy as np
 
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
-from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer
+from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
 from jaxmoe.mirror import Mirror
 from jaxmoe.paths import absolute_path, is_remote
 
@@ -88,16 +88,17 @@ def open_split(config, split_key: str) -> SplitDocuments:
     text_key = config.data.get("text_key", "text") or "text"
     if spec.is_local:
         fraction = validation_fraction(config)
-        source_hash = corpus.local_fingerprint(spec, fraction)
+        source_hash = corpus.local_fingerprint(spec, fraction, text_key)
         # Prepared from local files, so kept local: a remote data_dir is for TFDS datasets.
         prepared = data_dir(config)
         if is_remote(prepared):
             prepared = os.path.join(cache_dir(config), "tfds")
         local_dir = os.path.join(prepared, "local", source_hash[:20])
+        documents = functools.partial(
+            corpus.local_documents, spec, fraction=fraction, text_key=text_key
+        )
         try:
-            tfds_text.prepare_local_dataset(
-                functools.partial(corpus.local_documents, spec, fraction=fraction), local_dir
-            )
+            tfds_text.prepare_local_dataset(documents, local_dir)
         except ValueError as e:
             raise ValueError(
                 f"data.source={config.data.source!r} (data.validation_fraction={fraction}): {e}"
@@ -116,10 +117,14 @@ def open_split(config, split_key: str) -> SplitDocuments:
 
 
 def load_tokenizer(config) -> Tokenizer:
-    """The tokenizer file named by `data.tokenizer`, or one trained on the train split."""
+    """The tokenizer named by `data.tokenizer` (SentencePiece .model, Hugging Face
+    tokenizer.json or a folder holding one), or one trained on the train split (of the
+    mixture's first source when `data.mixture` is set)."""
     if config.data.tokenizer:
-        return Tokenizer(absolute_path(config.data.tokenizer))
-    train = open_split(config, "train_split")
+        return open_tokenizer(absolute_path(config.data.tokenizer))
+    from jaxmoe.data.mixture import primary_config
+
+    train = open_split(primary_config(config), "train_split")
     return cached_tokenizer(
         train.documents,
         train.fingerprint,

@@ -1,4 +1,5 @@
-"""SentencePiece tokenizer: trained once per (train data, vocab size) and cached, or loaded.
+"""SentencePiece tokenizer: trained once per (train data, vocab size) and cached, or loaded;
+`open_tokenizer` also opens Hugging Face tokenizer.json files (hf_tokenizer.py).
 
 Trained models round-trip exactly, decode(encode(text)) == text for any string: no
 normalisation (`identity`), whitespace kept as written, no dummy prefix, and unknown
@@ -59,6 +60,16 @@ class Tokenizer:
         """The model's pad id, or 0 if it has none (padding always carries weight 0)."""
         return max(self._sp.pad_id(), 0)
 
+    @property
+    def bos_id(self) -> int | None:
+        """None: documents and prompts start without BOS (the models trained here have none)."""
+        return None
+
+    def token_id(self, piece: str) -> int | None:
+        """The id of a piece of the model, or None if it has no such piece."""
+        token_id = self._sp.piece_to_id(piece)
+        return token_id if self._sp.id_to_piece(token_id) == piece else None
+
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
@@ -71,6 +82,21 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def open_tokenizer(path: str):
+    """The tokenizer at `path`: a Hugging Face tokenizer.json (or a folder holding one),
+    else a SentencePiece model file."""
+    from jaxmoe.data import hf_tokenizer  # imports `tokenizers` only when asked for
+
+    if path.endswith(".json") or os.path.isdir(path):
+        return hf_tokenizer.HFTokenizer(path)
+    return Tokenizer(path)
+
+
+def with_bos(tokenizer, ids: list[int]) -> list[int]:
+    """`ids` preceded by the tokenizer's BOS when it has one (how its documents start)."""
+    return ids if tokenizer.bos_id is None else [tokenizer.bos_id, *ids]
 
 
 def training_lines(documents: Sequence[str], char_budget: int = _TRAINING_CHAR_BUDGET):

@@ -1,0 +1,132 @@
+"""Hugging Face tokenizers: a `tokenizer.json` (Llama 3, Qwen, Mistral, ...) read through
+the `tokenizers` library, with the same interface as the SentencePiece `Tokenizer`.
+
+Special tokens come from the tokenizer's own files, the way `transformers` reads them:
+`tokenizer_config.json` (then `special_tokens_map.json`) next to `tokenizer.json` names the
+BOS, EOS and pad tokens and may say `add_bos_token`. Without that key, the tokenizer's own
+post-processor decides: the single token it puts before a text is the BOS every document and
+prompt starts with (Llama 3's `<|begin_of_text|>`), none for Qwen. Text is encoded without
+the post-processor (documents are packed as [BOS] text EOS by the caller).
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Sequence
+
+import tokenizers
+
+TOKENIZER_FILE = "tokenizer.json"
+_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def tokenizer_file(path: str) -> str:
+    """`path` itself, or the tokenizer.json inside the folder `path`."""
+    return os.path.join(path, TOKENIZER_FILE) if os.path.isdir(path) else path
+
+
+def _token_text(value) -> str | None:
+    """A special token as written in the config: a string or {"content": ...} (AddedToken)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_configs(folder: str, culprit: str) -> dict:
+    """Keys of tokenizer_config.json, filled in from special_tokens_map.json."""
+    merged: dict = {}
+    for name in reversed(_CONFIG_FILES):  # the first file wins
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                values = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"data.tokenizer={culprit!r}: cannot read {path}: {e}") from None
+        if not isinstance(values, dict):
+            raise ValueError(f"data.tokenizer={culprit!r}: {path} is not a JSON object")
+        merged.update(values)
+    return merged
+
+
+def _template(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
+    """The ids the post-processor puts before and after a text (e.g. [BOS], [])."""
+    probe = "a"
+    bare = tok.encode(probe, add_special_tokens=False).ids
+    full = tok.encode(probe, add_special_tokens=True).ids
+    for start in range(len(full) - len(bare) + 1):
+        if full[start : start + len(bare)] == bare:
+            return full[:start], full[start + len(bare) :]
+    return [], []
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json`. encode(str) -> list[int]; decode(list[int]) -> str."""
+
+    def __init__(self, path: str):
+        file = tokenizer_file(path)
+        if not os.path.isfile(file):
+            where = f"has no {TOKENIZER_FILE}" if os.path.isdir(path) else "does not exist"
+            raise ValueError(f"data.tokenizer={path!r} {where}")
+        with open(file, "rb") as f:
+            raw = f.read()
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ValueError(
+                f"data.tokenizer={path!r} is not a Hugging Face tokenizer.json ({first})"
+            ) from None
+        self.path = os.path.abspath(file)
+        config = _read_configs(os.path.dirname(self.path), path)
+        prefix, suffix = _template(self._tok)
+        self.eos_id = self._special(config, "eos_token", path)
+        if self.eos_id is None and len(suffix) == 1:
+            self.eos_id = suffix[0]
+        if self.eos_id is None:
+            raise ValueError(
+                f"data.tokenizer={path!r} defines no EOS token (no eos_token in "
+                f"{_CONFIG_FILES[0]} and no single token appended by its post-processor)"
+            )
+        if "add_bos_token" in config:
+            wanted = bool(config["add_bos_token"])
+            self.bos_id = self._special(config, "bos_token", path) if wanted else None
+            if wanted and self.bos_id is None:
+                raise ValueError(f"data.tokenizer={path!r} says add_bos_token but has no bos_token")
+        else:
+            self.bos_id = prefix[0] if len(prefix) == 1 else None
+        self.pad_id = self._special(config, "pad_token", path) or 0
+        # The id stream depends on the file and on the special ids resolved from the configs.
+        specials = f"|bos={self.bos_id}|eos={self.eos_id}|pad={self.pad_id}".encode()
+        self.sha256 = hashlib.sha256(raw + specials).hexdigest()
+
+    def _special(self, config: dict, key: str, culprit: str) -> int | None:
+        text = _token_text(config.get(key))
+        if text is None:
+            return None
+        token_id = self._tok.token_to_id(text)
+        if token_id is None:
+            raise ValueError(f"data.tokenizer={culprit!r}: {key} {text!r} is not in its vocabulary")
+        return token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_id(self, token: str) -> int | None:
+        """The id of a token of the vocabulary, or None if it has no such token."""
+        return self._tok.token_to_id(token)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """Encodes many texts at once, on the library's own threads."""
+        return [e.ids for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
