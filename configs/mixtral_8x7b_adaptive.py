@@ -39,7 +39,7 @@ def get_config(variant: str | None = None) -> ConfigDict:
     m.rope_theta = 1e6
     m.tie_embeddings = False
     m.dtype = "bfloat16"
-    m.remat = True
+    m.remat = "full"
 
     moe = m.moe
     moe.num_experts = 8

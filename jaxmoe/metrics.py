@@ -5,6 +5,7 @@ Only process 0 writes. Values arrive as host numbers (the loop fetches them one 
 
 import json
 import math
+import re
 
 import jax
 from etils import epath
@@ -37,7 +38,10 @@ class MetricsWriter:
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in values.items()}
+        clean = {
+            k: (float(v) if not isinstance(v, str) else v)
+            for k, v in sorted(values.items(), key=lambda item: natural_key(item[0]))
+        }
         record = {"step": step, "split": split, **clean}
         self._file.write(json.dumps(record, allow_nan=True) + "\n")
         self._file.flush()
@@ -66,3 +70,11 @@ class MetricsWriter:
             self._bar.close()
         self._tb.close()
         self._file.close()
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key with digit runs compared as numbers: layer_2 before layer_10.
+
+    Metrics come out of jit with their keys sorted as strings (jax flattens dicts that way).
+    """
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

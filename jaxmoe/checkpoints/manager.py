@@ -132,6 +132,11 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
             else:
                 node[key] = value
 
+    from jaxmoe.models.stack import remat_name
+
+    model = stored.get("model", {})
+    if "remat" in model:  # a bool before remat took a policy name
+        stored = {**stored, "model": {**model, "remat": remat_name(model["remat"])}}
     config = base_config()
     with config.unlocked():
         merge(config, stored)

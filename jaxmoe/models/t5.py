@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
 from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, matmul_2d, normal_init
+from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -125,8 +126,8 @@ class EncoderDecoderLM(nnx.Module):
             bidirectional=True,
             rngs=rngs,
         )
-        self.encoder_layers = nnx.List(
-            [EncoderBlock(cfg, i, rngs=rngs) for i in range(num_encoder_layers)]
+        self.encoder_layers = build_stack(
+            cfg, lambda i, rngs: EncoderBlock(cfg, i, rngs=rngs), num_encoder_layers, rngs
         )
         self.encoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.decoder_relpos = RelativePositionBias(
@@ -136,8 +137,8 @@ class EncoderDecoderLM(nnx.Module):
             bidirectional=False,
             rngs=rngs,
         )
-        self.decoder_layers = nnx.List(
-            [DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        self.decoder_layers = build_stack(
+            cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
         )
         self.decoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(
@@ -151,15 +152,12 @@ class EncoderDecoderLM(nnx.Module):
         mask = valid_BS[:, None, :] & valid_BS[:, :, None]
         bias = self.encoder_relpos(s, s)
         x = constrain_batch(self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg)))
-        aux = {}
-        for i, layer in enumerate(self.encoder_layers):
-            if self.cfg.remat:
-                x, layer_aux = _remat_encoder_block(layer, x, mask, bias, train)
-            else:
-                x, layer_aux = layer(x, mask=mask, bias=bias, train=train)
-            x = constrain_batch(x)
-            if layer_aux:
-                aux[f"encoder_{i}"] = layer_aux
+
+        def apply(layer, x):
+            x, aux = layer(x, mask=mask, bias=bias, train=train)
+            return constrain_batch(x), aux
+
+        x, aux = run_stack(self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}")
         return self.encoder_norm(x), aux
 
     def decode(self, decoder_tokens_BL, encoded_BSD, encoder_valid_BS, *, train: bool = False):
@@ -171,24 +169,14 @@ class EncoderDecoderLM(nnx.Module):
         )
         bias = self.decoder_relpos(l, l)
         x = constrain_batch(self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg)))
-        aux = {}
-        for i, layer in enumerate(self.decoder_layers):
-            if self.cfg.remat:
-                x, layer_aux = _remat_decoder_block(
-                    layer, x, encoded_BSD, self_mask, cross_mask, bias, train
-                )
-            else:
-                x, layer_aux = layer(
-                    x,
-                    encoded_BSD,
-                    self_mask=self_mask,
-                    cross_mask=cross_mask,
-                    bias=bias,
-                    train=train,
-                )
-            x = constrain_batch(x)
-            if layer_aux:
-                aux[f"decoder_{i}"] = layer_aux
+
+        def apply(layer, x):
+            x, aux = layer(
+                x, encoded_BSD, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train
+            )
+            return constrain_batch(x), aux
+
+        x, aux = run_stack(self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}")
         x = self.decoder_norm(x)
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
 
@@ -198,14 +186,3 @@ class EncoderDecoderLM(nnx.Module):
             decoder_tokens_BL, encoded, encoder_tokens_BS != 0, train=train
         )
         return logits, enc_aux | dec_aux
-
-
-# Recompute each block in the backward pass: only block inputs are kept (model.remat).
-@nnx.remat(static_argnums=(4,))
-def _remat_encoder_block(layer, x, mask, bias, train):
-    return layer(x, mask=mask, bias=bias, train=train)
-
-
-@nnx.remat(static_argnums=(6,))
-def _remat_decoder_block(layer, x, encoded, self_mask, cross_mask, bias, train):
-    return layer(x, encoded, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train)

@@ -6,6 +6,7 @@ from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
 from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param, matmul_2d
+from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
 
 
@@ -55,7 +56,9 @@ class DecoderLM(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = build_stack(
+            cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
+        )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = make_param(
@@ -63,34 +66,25 @@ class DecoderLM(nnx.Module):
             )
 
     def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None):
-        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict}."""
+        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order."""
         cfg = self.cfg
         b, l = tokens_BL.shape
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
         mask = jnp.tril(jnp.ones((l, l), bool))[None]
         x_BLD = constrain_batch(self.embed(tokens_BL, compute_dtype(cfg)))
-        aux = {}
-        for i, layer in enumerate(self.layers):
-            if cfg.remat:
-                x_BLD, layer_aux = _remat_block(layer, x_BLD, mask, positions_BL, train)
-            else:
-                x_BLD, layer_aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
-            x_BLD = constrain_batch(x_BLD)
-            if layer_aux:
-                aux[i] = layer_aux
+
+        def apply(layer, x_BLD):
+            x_BLD, aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+            return constrain_batch(x_BLD), aux
+
+        x_BLD, aux = run_stack(self.layers, x_BLD, apply, cfg.remat, name=lambda i: i)
         x_BLD = self.final_norm(x_BLD)
         if cfg.tie_embeddings:
             logits = self.embed.attend(x_BLD)
         else:
             logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
         return logits.astype(jnp.float32), aux
-
-
-@nnx.remat(static_argnums=(4,))
-def _remat_block(layer, x_BLD, mask, positions_BL, train):
-    # Recompute the block in the backward pass: activations of one block live at a time.
-    return layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
 
 
 def count_params(state) -> int:

@@ -1,0 +1,167 @@
+"""A stack of residual blocks, Python-unrolled or scanned, and the remat policies.
+
+Unrolled (`model.scan_layers=False`): an `nnx.List` of blocks, parameters at
+`<stack>/<i>/...`. Compile time and program size grow with depth.
+
+Scanned (`model.scan_layers=True`): a `ScannedStack`. Block i = p * k + j (period p, position
+j in a period of k = `model.moe.every` blocks, so dense and MoE layers keep alternating)
+keeps its parameters in row p of `<stack>/period/<j>/...`, whose leading axis has the logical
+name `layers` (never sharded). The k blocks of one period are one `jax.lax.scan` body, so
+the program holds one period whatever the depth. Layers left over when k does not divide the
+depth (all dense, see transformer.is_moe_layer) are unrolled after the scan at
+`<stack>/tail/<t>/...`.
+
+Both run the same block code and create parameters in the same order from the same RNG
+streams, so one seed gives the same model in either layout (`stack_layers` maps one onto
+the other).
+"""
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+LAYERS_AXIS = "layers"
+PERIOD, TAIL = "period", "tail"
+
+# model.remat -> jax.checkpoint policy (None: save only the block inputs).
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs
+}
+# Values of model.remat written before it took a policy name.
+LEGACY_REMAT = {True: "full", False: "none", "true": "full", "false": "none"}
+
+
+def remat_name(value) -> str:
+    """model.remat as a policy name: bools and "true"/"false" of older configs included."""
+    if isinstance(value, str):
+        value = value.lower()
+    return LEGACY_REMAT.get(value, value)
+
+
+def period_of(cfg) -> int:
+    """Blocks per scan body: the MoE interleave `moe.every` (1 for dense models)."""
+    return int(cfg.moe.every) if cfg.moe.num_experts > 0 else 1
+
+
+class ScannedStack(nnx.Module):
+    """`num_layers` blocks made by `make_block(i, rngs)`, stacked by period for a scan."""
+
+    def __init__(self, make_block: Callable, num_layers: int, period: int, *, rngs: nnx.Rngs):
+        blocks = [make_block(i, rngs) for i in range(num_layers)]
+        self.num_periods = num_layers // period
+        self.period = nnx.List(
+            [
+                _stacked(blocks[j], [blocks[p * period + j] for p in range(self.num_periods)])
+                for j in range(period)
+            ]
+        )
+        self.tail = nnx.List(blocks[self.num_periods * period :])
+
+
+def _stacked(template: nnx.Module, members: list[nnx.Module]) -> nnx.Module:
+    """`template` holding the stacked state of `members`, Params tagged with `layers`."""
+    states = [nnx.state(member) for member in members]
+    nnx.update(template, jax.tree.map(lambda *xs: jnp.stack(xs), *states))
+    for _, node in nnx.iter_graph(template):
+        if isinstance(node, nnx.Param):
+            axes = node.get_metadata().get("axes")
+            node.set_metadata("axes", (LAYERS_AXIS, *axes) if axes is not None else None)
+    return template
+
+
+def build_stack(cfg, make_block: Callable, num_layers: int, rngs: nnx.Rngs):
+    """An nnx.List of blocks, or a ScannedStack when `cfg.scan_layers`."""
+    if cfg.get("scan_layers", False):
+        return ScannedStack(make_block, num_layers, period_of(cfg), rngs=rngs)
+    return nnx.List([make_block(i, rngs) for i in range(num_layers)])
+
+
+def run_stack(stack, x, apply: Callable, remat, name: Callable[[int], object]):
+    """Run every block of `stack` on x in layer order.
+
+    apply(block, x) -> (x, aux dict, empty for a dense FFN); remat: the model.remat value;
+    name(i): the aux key of layer i. Returns (x, {name(i): aux of layer i}) in layer order.
+    """
+    policy_name = remat_name(remat)
+    if isinstance(stack, ScannedStack):
+        return _run_scanned(stack, x, apply, policy_name, name)
+    return _run_blocks(list(stack), 0, x, apply, policy_name, name)
+
+
+def _checkpointed(fn, policy_name: str):
+    if policy_name == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
+
+
+def _run_blocks(blocks, first_index: int, x, apply, policy_name, name):
+    aux = {}
+    for offset, block in enumerate(blocks):
+        x, layer_aux = _apply_pure(block, x, apply, policy_name)
+        if layer_aux:
+            aux[name(first_index + offset)] = layer_aux
+    return x, aux
+
+
+def _apply_pure(block, x, apply, policy_name):
+    """apply(block, x), rematted as a pure function of the block's state.
+
+    The block's non-parameter state (RNG counters of router jitter) is written back.
+    """
+    if policy_name == "none":
+        return apply(block, x)
+    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+
+    def fn(x, params, rest):
+        live = nnx.merge(graphdef, params, rest)
+        x, layer_aux = apply(live, x)
+        return x, layer_aux, nnx.split(live, nnx.Param, ...)[2]
+
+    x, layer_aux, new_rest = _checkpointed(fn, policy_name)(x, params, rest)
+    nnx.update(block, new_rest)
+    return x, layer_aux
+
+
+def _run_scanned(stack: ScannedStack, x, apply, policy_name, name):
+    graphdef, params, rest = nnx.split(stack.period, nnx.Param, ...)
+
+    def body(x, slices):
+        period = nnx.merge(graphdef, *slices)
+        auxes = []
+        for block in period:
+            x, layer_aux = apply(block, x)
+            auxes.append(layer_aux)
+        return x, (auxes, nnx.split(period, nnx.Param, ...)[2])
+
+    x, (auxes, new_rest) = jax.lax.scan(_checkpointed(body, policy_name), x, (params, rest))
+    nnx.update(stack.period, new_rest)
+    period = len(auxes)
+    aux = {}
+    # Per-layer outputs come out stacked [num_periods, ...]; layer p * k + j is row p of j.
+    for p in range(stack.num_periods):
+        for j, stacked in enumerate(auxes):
+            if stacked:
+                aux[name(p * period + j)] = jax.tree.map(lambda a, p=p: a[p], stacked)
+    first_tail = stack.num_periods * period
+    x, tail_aux = _run_blocks(list(stack.tail), first_tail, x, apply, policy_name, name)
+    return x, aux | tail_aux
+
+
+def unrolled_blocks(stack) -> list[nnx.Module]:
+    """Every block of a stack as its own module, in layer order (a scanned stack is sliced).
+
+    For code that walks layers one by one in Python (the KV-cache decode loop); the slices
+    are views inside a trace, not copies of the parameters on the host.
+    """
+    if not isinstance(stack, ScannedStack):
+        return list(stack)
+    graphdef, state = nnx.split(stack.period)
+    blocks = []
+    for p in range(stack.num_periods):
+        period = nnx.merge(graphdef, jax.tree.map(lambda a, p=p: a[p], state))
+        blocks.extend(period)
+    return blocks + list(stack.tail)
