@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 LAYERS_AXIS = "layers"
@@ -165,3 +166,68 @@ def unrolled_blocks(stack) -> list[nnx.Module]:
         period = nnx.merge(graphdef, jax.tree.map(lambda a, p=p: a[p], state))
         blocks.extend(period)
     return blocks + list(stack.tail)
+
+
+def stack_sizes(cfg) -> dict[str, int]:
+    """{params key of a layer stack: its number of layers} for a model config."""
+    if cfg.arch == "encoder_decoder":
+        return {
+            "encoder_layers": cfg.num_encoder_layers or cfg.num_layers,
+            "decoder_layers": cfg.num_layers,
+        }
+    return {"layers": cfg.num_layers}
+
+
+def is_stacked(params, cfg) -> bool:
+    """Whether a params tree holds its layers in the scanned layout."""
+    return any(PERIOD in params.get(name, {}) for name in stack_sizes(cfg))
+
+
+def _stack(*leaves):
+    xp = np if all(isinstance(leaf, np.ndarray) for leaf in leaves) else jnp
+    return xp.stack(leaves)
+
+
+def stack_layers(params: dict, cfg) -> dict:
+    """A params tree with per-layer entries `<stack>/<i>/...` in the scanned layout of `cfg`.
+
+    Host (numpy) leaves stay on the host. A tree already stacked is returned as it is.
+    Converters build per-layer trees and call this at the end when `cfg.scan_layers`.
+    """
+    k = period_of(cfg)
+    out = dict(params)
+    for name, num_layers in stack_sizes(cfg).items():
+        layers = params[name]
+        if PERIOD in layers:
+            continue
+        periods = num_layers // k
+        stacked = {
+            PERIOD: {
+                str(j): jax.tree.map(_stack, *[layers[str(p * k + j)] for p in range(periods)])
+                for j in range(k)
+            }
+        }
+        if num_layers > periods * k:
+            tail = range(periods * k, num_layers)
+            stacked[TAIL] = {str(t): layers[str(i)] for t, i in enumerate(tail)}
+        out[name] = stacked
+    return out
+
+
+def unstack_layers(params: dict, cfg) -> dict:
+    """The inverse of `stack_layers`: per-layer entries `<stack>/<i>/...`."""
+    k = period_of(cfg)
+    out = dict(params)
+    for name, num_layers in stack_sizes(cfg).items():
+        stacked = params[name]
+        if PERIOD not in stacked:
+            continue
+        periods = num_layers // k
+        layers = {}
+        for i in range(periods * k):
+            p, j = divmod(i, k)
+            layers[str(i)] = jax.tree.map(lambda a, p=p: a[p], stacked[PERIOD][str(j)])
+        for t, subtree in stacked.get(TAIL, {}).items():
+            layers[str(periods * k + int(t))] = subtree
+        out[name] = layers
+    return out
