@@ -396,7 +396,7 @@ def decode_main(
         spec.abstract_params,
         spec.param_specs,
     )
-    params = restore_params(checkpoint, abstract)
+    params = restore_params(checkpoint, abstract, config.model)
     generator = Generator(
         config.model,
         params,

@@ -180,7 +180,7 @@ def evaluate(
         spec.abstract_params,
         spec.param_specs,
     )
-    params = restore_params(checkpoint, abstract)
+    params = restore_params(checkpoint, abstract, config.model)
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()

@@ -173,7 +173,7 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
-            params = restore_params(config.train.init_from, abstract_state["params"])
+            params = restore_params(config.train.init_from, abstract_state["params"], config.model)
             with jax.set_mesh(mesh):
                 opt_state = jax.jit(optimizer.init, out_shardings=shardings["opt_state"])(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}

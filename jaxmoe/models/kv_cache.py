@@ -25,7 +25,8 @@ so this keeps the angles small rather than changing the result.
 
 These functions walk the blocks of `DecoderLM` / `EncoderDecoderLM` and mirror their
 `__call__` (pre-norm residual blocks); tests/test_decode.py checks them against the full
-forward pass at every position.
+forward pass at every position. A scanned stack is walked layer by layer too (its rows
+sliced out), so the decode program still grows with depth.
 """
 
 from typing import NamedTuple
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
 from jaxmoe.models.layers import matmul_2d
+from jaxmoe.models.stack import unrolled_blocks
 from jaxmoe.models.transformer import compute_dtype
 
 
@@ -143,7 +145,7 @@ def decoder_forward(model, tokens_BL, caches: list[LayerCache], index, pad_B, *,
     mask_BLS = causal_LS[None] & not_padding_BS[:, None, :]
     x_BLD = model.embed(tokens_BL, compute_dtype(cfg))
     new_caches = []
-    for layer, cache in zip(model.layers, caches, strict=True):
+    for layer, cache in zip(unrolled_blocks(model.layers), caches, strict=True):
         h_BLD, cache = attend_with_cache(
             layer.attn, layer.attn_norm(x_BLD), cache, index, mask_BLS, positions_BL
         )
@@ -169,7 +171,8 @@ def encode_for_decoding(model, encoder_tokens_BS):
     """
     encoded_BSD, _ = model.encode(encoder_tokens_BS, train=False)
     cross = [
-        to_cache_layout(*layer.cross_attn.project_kv(encoded_BSD)) for layer in model.decoder_layers
+        to_cache_layout(*layer.cross_attn.project_kv(encoded_BSD))
+        for layer in unrolled_blocks(model.decoder_layers)
     ]
     return cross, encoder_tokens_BS != 0
 
@@ -192,7 +195,7 @@ def encoder_decoder_forward(
     bias_1HLS = model.decoder_relpos(l, s, query_offset=slots_L[0])
     x_BLD = model.token_embed(tokens_BL, compute_dtype(model.cfg))
     new_caches = []
-    for layer, cache, kv in zip(model.decoder_layers, caches, cross, strict=True):
+    for layer, cache, kv in zip(unrolled_blocks(model.decoder_layers), caches, cross, strict=True):
         h_BLD, cache = attend_with_cache(
             layer.self_attn,
             layer.self_attn_norm(x_BLD),

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 LAYERS_AXIS = "layers"
 PERIOD, TAIL = "period", "tail"
@@ -152,6 +153,14 @@ def _run_scanned(stack: ScannedStack, x, apply, policy_name, name):
     return x, aux | tail_aux
 
 
+def stack_modules(stack) -> list[nnx.Module]:
+    """The block modules a stack holds (a scanned stack: its period blocks, then its tail),
+    for changing blocks in place."""
+    if isinstance(stack, ScannedStack):
+        return [*stack.period, *stack.tail]
+    return list(stack)
+
+
 def unrolled_blocks(stack) -> list[nnx.Module]:
     """Every block of a stack as its own module, in layer order (a scanned stack is sliced).
 
@@ -184,8 +193,32 @@ def is_stacked(params, cfg) -> bool:
 
 
 def _stack(*leaves):
+    """Stack one leaf of every period; abstract leaves (ShapeDtypeStruct) stay abstract."""
+    first = leaves[0]
+    if isinstance(first, jax.ShapeDtypeStruct):
+        sharding = first.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(None, *sharding.spec))
+        return jax.ShapeDtypeStruct((len(leaves), *first.shape), first.dtype, sharding=sharding)
     xp = np if all(isinstance(leaf, np.ndarray) for leaf in leaves) else jnp
     return xp.stack(leaves)
+
+
+def _take(leaf, p: int):
+    """Row p of a stacked leaf; abstract leaves stay abstract."""
+    if isinstance(leaf, jax.ShapeDtypeStruct):
+        sharding = leaf.sharding
+        if isinstance(sharding, NamedSharding):
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(*sharding.spec[1:]))
+        return jax.ShapeDtypeStruct(leaf.shape[1:], leaf.dtype, sharding=sharding)
+    return leaf[p]
+
+
+def unrolled_config(model_cfg):
+    """A copy of the model config with `scan_layers` off: per-layer parameter paths."""
+    cfg = model_cfg.copy_and_resolve_references()
+    cfg.scan_layers = False
+    return cfg
 
 
 def stack_layers(params: dict, cfg) -> dict:
@@ -226,7 +259,7 @@ def unstack_layers(params: dict, cfg) -> dict:
         layers = {}
         for i in range(periods * k):
             p, j = divmod(i, k)
-            layers[str(i)] = jax.tree.map(lambda a, p=p: a[p], stacked[PERIOD][str(j)])
+            layers[str(i)] = jax.tree.map(lambda a, p=p: _take(a, p), stacked[PERIOD][str(j)])
         for t, subtree in stacked.get(TAIL, {}).items():
             layers[str(periods * k + int(t))] = subtree
         out[name] = layers
