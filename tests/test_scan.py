@@ -149,3 +149,31 @@ def test_layers_axis_is_never_sharded():
     router = spec.param_axes["layers"]["period"]["0"]["ffn"]["router"]
     assert router.axes == ("layers", "embed", None)
     assert spec.param_specs["layers"]["period"]["0"]["ffn"]["router"][0] is None
+
+
+@pytest.mark.parametrize(
+    "saved_scanned", [False, True], ids=["old_into_scanned", "scanned_into_old"]
+)
+def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
+    """An unrolled checkpoint loads into a scanned model and the other way round."""
+    from jaxmoe.checkpoints.manager import restore_params, save_params
+
+    unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
+    params = unrolled_params(unrolled_cfg)
+    saved_cfg, load_cfg = (
+        (scanned_cfg, unrolled_cfg) if saved_scanned else (unrolled_cfg, scanned_cfg)
+    )
+    save_params(str(tmp_path / "ckpt"), params, saved_cfg)  # stacks for a scanned config
+    tree_metadata = (tmp_path / "ckpt" / "params" / "_METADATA").read_text()
+    assert ('"period"' in tree_metadata) == saved_scanned
+
+    mesh = make_mesh(load_cfg.mesh, jax.devices()[:1])
+    spec = model_spec(load_cfg.model, mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        spec.abstract_params,
+        named(mesh, spec.param_specs),
+    )
+    restored = jax.device_get(restore_params(str(tmp_path / "ckpt"), abstract, load_cfg.model))
+    expected = stack_layers(params, scanned_cfg.model) if not saved_scanned else params
+    jax.tree.map(np.testing.assert_array_equal, restored, expected)
