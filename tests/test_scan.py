@@ -177,3 +177,49 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
     restored = jax.device_get(restore_params(str(tmp_path / "ckpt"), abstract, load_cfg.model))
     expected = stack_layers(params, scanned_cfg.model) if not saved_scanned else params
     jax.tree.map(np.testing.assert_array_equal, restored, expected)
+
+
+def _restore_unrolled(path, config):
+    """A checkpoint's parameters with per-layer paths, whatever layout it was saved in."""
+    from jaxmoe.checkpoints.manager import read_config, restore_params
+    from jaxmoe.models.stack import unrolled_config
+
+    cfg = read_config(path).model
+    mesh = make_mesh(config.mesh, jax.devices()[:1])
+    spec = model_spec(unrolled_config(cfg), mesh)
+    abstract = jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+        spec.abstract_params,
+        named(mesh, spec.param_specs),
+    )
+    return cfg, jax.device_get(restore_params(path, abstract, cfg))
+
+
+def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
+    """convert gqa / upcycle and export hf give the same model from either layout, and a
+    scanned source gives a scanned (stacked on disk) result."""
+    from jaxmoe.checkpoints.convert import convert_gqa, convert_upcycle
+    from jaxmoe.checkpoints.hf_export import export_hf
+    from jaxmoe.checkpoints.manager import save_params
+
+    dense = ("model.moe.num_experts=0", "model.num_kv_heads=4", "model.num_layers=3")
+    results = {}
+    for layout in ("unrolled", "scanned"):
+        config = tiny_config(*dense, "mesh.data=1", f"model.scan_layers={layout == 'scanned'}")
+        params = unrolled_params(tiny_config(*dense, "mesh.data=1"))
+        root = tmp_path / layout
+        save_params(str(root / "src"), params, config)
+        convert_gqa(str(root / "src"), str(root / "gqa"), num_kv_heads=2)
+        convert_upcycle(str(root / "src"), str(root / "moe"), 4, every=2)
+        export_hf(str(root / "src"), str(root / "hf"))
+        for name in ("gqa", "moe"):
+            meta = (root / name / "params" / "_METADATA").read_text()
+            assert ('"period"' in meta) == (layout == "scanned"), (layout, name)
+            cfg, results[layout, name] = _restore_unrolled(str(root / name), config)
+            assert cfg.scan_layers == (layout == "scanned")
+        results[layout, "hf"] = (root / "hf" / "model.safetensors").read_bytes()
+    for name in ("gqa", "moe"):
+        jax.tree.map(
+            np.testing.assert_array_equal, results["scanned", name], results["unrolled", name]
+        )
+    assert results["scanned", "hf"] == results["unrolled", "hf"]
