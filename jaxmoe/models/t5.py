@@ -102,11 +102,20 @@ class DecoderBlock(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
 
-    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train):
-        x = x + self.self_attn(self.self_attn_norm(x), mask=self_mask, bias=bias)
-        x = x + self.cross_attn(self.cross_attn_norm(x), mask=cross_mask, kv_BSD=encoded)
+    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train, slot=None, cross_kv=None):
+        """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
+        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`."""
+        from jaxmoe.models.kv_cache import cross_attention, self_attention
+
+        h, cache = self_attention(
+            self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
+        )
+        x = x + h
+        x = x + cross_attention(
+            self.cross_attn, self.cross_attn_norm(x), encoded, mask=cross_mask, cross_kv=cross_kv
+        )
         y, aux = self.ffn(self.ffn_norm(x), train=train)
-        return x + y, aux
+        return x + y, aux if cache is None else {**aux, "cache": cache}
 
 
 class EncoderDecoderLM(nnx.Module):
@@ -177,8 +186,12 @@ class EncoderDecoderLM(nnx.Module):
             return constrain_batch(x), aux
 
         x, aux = run_stack(self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}")
+        return self.decoder_logits(x), aux
+
+    def decoder_logits(self, x):
+        """The output layer on the last decoder block's output: logits [B, L, V] f32."""
         x = self.decoder_norm(x)
-        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
+        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
     def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)

@@ -44,10 +44,17 @@ class DecoderBlock(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
 
-    def __call__(self, x_BLD, *, mask, positions_BL, train: bool):
-        x_BLD = x_BLD + self.attn(self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL)
+    def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None):
+        """(x, aux). With `slot` (kv_cache.CacheSlot, decoding) the self-attention reads and
+        writes the layer's KV cache and aux["cache"] is the updated cache."""
+        from jaxmoe.models.kv_cache import self_attention
+
+        h_BLD, cache = self_attention(
+            self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
+        )
+        x_BLD = x_BLD + h_BLD
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train)
-        return x_BLD + y_BLD, aux
+        return x_BLD + y_BLD, aux if cache is None else {**aux, "cache": cache}
 
 
 class DecoderLM(nnx.Module):
@@ -79,12 +86,16 @@ class DecoderLM(nnx.Module):
             return constrain_batch(x_BLD), aux
 
         x_BLD, aux = run_stack(self.layers, x_BLD, apply, cfg.remat, name=lambda i: i)
+        return self.logits(x_BLD), aux
+
+    def logits(self, x_BLD):
+        """The output layer on the last block's output: logits [B, L, V] f32."""
         x_BLD = self.final_norm(x_BLD)
-        if cfg.tie_embeddings:
+        if self.cfg.tie_embeddings:
             logits = self.embed.attend(x_BLD)
         else:
             logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
-        return logits.astype(jnp.float32), aux
+        return logits.astype(jnp.float32)
 
 
 def count_params(state) -> int:
