@@ -223,3 +223,21 @@ def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
             np.testing.assert_array_equal, results["scanned", name], results["unrolled", name]
         )
     assert results["scanned", "hf"] == results["unrolled", "hf"]
+
+
+def test_routing_probes_see_every_layer_of_a_scanned_stack():
+    """analyze-routing's per-layer gate decisions are the unrolled model's, layer by layer."""
+    from jaxmoe.analysis_probe import routing_masks
+
+    unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
+    params = unrolled_params(unrolled_cfg)
+    batch = batch_for(unrolled_cfg)
+    masks = {}
+    for cfg, p in ((unrolled_cfg, params), (scanned_cfg, stack_layers(params, scanned_cfg.model))):
+        mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+        spec = model_spec(cfg.model, mesh)
+        masks[cfg.model.scan_layers] = jax.device_get(
+            routing_masks(p, batch, spec.graphdef, "eval", spec.rest)
+        )
+    assert list(masks[True]) == ["layer_1", "layer_3"] == list(masks[False])
+    jax.tree.map(np.testing.assert_array_equal, masks[True], masks[False])
