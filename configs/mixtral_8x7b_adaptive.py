@@ -40,6 +40,7 @@ def get_config(variant: str | None = None) -> ConfigDict:
     m.tie_embeddings = False
     m.dtype = "bfloat16"
     m.remat = "full"
+    m.scan_layers = True  # one scanned block: compile time independent of depth
 
     moe = m.moe
     moe.num_experts = 8

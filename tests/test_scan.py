@@ -241,3 +241,16 @@ def test_routing_probes_see_every_layer_of_a_scanned_stack():
         )
     assert list(masks[True]) == ["layer_1", "layer_3"] == list(masks[False])
     jax.tree.map(np.testing.assert_array_equal, masks[True], masks[False])
+
+
+def test_remat_takes_a_policy_and_the_old_booleans():
+    from jaxmoe.checkpoints.manager import merge_into_defaults
+    from jaxmoe.config import ConfigError
+
+    assert tiny_config("model.remat=true").model.remat == "full"
+    assert tiny_config("model.remat=false").model.remat == "none"
+    assert tiny_config("model.remat=dots_saveable").model.remat == "dots_saveable"
+    # A checkpoint written when model.remat was a bool still loads its config.
+    assert merge_into_defaults({"model": {"remat": True}}).model.remat == "full"
+    with pytest.raises(ConfigError, match=r"model\.remat='everything' is not one of"):
+        tiny_config("model.remat=everything")
