@@ -254,3 +254,37 @@ def test_remat_takes_a_policy_and_the_old_booleans():
     assert merge_into_defaults({"model": {"remat": True}}).model.remat == "full"
     with pytest.raises(ConfigError, match=r"model\.remat='everything' is not one of"):
         tiny_config("model.remat=everything")
+
+
+def test_per_layer_metrics_are_written_in_numeric_layer_order(tmp_path):
+    """jit hands metrics back with keys sorted as strings; the writer orders digits as numbers."""
+    import json
+
+    from jaxmoe.metrics import MetricsWriter
+
+    writer = MetricsWriter(str(tmp_path), total_steps=1, start_step=0, progress=False)
+    names = [f"top2_fraction/layer_decoder_{i}" for i in (10, 2, 1, 0)]
+    writer.write(1, "train", {name: 0.5 for name in sorted(names)} | {"loss": 1.0})
+    writer.close()
+    record = json.loads((tmp_path / "metrics.jsonl").read_text())
+    layer_keys = [key for key in record if key.startswith("top2_fraction/")]
+    assert layer_keys == [f"top2_fraction/layer_decoder_{i}" for i in (0, 1, 2, 10)]
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_aux_and_routing_vectors_follow_numeric_layer_order(scan):
+    """routing_BM's columns (the curriculum's per-layer vectors) are layers 0, 1, ..., 11."""
+    config = tiny_config(
+        *CASES["t5"], "model.num_layers=12", "model.num_encoder_layers=1", "model.moe.every=1"
+    )
+    config.model.scan_layers = scan
+    batch = batch_for(config)
+    order = []
+
+    def forward(encoder, decoder):  # traced only: the key order is read inside the trace
+        model = build_model(config.model, rngs=nnx.Rngs(0))
+        _, aux = model(encoder, decoder, train=False)
+        order.extend(aux)  # (a dict returned through jax comes back with sorted keys)
+
+    jax.eval_shape(forward, batch["encoder_inputs"], batch["inputs"])
+    assert order == ["encoder_0"] + [f"decoder_{i}" for i in range(12)]
