@@ -58,7 +58,7 @@ class ScannedStack(nnx.Module):
         self.period = nnx.List(
             [
                 _stacked(blocks[j], [blocks[p * period + j] for p in range(self.num_periods)])
-                for j in range(period)
+                for j in range(period if self.num_periods else 0)  # fewer layers than k
             ]
         )
         self.tail = nnx.List(blocks[self.num_periods * period :])
@@ -129,6 +129,8 @@ def _apply_pure(block, x, apply, policy_name):
 
 
 def _run_scanned(stack: ScannedStack, x, apply, policy_name, name):
+    if not stack.num_periods:
+        return _run_blocks(list(stack.tail), 0, x, apply, policy_name, name)
     graphdef, params, rest = nnx.split(stack.period, nnx.Param, ...)
 
     def body(x, slices):
@@ -189,7 +191,11 @@ def stack_sizes(cfg) -> dict[str, int]:
 
 def is_stacked(params, cfg) -> bool:
     """Whether a params tree holds its layers in the scanned layout."""
-    return any(PERIOD in params.get(name, {}) for name in stack_sizes(cfg))
+    return any(_stacked_tree(params.get(name, {})) for name in stack_sizes(cfg))
+
+
+def _stacked_tree(layers: dict) -> bool:
+    return PERIOD in layers or TAIL in layers
 
 
 def _stack(*leaves):
@@ -231,15 +237,15 @@ def stack_layers(params: dict, cfg) -> dict:
     out = dict(params)
     for name, num_layers in stack_sizes(cfg).items():
         layers = params[name]
-        if PERIOD in layers:
+        if _stacked_tree(layers):
             continue
         periods = num_layers // k
-        stacked = {
-            PERIOD: {
+        stacked = {}
+        if periods:
+            stacked[PERIOD] = {
                 str(j): jax.tree.map(_stack, *[layers[str(p * k + j)] for p in range(periods)])
                 for j in range(k)
             }
-        }
         if num_layers > periods * k:
             tail = range(periods * k, num_layers)
             stacked[TAIL] = {str(t): layers[str(i)] for t, i in enumerate(tail)}
@@ -253,7 +259,7 @@ def unstack_layers(params: dict, cfg) -> dict:
     out = dict(params)
     for name, num_layers in stack_sizes(cfg).items():
         stacked = params[name]
-        if PERIOD not in stacked:
+        if not _stacked_tree(stacked):
             continue
         periods = num_layers // k
         layers = {}
