@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from train_throughput import VARIANTS, JaxRunner, measure, variant_config  # noqa: E402
+from train_throughput import VARIANTS, JaxRunner, measure, variant_config
 
 
 def main(argv=None) -> int:
