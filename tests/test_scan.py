@@ -288,3 +288,49 @@ def test_aux_and_routing_vectors_follow_numeric_layer_order(scan):
 
     jax.eval_shape(forward, batch["encoder_inputs"], batch["inputs"])
     assert order == ["encoder_0"] + [f"decoder_{i}" for i in range(12)]
+
+
+def test_train_then_eval_end_to_end_same_losses_as_unrolled(tmp_path):
+    """`train()` from the same seed gives the same per-step losses in both layouts (AdamW
+    and clipping act elementwise / on the global norm), and the scanned checkpoint
+    gives the unrolled one's eval loss, read by a model of either layout."""
+    import json
+
+    from jaxmoe.evaluate import evaluate
+    from jaxmoe.train import train
+
+    examples = tmp_path / "examples.jsonl"
+    examples.write_text('{"text": "The quick brown fox."}\n{"text": "Lists are sequences."}\n')
+    losses, configs_, evals = {}, {}, {}
+    for scan in (False, True):
+        config = tiny_config(
+            "model.num_layers=3",
+            "model.moe.every=2",
+            "mesh.data=2",
+            "mesh.fsdp=2",
+            "mesh.expert=2",
+            "train.steps=3",
+            "train.log_every=1",
+            "train.checkpoint_every=3",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.seq_len=32",
+            f"data.cache_dir={tmp_path / 'cache'}",
+            "model.vocab_size=0",
+            f"model.scan_layers={scan}",
+        )
+        workdir = tmp_path / f"scan_{scan}"
+        train(config, str(workdir), progress=False)
+        lines = [json.loads(x) for x in (workdir / "metrics.jsonl").read_text().splitlines()]
+        losses[scan] = [r["loss"] for r in lines if r["split"] == "train"]
+        configs_[scan] = config
+    np.testing.assert_allclose(losses[True], losses[False], rtol=1e-5)
+    # Each checkpoint scored by a model of either layout (restore converts the layout).
+    for saved in (False, True):
+        for scan in (False, True):
+            result = evaluate(str(tmp_path / f"scan_{saved}"), f"jsonl:{examples}", configs_[scan])
+            evals[saved, scan] = result["loss"]
+    for saved in (False, True):  # the same parameters, whichever layout reads them
+        assert evals[saved, True] == pytest.approx(evals[saved, False], rel=1e-6)
+    # Three Adam steps apart (its first steps amplify rounding differences of the layouts).
+    assert evals[True, True] == pytest.approx(evals[False, False], rel=1e-5)
