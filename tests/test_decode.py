@@ -248,5 +248,10 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert summary["prompts"] == 2 and 2 <= summary["new_tokens"] <= 10
     assert lines[0] == "=== 'The first'" and lines[1].startswith("The first")
     assert "tokens/s" in lines[-2] and "'tensor': 2" in lines[-2]
+    # The same checkpoint decoded by the scanned model (its layers stacked on restore).
+    scan = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.model.scan_layers=true"]
+    assert args.run(args, scan) == 0
+    scanned = capsys.readouterr().out.splitlines()
+    assert scanned[:-2] == lines[:-2]
     with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):
         decode_main(str(tmp_path / "ckpt"))
