@@ -75,7 +75,8 @@ def loss_and_grads(config, params, batch):
     return float(loss), jax.device_get(extra), jax.device_get(grads)
 
 
-def unrolled_params(config):
+def init_params(config):
+    """Host copies of the parameters of a fresh model of `config` (seed 0), in its layout."""
     model = build_model(config.model, rngs=nnx.Rngs(params=0, jitter=1))
     return jax.device_get(model_params(model)[1])
 
@@ -101,7 +102,7 @@ def hand_stacked(params, name, k, num_layers):
 @pytest.mark.parametrize("case", list(CASES))
 def test_scanned_matches_unrolled(case, mesh_name):
     unrolled_cfg, scanned_cfg = configs(case, mesh_name)
-    params = unrolled_params(unrolled_cfg)
+    params = init_params(unrolled_cfg)
     stacked = stack_layers(params, scanned_cfg.model)
     m = scanned_cfg.model
     k = m.moe.every
@@ -136,8 +137,8 @@ def test_scanned_matches_unrolled(case, mesh_name):
 def test_same_seed_same_model_and_round_trip():
     """Blocks are created in the same order from the same streams in both layouts."""
     unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
-    params = unrolled_params(unrolled_cfg)
-    scanned = unrolled_params(scanned_cfg)  # built with scan_layers on
+    params = init_params(unrolled_cfg)
+    scanned = init_params(scanned_cfg)  # built with scan_layers on
     jax.tree.map(np.testing.assert_array_equal, scanned, stack_layers(params, scanned_cfg.model))
     jax.tree.map(np.testing.assert_array_equal, unstack_layers(scanned, scanned_cfg.model), params)
 
@@ -159,7 +160,7 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
     from jaxmoe.checkpoints.manager import restore_params, save_params
 
     unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
-    params = unrolled_params(unrolled_cfg)
+    params = init_params(unrolled_cfg)
     saved_cfg, load_cfg = (
         (scanned_cfg, unrolled_cfg) if saved_scanned else (unrolled_cfg, scanned_cfg)
     )
@@ -206,7 +207,7 @@ def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
     results = {}
     for layout in ("unrolled", "scanned"):
         config = tiny_config(*dense, "mesh.data=1", f"model.scan_layers={layout == 'scanned'}")
-        params = unrolled_params(tiny_config(*dense, "mesh.data=1"))
+        params = init_params(tiny_config(*dense, "mesh.data=1"))
         root = tmp_path / layout
         save_params(str(root / "src"), params, config)
         convert_gqa(str(root / "src"), str(root / "gqa"), num_kv_heads=2)
@@ -230,7 +231,7 @@ def test_routing_probes_see_every_layer_of_a_scanned_stack():
     from jaxmoe.analysis_probe import routing_masks
 
     unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
-    params = unrolled_params(unrolled_cfg)
+    params = init_params(unrolled_cfg)
     batch = batch_for(unrolled_cfg)
     masks = {}
     for cfg, p in ((unrolled_cfg, params), (scanned_cfg, stack_layers(params, scanned_cfg.model))):
@@ -334,3 +335,15 @@ def test_train_then_eval_end_to_end_same_losses_as_unrolled(tmp_path):
         assert evals[saved, True] == pytest.approx(evals[saved, False], rel=1e-6)
     # Three Adam steps apart (its first steps amplify rounding differences of the layouts).
     assert evals[True, True] == pytest.approx(evals[False, False], rel=1e-5)
+
+
+def test_router_jitter_runs_in_the_scan():
+    """Each period row holds its own jitter stream (reseeded per step): noise changes the loss."""
+    _, scanned_cfg = configs("interleaved", "fsdp_expert")
+    params = init_params(scanned_cfg)  # built in the scanned layout
+    batch = batch_for(scanned_cfg)
+    plain, _, _ = loss_and_grads(scanned_cfg, params, batch)
+    scanned_cfg.model.moe.jitter = 0.5
+    noisy, _, grads = loss_and_grads(scanned_cfg, params, batch)
+    assert np.isfinite(noisy) and noisy != plain
+    assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
