@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.kv_cache import cross_attention, self_attention
 from jaxmoe.models.layers import Embed, RMSNorm, fan_in_init, make_param, matmul_2d, normal_init
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.models.transformer import build_ffn, compute_dtype
@@ -105,8 +106,6 @@ class DecoderBlock(nnx.Module):
     def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train, slot=None, cross_kv=None):
         """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
         self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`."""
-        from jaxmoe.models.kv_cache import cross_attention, self_attention
-
         h, cache = self_attention(
             self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
         )

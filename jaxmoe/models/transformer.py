@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.kv_cache import self_attention
 from jaxmoe.models.layers import Embed, GatedMLP, RMSNorm, fan_in_init, make_param, matmul_2d
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
@@ -47,8 +48,6 @@ class DecoderBlock(nnx.Module):
     def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None):
         """(x, aux). With `slot` (kv_cache.CacheSlot, decoding) the self-attention reads and
         writes the layer's KV cache and aux["cache"] is the updated cache."""
-        from jaxmoe.models.kv_cache import self_attention
-
         h_BLD, cache = self_attention(
             self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
         )
