@@ -19,7 +19,7 @@ CHOICES = {
     "model.arch": ("decoder", "encoder_decoder"),
     "model.activation": ("silu", "gelu", "relu"),
     "model.dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots_saveable"),
+    "model.remat": ("none", "full", "dots_saveable", "offload_dots"),
     "model.moe.gating": GATES,
     "model.moe.eval_gating": ("", *GATES),
     "model.moe.gap_normalization": ("top2", "none"),
