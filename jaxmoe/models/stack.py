@@ -33,9 +33,7 @@ REMAT_POLICIES = {
     "full": None,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,  # keep matmul outputs
     # Keep the unbatched matmul outputs in host memory (TPU/GPU: "pinned_host").
-    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-        "device", "pinned_host"
-    ),
+    "offload_dots": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 # Values of model.remat written before it took a policy name.
 LEGACY_REMAT = {True: "full", False: "none", "true": "full", "false": "none"}
