@@ -39,7 +39,8 @@ def get_config(variant: str | None = None) -> ConfigDict:
     m.activation = "gelu"
     m.tie_embeddings = True  # GPT-2 ties its input and output embeddings
     m.dtype = "bfloat16"
-    m.remat = True
+    m.remat = "full"
+    m.scan_layers = True  # one scanned block: compile time independent of depth
 
     moe = m.moe
     moe.num_experts = 16

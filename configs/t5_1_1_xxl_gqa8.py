@@ -34,7 +34,8 @@ def t5_1_1(c: ConfigDict) -> ConfigDict:
     m.relpos_max_distance = 128
     m.tie_embeddings = False  # T5.1.1 unties the output layer
     m.dtype = "bfloat16"  # compute in bf16; parameters and optimizer state stay f32
-    m.remat = True  # recompute each block in the backward pass
+    m.remat = "full"  # recompute each block in the backward pass
+    m.scan_layers = True  # one scanned block per stack: compile time independent of depth
     m.moe.num_experts = 0  # dense FFNs
 
     t = c.train

@@ -16,6 +16,7 @@ from jaxmoe.analysis import GATE_CHOICES
 from jaxmoe.analysis_counts import RoutingCounts
 from jaxmoe.models import gates
 from jaxmoe.models.moe import MoE
+from jaxmoe.models.stack import stack_modules
 
 
 class RoutingProbe(nnx.Module):
@@ -43,7 +44,8 @@ def attach_probes(model, gate: str) -> None:
     if gate not in GATE_CHOICES:
         raise ValueError(f"gate={gate!r}: expected one of {GATE_CHOICES}")
     for stack in ("layers", "encoder_layers", "decoder_layers"):
-        for block in getattr(model, stack, ()):
+        # A scanned stack's period blocks hold all periods' MoE layers: one probe each.
+        for block in stack_modules(getattr(model, stack, ())):
             if isinstance(block.ffn, MoE):
                 gate_cfg = block.ffn.train_gate if gate == "train" else block.ffn.eval_gate
                 block.ffn = RoutingProbe(block.ffn, gate_cfg)
@@ -123,7 +125,7 @@ def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int
         spec.abstract_params,
         named(mesh, spec.param_specs),
     )
-    params = restore_params(checkpoint, abstract)
+    params = restore_params(checkpoint, abstract, config.model)
     # Replicated outputs: every process can read the whole batch's masks.
     step = jax.jit(
         lambda p, b: routing_masks(p, b, spec.graphdef, gate, spec.rest),

@@ -356,7 +356,7 @@ def verdict_line(result: dict) -> str:
     return (
         f"verdict: OUT OF MEMORY on {where}: {needs} per chip, {_gib(result['hbm_bytes'])} "
         f"usable (params+optimizer alone {_gib(state)}); shard more (mesh.fsdp / "
-        f"mesh.tensor / mesh.expert), raise train.grad_accum or set model.remat"
+        f"mesh.tensor / mesh.expert), raise train.grad_accum or set model.remat=full"
     )
 
 

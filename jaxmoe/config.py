@@ -21,6 +21,7 @@ CHOICES = {
     "model.arch": ("decoder", "encoder_decoder"),
     "model.activation": ("silu", "gelu", "relu"),
     "model.dtype": ("float32", "bfloat16"),
+    "model.remat": ("none", "full", "dots_saveable", "offload_dots"),
     "model.moe.gating": GATES,
     "model.moe.eval_gating": ("", *GATES),
     "model.moe.gap_normalization": ("top2", "none"),
@@ -128,6 +129,9 @@ def get(config: ConfigDict, key: str):
 
 def validate(config: ConfigDict) -> None:
     """Impossible combinations, each as a one-line ConfigError naming keys and values."""
+    from jaxmoe.models.stack import remat_name
+
+    config.model.remat = remat_name(config.model.remat)  # true/false of older configs
     for key, allowed in CHOICES.items():
         value = get(config, key)
         if value not in allowed:

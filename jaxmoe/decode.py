@@ -472,7 +472,7 @@ def decode_main(
         resolve_vocab_size(config, tokenizer.vocab_size)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh)
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
     generator = Generator(
         config.model,
         params,

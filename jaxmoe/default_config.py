@@ -28,7 +28,8 @@ def base_config() -> ConfigDict:
     m.tie_embeddings = False  # share the input embedding with the output layer
     m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
     m.attention_block = -1  # causal self-attention query block; -1 auto (CPU only), 0 dense
-    m.remat = False  # recompute each block in the backward pass (saves memory)
+    m.remat = "none"  # backward-pass recompute: none | full | dots_saveable | offload_dots
+    m.scan_layers = False  # run the blocks under one scan (compile time independent of depth)
     m.relpos_buckets = 32  # encoder_decoder: T5 relative-position buckets
     m.relpos_max_distance = 128  # encoder_decoder: T5 relative-position max distance
     m.dropout_rate = 0.0  # training only: embeddings, attention and FFN outputs, final norm

@@ -178,14 +178,15 @@ def checkpoint_config(checkpoint: str, overrides=()):
     return config
 
 
-def restore_on_mesh(checkpoint: str, spec, mesh):
-    """The parameters of `checkpoint`, read straight into their shards on `mesh`."""
+def restore_on_mesh(checkpoint: str, spec, mesh, model_cfg=None):
+    """The parameters of `checkpoint`, read straight into their shards on `mesh` (either
+    layer layout when `model_cfg` is given, see models/stack.py)."""
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
         spec.abstract_params,
         spec.param_specs,
     )
-    return restore_params(checkpoint, abstract)
+    return restore_params(checkpoint, abstract, model_cfg)
 
 
 def evaluate(
@@ -223,7 +224,7 @@ def evaluate(
         batches = packed_batches(config, data_spec, tokenizer)
         num_examples = None
 
-    params = restore_on_mesh(checkpoint, spec, mesh)
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()

@@ -138,7 +138,7 @@ def generate_eval(
     spec = model_spec(config.model, mesh)
     generator = Generator(
         config.model,
-        restore_on_mesh(checkpoint, spec, mesh),
+        restore_on_mesh(checkpoint, spec, mesh, config.model),
         mesh,
         spec=spec,
         eos_id=tokenizer.eos_id,

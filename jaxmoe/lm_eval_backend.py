@@ -120,7 +120,7 @@ class JaxmoeLM(TemplateLM):
         self.tokenizer = load_tokenizer(config)
         self.mesh = make_mesh(config.mesh)
         self.spec = model_spec(config.model, self.mesh)
-        params = restore_on_mesh(self.checkpoint, self.spec, self.mesh)
+        params = restore_on_mesh(self.checkpoint, self.spec, self.mesh, config.model)
         self.generator = Generator(
             config.model,
             params,

@@ -12,6 +12,7 @@ is stored before the checkpoint is) and at most every `REMOTE_FLUSH_S` seconds.
 import hashlib
 import json
 import math
+import re
 import time
 
 import jax
@@ -90,7 +91,10 @@ class MetricsWriter:
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.enabled:
             return
-        clean = {k: (float(v) if not isinstance(v, str) else v) for k, v in values.items()}
+        clean = {
+            k: (float(v) if not isinstance(v, str) else v)
+            for k, v in sorted(values.items(), key=lambda item: natural_key(item[0]))
+        }
         line = json.dumps({"step": step, "split": split, **clean}, allow_nan=True) + "\n"
         self._append(line)
         finite = {
@@ -182,3 +186,11 @@ def _start_wandb(workdir: str, options: dict):
         config=options["config"],
         dir=local,
     )
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key with digit runs compared as numbers: layer_2 before layer_10.
+
+    Metrics come out of jit with their keys sorted as strings (jax flattens dicts that way).
+    """
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))

@@ -73,7 +73,7 @@ def moe_summary(aux: dict) -> dict:
     """Scalar MoE metrics: means over MoE layers plus per-layer top-2 fractions."""
     if not aux:
         return {}
-    layers = sorted(aux)
+    layers = list(aux)  # models give aux in layer order (sorted() put decoder_10 first)
     out = {key: jnp.mean(jnp.stack([aux[i][key] for i in layers])) for key in SCALAR_MOE_KEYS}
     out["balance_loss"] = jnp.mean(jnp.stack([aux[i]["balance_loss"] for i in layers]))
     out["router_z_loss"] = jnp.mean(jnp.stack([aux[i]["z_loss"] for i in layers]))
@@ -93,7 +93,7 @@ def _loss(params, batch, total_weight, rng, fns: StepFns):
         loss = loss + z
         extra["logits_z_loss"] = z
     if aux:
-        layers = sorted(aux)
+        layers = list(aux)
         balance = sum(aux[i]["balance_loss"] for i in layers) * fns.balance_loss_weight
         z = sum(aux[i]["z_loss"] for i in layers) * fns.z_loss_weight
         loss = loss + (balance + z) / fns.grad_accum

@@ -219,7 +219,7 @@ def _train(
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
-            params = restore_params(config.train.init_from, abstract_state["params"])
+            params = restore_params(config.train.init_from, abstract_state["params"], config.model)
             if config.train.get("init_optimizer", False):
                 opt_state = restore_opt_state(config.train.init_from, abstract_state["opt_state"])
             else:

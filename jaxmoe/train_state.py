@@ -75,8 +75,8 @@ class _AxesLeaf:
 
 
 def _materialize(leaf):
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        return jax.random.key(0)
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):  # stacked in a scanned stack
+        return jax.random.split(jax.random.key(0), leaf.shape) if leaf.shape else jax.random.key(0)
     return jnp.zeros(leaf.shape, leaf.dtype)
 
 
@@ -89,7 +89,8 @@ def merge_model(graphdef, params, rest=None, rng=None):
         return nnx.merge(graphdef, params)
     model = nnx.merge(graphdef, params, jax.tree.map(_materialize, rest))
     if rng is not None:
-        nnx.reseed(model, jitter=rng, dropout=jax.random.fold_in(rng, 1))
+        # A scanned stack holds one key per period: "match_shape" splits the keys for them.
+        nnx.reseed(model, jitter=rng, dropout=jax.random.fold_in(rng, 1), policy="match_shape")
     return model
 
 

@@ -238,6 +238,18 @@ def test_config_mistake_is_one_line_and_exit_code_2(capsys):
     assert err.startswith("jaxmoe compile: error: mesh") and err.count("\n") == 1
 
 
+@pytest.mark.parametrize("remat", ["none", "full", "dots_saveable", "offload_dots"])
+def test_scanned_step_compiles_with_every_remat_policy(v5p_8, remat):
+    """The scanned stack holds the same bytes per device (the `layers` axis is never split)
+    and compiles for TPU under each remat policy, offloading to host memory included."""
+    scanned = compile_for_topology(
+        tiny_config(*TINY, "model.scan_layers=true", f"model.remat={remat}"), "v5p-8"
+    )
+    assert scanned["verdict"] == "fits"
+    assert scanned["argument_bytes"] == v5p_8["argument_bytes"]
+    assert scanned["model_flops_per_step"] == v5p_8["model_flops_per_step"]
+
+
 def _ici_groups(hlo_text: str) -> list[list[int]]:
     groups = []
     for text in re.findall(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", hlo_text):

@@ -38,7 +38,7 @@ def decoder_config(*extra):
     return tiny_config("model.moe.num_experts=0", "model.num_kv_heads=2", *extra).model
 
 
-def t5_config():
+def t5_config(*extra):
     return tiny_config(
         "model.moe.num_experts=0",
         "model.arch=encoder_decoder",
@@ -47,7 +47,14 @@ def t5_config():
         "model.num_kv_heads=2",
         "model.relpos_buckets=8",
         "model.relpos_max_distance=16",
+        *extra,
     ).model
+
+
+# The scanned stack (model.scan_layers) with 3 layers: decoding walks its sliced rows.
+SCAN = pytest.mark.parametrize(
+    "extra", [(), ("model.scan_layers=true", "model.num_layers=3")], ids=["unrolled", "scanned"]
+)
 
 
 def full_forward(model, length=16):
@@ -66,9 +73,10 @@ def full_forward(model, length=16):
     return logits_of
 
 
-def test_cached_decoder_matches_full_forward_at_every_position():
+@SCAN
+def test_cached_decoder_matches_full_forward_at_every_position(extra):
     """Left-padded prefill, then one token per step (teacher forced), batch of 2 lengths."""
-    cfg = decoder_config()
+    cfg = decoder_config(*extra)
     model = build_model(cfg, rngs=nnx.Rngs(0))
     graphdef, params = model_params(model)
     rng = np.random.default_rng(0)
@@ -104,8 +112,9 @@ def test_cached_decoder_matches_full_forward_at_every_position():
                 np.testing.assert_allclose(logits[row, 0], full[row][p + t], atol=ATOL)
 
 
-def test_cached_encoder_decoder_matches_full_forward_at_every_position():
-    cfg = t5_config()
+@SCAN
+def test_cached_encoder_decoder_matches_full_forward_at_every_position(extra):
+    cfg = t5_config(*extra)
     model = build_model(cfg, rngs=nnx.Rngs(1))
     graphdef, params = model_params(model)
     rng = np.random.default_rng(1)
@@ -239,5 +248,10 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert summary["prompts"] == 2 and 2 <= summary["new_tokens"] <= 10
     assert lines[0] == "=== 'The first'" and lines[1].startswith("The first")
     assert "tokens/s" in lines[-2] and "'tensor': 2" in lines[-2]
+    # The same checkpoint decoded by the scanned model (its layers stacked on restore).
+    scan = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.model.scan_layers=true"]
+    assert args.run(args, scan) == 0
+    scanned = capsys.readouterr().out.splitlines()
+    assert scanned[:-2] == lines[:-2]
     with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):
         decode_main(str(tmp_path / "ckpt"))

@@ -38,6 +38,7 @@ from jaxmoe.checkpoints.manager import (
 )
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
+from jaxmoe.models.stack import stack_layers, unrolled_config
 from jaxmoe.parallel.sharding import make_mesh
 from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import model_spec
@@ -216,19 +217,19 @@ def upcycle_params(params: dict, abstract_moe_params: dict, seed: int = 0) -> di
 
 
 def _restore(src: str):
-    """(stored config, params on the conversion mesh, mesh)."""
+    """(stored config, params with per-layer paths on the conversion mesh, mesh)."""
     from jaxmoe.config import validate
 
     config = read_config(src)
     validate(config)
     mesh = make_mesh(_CONVERT_MESH)
-    spec = model_spec(config.model, mesh)
+    spec = model_spec(unrolled_config(config.model), mesh)
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
         spec.abstract_params,
         spec.param_specs,
     )
-    return config, restore_params(src, abstract), mesh
+    return config, restore_params(src, abstract, config.model), mesh
 
 
 def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
@@ -239,6 +240,8 @@ def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
     # Only parameters are written: uptraining the result starts a fresh optimizer state (a
     # kept T5X Adafactor state would not fit pooled K/V kernels, see configs/uptrain_gqa.py).
     config.train.init_optimizer = False
+    if config.model.scan_layers:  # converters work per layer; a scanned model stores stacks
+        params = stack_layers(params, config.model)
     spec = model_spec(config.model, mesh)
     want = flatten(spec.abstract_params)
     got = flatten(params)
@@ -294,7 +297,7 @@ def convert_upcycle(
     _check_dst(src, dst)
     new_config = upcycle_config(read_config(src), num_experts, every, gating)
     _, params, mesh = _restore(src)
-    moe_spec = model_spec(new_config.model, mesh)
+    moe_spec = model_spec(unrolled_config(new_config.model), mesh)
     new_params = upcycle_params(params, moe_spec.abstract_params, seed)
     _write(dst, new_params, new_config, mesh)
     return new_config

@@ -32,6 +32,7 @@ from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config import apply_overrides, validate
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
+from jaxmoe.models.stack import unrolled_config
 from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import str_keys
 
@@ -55,8 +56,10 @@ def output_dtype(name: str) -> np.dtype:
 
 
 def abstract_params(model_cfg) -> dict:
-    """The model's parameters as a str-keyed nested dict of ShapeDtypeStruct (no memory)."""
-    model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+    """The model's parameters as a str-keyed nested dict of ShapeDtypeStruct (no memory),
+    with per-layer paths (save_params stacks them for a scanned model)."""
+    cfg = unrolled_config(model_cfg)
+    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     _, state, _ = nnx.split(model, nnx.Param, ...)  # `...`: RNG state (MoE jitter) too
     return str_keys(nnx.to_pure_dict(state))
 

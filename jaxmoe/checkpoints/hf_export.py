@@ -92,7 +92,7 @@ def export_hf(
     abstract = unflatten(
         {p: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=host) for p, a in leaves.items()}
     )
-    params = flatten(restore_params(ckpt_path, abstract))
+    params = flatten(restore_params(ckpt_path, abstract, m))  # per-layer paths
     by_name = {t.hf_name: t for t in maps}
     shapes = {t.hf_name: t.hf_shape(leaves[t.path].shape) for t in maps}
     dst.mkdir(parents=True, exist_ok=True)

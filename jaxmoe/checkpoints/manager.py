@@ -206,6 +206,11 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
             else:
                 node[key] = value
 
+    from jaxmoe.models.stack import remat_name
+
+    model = stored.get("model", {})
+    if "remat" in model:  # a bool before remat took a policy name
+        stored = {**stored, "model": {**model, "remat": remat_name(model["remat"])}}
     config = base_config()
     with config.unlocked():
         merge(config, stored)
@@ -279,10 +284,37 @@ def check_params_match(step_dir: epath.Path, abstract_params) -> None:
         )
 
 
-def restore_params(path: str, abstract_params) -> dict:
-    """Parameters of checkpoint `path`, placed with the shardings in `abstract_params`."""
+def restore_params(path: str, abstract_params, model_cfg=None) -> dict:
+    """Parameters of checkpoint `path`, placed with the shardings in `abstract_params`.
+
+    With `model_cfg`, a checkpoint in the other layer layout (per-layer vs scanned, see
+    models/stack.py) is restored in its own layout and converted.
+    """
     step_dir = resolve_checkpoint(path)
-    check_params_match(step_dir, abstract_params)
+    try:
+        check_params_match(step_dir, abstract_params)
+    except CheckpointError:
+        if model_cfg is None:
+            raise
+        from jaxmoe.models.stack import is_stacked, stack_layers, unstack_layers
+
+        stacked = is_stacked(abstract_params, model_cfg)
+        to_stored, back = (
+            (unstack_layers, stack_layers) if stacked else (stack_layers, unstack_layers)
+        )
+        as_stored = to_stored(abstract_params, model_cfg)
+        try:
+            check_params_match(step_dir, as_stored)
+        except CheckpointError:
+            check_params_match(step_dir, abstract_params)  # the mismatch of the asked layout
+            raise
+        stored = _restore_tree(step_dir, as_stored)
+        shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+        return jax.device_put(back(stored, model_cfg), shardings)
+    return _restore_tree(step_dir, abstract_params)
+
+
+def _restore_tree(step_dir, abstract_params) -> dict:
     with ocp.StandardCheckpointer() as checkpointer:
         try:
             return checkpointer.restore(step_dir / "params", abstract_params)
@@ -342,6 +374,10 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
+    if config.model.get("scan_layers", False):
+        from jaxmoe.models.stack import stack_layers
+
+        params = stack_layers(params, config.model)  # the scanned model's checkpoint layout
     with _quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:

@@ -38,6 +38,7 @@ from jaxmoe.checkpoints.t5x import TensorTable, open_t5x
 from jaxmoe.checkpoints.trees import unflatten
 from jaxmoe.default_config import base_config
 from jaxmoe.models import build_model
+from jaxmoe.models.stack import unrolled_config
 from jaxmoe.paths import absolute_path
 from jaxmoe.train_state import str_keys
 
@@ -103,8 +104,10 @@ def t5x_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def abstract_params(model_cfg) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Flat {jaxmoe path: shape} of the model `model_cfg` builds (nothing allocated)."""
-    model = nnx.eval_shape(lambda: build_model(model_cfg, rngs=nnx.Rngs(0)))
+    """Flat {jaxmoe path: shape} of the model `model_cfg` builds (nothing allocated), with
+    per-layer paths (save_params stacks them for a scanned model)."""
+    cfg = unrolled_config(model_cfg)
+    model = nnx.eval_shape(lambda: build_model(cfg, rngs=nnx.Rngs(0)))
     _, state = nnx.split(model, nnx.Param)
     flat = {}
 

@@ -297,7 +297,7 @@ def _scoring_fn(model_config, batch_shardings: dict):
     def score(params, batch):
         # `rest`: the router-jitter RNG state the graph carries when jitter > 0 (unused here).
         _, aux = forward(spec.graphdef, params, batch, train=False, rest=spec.rest)
-        # Layer order as in jaxmoe.steps (routing_BM): sorted aux keys.
-        return jnp.stack([aux[i]["top2_per_example"] for i in sorted(aux)], axis=1)
+        # Layer order as in jaxmoe.steps (routing_BM): the model's aux order, layer order.
+        return jnp.stack([aux[i]["top2_per_example"] for i in aux], axis=1)
 
     return jax.jit(score)

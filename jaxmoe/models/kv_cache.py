@@ -23,9 +23,11 @@ same logits as its unpadded sequence alone. Rotary positions count from each row
 real token (`positions = slot - pad`); rotary attention depends only on relative positions,
 so this keeps the angles small rather than changing the result.
 
-These functions walk the blocks of `DecoderLM` / `EncoderDecoderLM` and mirror their
-`__call__` (pre-norm residual blocks); tests/test_decode.py checks them against the full
-forward pass at every position.
+The cached forward passes call the models' own blocks, with a `CacheSlot` (the layer's
+cache and the slot to write) for self-attention and precomputed cross-attention K/V: the
+block code of training is the block code of decoding. tests/test_decode.py checks them
+against the full forward pass at every position. The layers are walked one by one (a
+scanned stack's rows sliced out), so the decode program still grows with depth.
 """
 
 from typing import NamedTuple
@@ -34,8 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
-from jaxmoe.models.layers import matmul_2d
-from jaxmoe.models.transformer import compute_dtype
+from jaxmoe.models.stack import unrolled_blocks
 
 
 class LayerCache(NamedTuple):
@@ -122,6 +123,31 @@ def attend_with_cache(
     return attn.project_out(o_BLHd), LayerCache(k_NdS, v_NSd)
 
 
+class CacheSlot(NamedTuple):
+    """What a block's self-attention needs to decode: its layer's cache and the first slot
+    the new tokens are written to."""
+
+    cache: LayerCache
+    index: jax.Array
+
+
+def self_attention(attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None, slot=None):
+    """(output, updated LayerCache or None): plain self-attention, or with `slot` the new
+    tokens' keys/values written to the cache and attended over it."""
+    if slot is None:
+        return attn(x_BLD, mask=mask, bias=bias, positions_BL=positions_BL), None
+    return attend_with_cache(attn, x_BLD, slot.cache, slot.index, mask, positions_BL, bias)
+
+
+def cross_attention(attn: Attention, x_BLD, encoded_BSD, *, mask, cross_kv=None):
+    """Cross-attention to the encoder output, or to its keys/values `cross_kv` projected
+    once for decoding (encode_for_decoding)."""
+    if cross_kv is None:
+        return attn(x_BLD, mask=mask, kv_BSD=encoded_BSD)
+    o_BLHd = cached_attention(attn.project_q(x_BLD), cross_kv.k, cross_kv.v, mask, scale=attn.scale)
+    return attn.project_out(o_BLHd)
+
+
 def _slots(index, length: int):
     return jnp.asarray(index, jnp.int32) + jnp.arange(length, dtype=jnp.int32)
 
@@ -141,24 +167,15 @@ def decoder_forward(model, tokens_BL, caches: list[LayerCache], index, pad_B, *,
     causal_LS = key_slots_S[None, :] <= slots_L[:, None]
     not_padding_BS = key_slots_S[None, :] >= pad_B[:, None]
     mask_BLS = causal_LS[None] & not_padding_BS[:, None, :]
-    x_BLD = model.embed(tokens_BL, compute_dtype(cfg))
+    x_BLD = model.embed(tokens_BL, jnp.dtype(cfg.dtype))
     new_caches = []
-    for layer, cache in zip(model.layers, caches, strict=True):
-        h_BLD, cache = attend_with_cache(
-            layer.attn, layer.attn_norm(x_BLD), cache, index, mask_BLS, positions_BL
-        )
-        x_BLD = x_BLD + h_BLD
-        y_BLD, _ = layer.ffn(layer.ffn_norm(x_BLD), train=False)
-        x_BLD = x_BLD + y_BLD
-        new_caches.append(cache)
+    for layer, cache in zip(unrolled_blocks(model.layers), caches, strict=True):
+        slot = CacheSlot(cache, jnp.asarray(index, jnp.int32))
+        x_BLD, aux = layer(x_BLD, mask=mask_BLS, positions_BL=positions_BL, train=False, slot=slot)
+        new_caches.append(aux["cache"])
     if last_only:
         x_BLD = x_BLD[:, -1:]
-    x_BLD = model.final_norm(x_BLD)
-    if cfg.tie_embeddings:
-        logits = model.embed.attend(x_BLD)
-    else:
-        logits = matmul_2d(x_BLD, model.lm_head[...].astype(x_BLD.dtype))
-    return logits.astype(jnp.float32), new_caches
+    return model.logits(x_BLD), new_caches
 
 
 def encode_for_decoding(model, encoder_tokens_BS):
@@ -169,7 +186,8 @@ def encode_for_decoding(model, encoder_tokens_BS):
     """
     encoded_BSD, _ = model.encode(encoder_tokens_BS, train=False)
     cross = [
-        to_cache_layout(*layer.cross_attn.project_kv(encoded_BSD)) for layer in model.decoder_layers
+        to_cache_layout(*layer.cross_attn.project_kv(encoded_BSD))
+        for layer in unrolled_blocks(model.decoder_layers)
     ]
     return cross, encoder_tokens_BS != 0
 
@@ -190,25 +208,19 @@ def encoder_decoder_forward(
         encoder_valid_BS[:, None, :], (b, l, encoder_valid_BS.shape[1])
     )
     bias_1HLS = model.decoder_relpos(l, s, query_offset=slots_L[0])
-    x_BLD = model.token_embed(tokens_BL, compute_dtype(model.cfg))
+    x_BLD = model.token_embed(tokens_BL, jnp.dtype(model.cfg.dtype))
     new_caches = []
-    for layer, cache, kv in zip(model.decoder_layers, caches, cross, strict=True):
-        h_BLD, cache = attend_with_cache(
-            layer.self_attn,
-            layer.self_attn_norm(x_BLD),
-            cache,
-            index,
-            self_mask_1LS,
+    blocks = unrolled_blocks(model.decoder_layers)
+    for layer, cache, kv in zip(blocks, caches, cross, strict=True):
+        x_BLD, aux = layer(
+            x_BLD,
+            None,
+            self_mask=self_mask_1LS,
+            cross_mask=cross_mask_BLS,
             bias=bias_1HLS,
+            train=False,
+            slot=CacheSlot(cache, jnp.asarray(index, jnp.int32)),
+            cross_kv=kv,
         )
-        x_BLD = x_BLD + h_BLD
-        attn = layer.cross_attn
-        q_BLHd = attn.project_q(layer.cross_attn_norm(x_BLD))
-        o_BLHd = cached_attention(q_BLHd, kv.k, kv.v, cross_mask_BLS, scale=attn.scale)
-        x_BLD = x_BLD + attn.project_out(o_BLHd)
-        y_BLD, _ = layer.ffn(layer.ffn_norm(x_BLD), train=False)
-        x_BLD = x_BLD + y_BLD
-        new_caches.append(cache)
-    x_BLD = model.decoder_norm(x_BLD)
-    logits = matmul_2d(x_BLD, model.lm_head[...].astype(x_BLD.dtype))
-    return logits.astype(jnp.float32), new_caches
+        new_caches.append(aux["cache"])
+    return model.decoder_logits(x_BLD), new_caches

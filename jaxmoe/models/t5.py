@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.kv_cache import cross_attention, self_attention
 from jaxmoe.models.layers import (
     Embed,
     RMSNorm,
@@ -22,6 +23,7 @@ from jaxmoe.models.layers import (
     matmul_2d,
     normal_init,
 )
+from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -112,13 +114,20 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train):
-        attn = self.self_attn(self.self_attn_norm(x), mask=self_mask, bias=bias)
-        x = x + dropout(self.dropout, attn, train)
-        attn = self.cross_attn(self.cross_attn_norm(x), mask=cross_mask, kv_BSD=encoded)
-        x = x + dropout(self.dropout, attn, train)
+    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train, slot=None, cross_kv=None):
+        """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
+        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`."""
+        h, cache = self_attention(
+            self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
+        )
+        x = x + dropout(self.dropout, h, train)
+        h = cross_attention(
+            self.cross_attn, self.cross_attn_norm(x), encoded, mask=cross_mask, cross_kv=cross_kv
+        )
+        x = x + dropout(self.dropout, h, train)
         y, aux = self.ffn(self.ffn_norm(x), train=train)
-        return x + dropout(self.dropout, y, train), aux
+        x = x + dropout(self.dropout, y, train)
+        return x, aux if cache is None else {**aux, "cache": cache}
 
 
 class EncoderDecoderLM(nnx.Module):
@@ -138,8 +147,8 @@ class EncoderDecoderLM(nnx.Module):
             bidirectional=True,
             rngs=rngs,
         )
-        self.encoder_layers = nnx.List(
-            [EncoderBlock(cfg, i, rngs=rngs) for i in range(num_encoder_layers)]
+        self.encoder_layers = build_stack(
+            cfg, lambda i, rngs: EncoderBlock(cfg, i, rngs=rngs), num_encoder_layers, rngs
         )
         self.encoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.decoder_relpos = RelativePositionBias(
@@ -149,8 +158,8 @@ class EncoderDecoderLM(nnx.Module):
             bidirectional=False,
             rngs=rngs,
         )
-        self.decoder_layers = nnx.List(
-            [DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)]
+        self.decoder_layers = build_stack(
+            cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
         )
         self.decoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.lm_head = make_param(
@@ -168,15 +177,12 @@ class EncoderDecoderLM(nnx.Module):
         bias = self.encoder_relpos(s, s)
         x = self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
-        aux = {}
-        for i, layer in enumerate(self.encoder_layers):
-            if self.cfg.remat:
-                x, layer_aux = _remat_encoder_block(layer, x, mask, bias, train)
-            else:
-                x, layer_aux = layer(x, mask=mask, bias=bias, train=train)
-            x = constrain_batch(x)
-            if layer_aux:
-                aux[f"encoder_{i}"] = layer_aux
+
+        def apply(layer, x):
+            x, aux = layer(x, mask=mask, bias=bias, train=train)
+            return constrain_batch(x), aux
+
+        x, aux = run_stack(self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}")
         return dropout(self.encoder_out_dropout, self.encoder_norm(x), train), aux
 
     def decode(self, decoder_tokens_BL, encoded_BSD, encoder_valid_BS, *, train: bool = False):
@@ -189,26 +195,20 @@ class EncoderDecoderLM(nnx.Module):
         bias = self.decoder_relpos(l, l)
         x = self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
-        aux = {}
-        for i, layer in enumerate(self.decoder_layers):
-            if self.cfg.remat:
-                x, layer_aux = _remat_decoder_block(
-                    layer, x, encoded_BSD, self_mask, cross_mask, bias, train
-                )
-            else:
-                x, layer_aux = layer(
-                    x,
-                    encoded_BSD,
-                    self_mask=self_mask,
-                    cross_mask=cross_mask,
-                    bias=bias,
-                    train=train,
-                )
-            x = constrain_batch(x)
-            if layer_aux:
-                aux[f"decoder_{i}"] = layer_aux
+
+        def apply(layer, x):
+            x, aux = layer(
+                x, encoded_BSD, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train
+            )
+            return constrain_batch(x), aux
+
+        x, aux = run_stack(self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}")
+        return self.decoder_logits(x, train), aux
+
+    def decoder_logits(self, x, train: bool = False):
+        """The output layer on the last decoder block's output: logits [B, L, V] f32."""
         x = dropout(self.dropout, self.decoder_norm(x), train)
-        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32), aux
+        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
     def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
@@ -216,14 +216,3 @@ class EncoderDecoderLM(nnx.Module):
             decoder_tokens_BL, encoded, encoder_tokens_BS != 0, train=train
         )
         return logits, enc_aux | dec_aux
-
-
-# Recompute each block in the backward pass: only block inputs are kept (model.remat).
-@nnx.remat(static_argnums=(4,))
-def _remat_encoder_block(layer, x, mask, bias, train):
-    return layer(x, mask=mask, bias=bias, train=train)
-
-
-@nnx.remat(static_argnums=(6,))
-def _remat_decoder_block(layer, x, encoded, self_mask, cross_mask, bias, train):
-    return layer(x, encoded, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train)

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.kv_cache import self_attention
 from jaxmoe.models.layers import (
     Embed,
     GatedMLP,
@@ -15,6 +16,7 @@ from jaxmoe.models.layers import (
     make_param,
     matmul_2d,
 )
+from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
 
 
@@ -53,11 +55,16 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x_BLD, *, mask, positions_BL, train: bool):
-        attn_BLD = self.attn(self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL)
-        x_BLD = x_BLD + dropout(self.dropout, attn_BLD, train)
+    def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None):
+        """(x, aux). With `slot` (kv_cache.CacheSlot, decoding) the self-attention reads and
+        writes the layer's KV cache and aux["cache"] is the updated cache."""
+        h_BLD, cache = self_attention(
+            self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
+        )
+        x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train)
-        return x_BLD + dropout(self.dropout, y_BLD, train), aux
+        x_BLD = x_BLD + dropout(self.dropout, y_BLD, train)
+        return x_BLD, aux if cache is None else {**aux, "cache": cache}
 
 
 class DecoderLM(nnx.Module):
@@ -66,7 +73,9 @@ class DecoderLM(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
-        self.layers = nnx.List([DecoderBlock(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.layers = build_stack(
+            cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
+        )
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.dropout = make_dropout(cfg, rngs)  # on the embeddings and the final norm
         if not cfg.tie_embeddings:
@@ -75,7 +84,7 @@ class DecoderLM(nnx.Module):
             )
 
     def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None):
-        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict}."""
+        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order."""
         cfg = self.cfg
         b, l = tokens_BL.shape
         if positions_BL is None:
@@ -83,27 +92,22 @@ class DecoderLM(nnx.Module):
         mask = jnp.tril(jnp.ones((l, l), bool))[None]
         x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
         x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
-        aux = {}
-        for i, layer in enumerate(self.layers):
-            if cfg.remat:
-                x_BLD, layer_aux = _remat_block(layer, x_BLD, mask, positions_BL, train)
-            else:
-                x_BLD, layer_aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
-            x_BLD = constrain_batch(x_BLD)
-            if layer_aux:
-                aux[i] = layer_aux
+
+        def apply(layer, x_BLD):
+            x_BLD, aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+            return constrain_batch(x_BLD), aux
+
+        x_BLD, aux = run_stack(self.layers, x_BLD, apply, cfg.remat, name=lambda i: i)
+        return self.logits(x_BLD, train), aux
+
+    def logits(self, x_BLD, train: bool = False):
+        """The output layer on the last block's output: logits [B, L, V] f32."""
         x_BLD = dropout(self.dropout, self.final_norm(x_BLD), train)
-        if cfg.tie_embeddings:
+        if self.cfg.tie_embeddings:
             logits = self.embed.attend(x_BLD)
         else:
             logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
-        return logits.astype(jnp.float32), aux
-
-
-@nnx.remat(static_argnums=(4,))
-def _remat_block(layer, x_BLD, mask, positions_BL, train):
-    # Recompute the block in the backward pass: activations of one block live at a time.
-    return layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+        return logits.astype(jnp.float32)
 
 
 def count_params(state) -> int:

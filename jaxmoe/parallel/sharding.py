@@ -31,6 +31,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "expert": ("expert",),
     "expert_mlp": ("tensor",),
     "relpos_buckets": (),
+    "layers": (),  # the stacked axis of a scanned layer stack: every device holds all rows
 }
 
 
