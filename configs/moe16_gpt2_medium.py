@@ -17,7 +17,9 @@ Check it fits (on any machine with `pip install 'jaxmoe[tpu]'`, no TPU needed):
     jaxmoe compile --config configs/moe16_gpt2_medium.py --topology v5p-8
 Train (wikitext-103 through TFDS; a 32768-piece SentencePiece model is fitted first):
     jaxmoe train --config configs/moe16_gpt2_medium.py --workdir runs/moe16_gpt2_medium
-Variants: `:top1`, `:top2` (the paper's baselines), `:dense` (no experts, FFN 2816).
+Variants: `:top1`, `:top2` (the paper's baselines; top-2 balanced on top-1 choices as GShard's
+implementation does), `:dense` (no experts, FFN 2816). As the paper: no router z-loss, and
+evaluation with top-1 routing (`model.moe.eval_gating`).
 """
 
 from ml_collections import ConfigDict
@@ -51,6 +53,8 @@ def get_config(variant: str | None = None) -> ConfigDict:
     moe.gap_normalization = "top2"
     moe.capacity_factor = 0.0  # dropless, as in the paper
     moe.balance_loss_weight = 0.01
+    moe.z_loss_weight = 0.0  # the paper uses no router z-loss
+    moe.eval_gating = "top1"  # the paper evaluates every model with top-1 routing
 
     t = c.train
     t.batch_size = 256
@@ -82,6 +86,8 @@ def get_config(variant: str | None = None) -> ConfigDict:
         ms.data, ms.expert = -1, 1
     elif variant in ("top1", "top2"):
         moe.gating = variant
+        # GShard's implementation balances its top-2 baseline on top-1 choices only.
+        moe.balance_fractions = "top1"
     elif variant:
         raise ValueError(
             f"configs/moe16_gpt2_medium.py: unknown variant {variant!r} (top1 | top2 | dense)"

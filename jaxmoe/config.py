@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from jaxmoe.models.gates import BALANCE_FRACTIONS
 from jaxmoe.parallel.sharding import ConfigError
 from jaxmoe.paths import absolute_config_paths, absolute_path
 from jaxmoe.profiling import parse_profile_steps
@@ -24,6 +25,7 @@ CHOICES = {
     "model.remat": ("none", "full", "dots_saveable", "offload_dots"),
     "model.moe.gating": GATES,
     "model.moe.eval_gating": ("", *GATES),
+    "model.moe.balance_fractions": BALANCE_FRACTIONS,
     "model.moe.gap_normalization": ("top2", "none"),
     "model.moe.single_weight": ("prob", "one"),
     "model.moe.dispatch": ("auto", "blocks", "ragged", "dense", "capacity"),

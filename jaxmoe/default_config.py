@@ -50,6 +50,7 @@ def base_config() -> ConfigDict:
     moe.single_weight = "prob"  # weight of a one-expert token: prob | one
     moe.capacity_factor = 0.0  # 0 = dropless; > 0 = fixed capacity that drops overflow
     moe.balance_loss_weight = 0.01  # load-balancing loss coefficient
+    moe.balance_fractions = "auto"  # balance loss counts: auto (adaptive top1) | top1 | chosen
     moe.z_loss_weight = 0.001  # router z-loss coefficient
     moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
     moe.block_size = 256  # rows per expert block in the block dispatch

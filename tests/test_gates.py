@@ -169,6 +169,11 @@ def test_balance_loss_hand_computed():
     routing = gates.route(probs, GateConfig(gating="top2"))
     want = 3 * (3 / 8 * mean_p[0] + 3 / 8 * mean_p[1] + 2 / 8 * mean_p[2])
     assert math.isclose(float(gates.balance_loss(probs, routing, "top2")), want, rel_tol=1e-6)
+    # The same top-2 routing counted on top-1 choices only (GShard's implementation):
+    # top-1 experts 0, 0, 1, 2 -> f = [1/2, 1/4, 1/4].
+    want_top1 = 3 * (0.5 * mean_p[0] + 0.25 * mean_p[1] + 0.25 * mean_p[2])
+    got = float(gates.balance_loss(probs, routing, "top2", fractions="top1"))
+    assert math.isclose(got, want_top1, rel_tol=1e-6)
     # Top-1 (Switch): f = [2/4, 1/4, 1/4], the same as the adaptive top-1 fractions.
     routing = gates.route(probs, GateConfig(gating="top1"))
     want = 3 * (0.5 * mean_p[0] + 0.25 * mean_p[1] + 0.25 * mean_p[2])
@@ -225,3 +230,18 @@ def test_z_loss_and_balance_gradient():
 def test_bad_options_name_the_key(field, value):
     with pytest.raises(ValueError, match=f"model.moe.{field}"):
         GateConfig(**{field: value})
+
+
+def test_paper_config_says_what_the_paper_did():
+    from jaxmoe.config import load_config
+
+    adaptive = load_config("configs/moe16_gpt2_medium.py")
+    moe = adaptive.model.moe
+    assert (moe.gating, moe.threshold, moe.z_loss_weight, moe.eval_gating) == (
+        "adaptive",
+        0.1,
+        0.0,
+        "top1",
+    )
+    top2 = load_config("configs/moe16_gpt2_medium.py:top2").model.moe
+    assert (top2.gating, top2.balance_fractions, top2.eval_gating) == ("top2", "top1", "top1")

@@ -30,7 +30,9 @@ Losses (unweighted; the trainer multiplies by the config coefficients):
   second choices carry no balancing term). For the other gates, f_e is expert e's share of
   all chosen (unmasked) assignments; for top1 this is the Switch loss, for top2 / topk the
   GShard form counting every choice. Both equal 1 under perfect balance. Counts are taken
-  before any capacity drop (they measure the router, not the dispatch).
+  before any capacity drop (they measure the router, not the dispatch). `fractions`
+  overrides the choice: "top1" counts only each token's top-1 expert for any gate (what
+  GShard's implementation does for its top-2 baseline), "chosen" every unmasked choice.
 - `z_loss` (ST-MoE): mean over tokens of logsumexp(logits)^2.
 """
 
@@ -144,11 +146,19 @@ def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
     return topk_gate(probs_TE, cfg, num_slots(cfg))
 
 
-def balance_loss(probs_TE: jax.Array, routing: Routing, gating: str) -> jax.Array:
+BALANCE_FRACTIONS = ("auto", "top1", "chosen")
+
+
+def balance_loss(
+    probs_TE: jax.Array, routing: Routing, gating: str, fractions: str = "auto"
+) -> jax.Array:
     """E * sum_e f_e * P_e (see the module docstring for f_e per gate); a f32 scalar."""
+    if fractions not in BALANCE_FRACTIONS:
+        raise ValueError(f"balance fractions {fractions!r} not one of {BALANCE_FRACTIONS}")
     num_experts = probs_TE.shape[-1]
     mean_prob_E = jnp.mean(probs_TE, axis=0)
-    if gating == "adaptive":
+    top1_only = fractions == "top1" or (fractions == "auto" and gating == "adaptive")
+    if top1_only:
         top1_TE = jax.nn.one_hot(routing.indices[:, 0], num_experts, dtype=jnp.float32)
         fraction_E = jnp.mean(top1_TE, axis=0)
     else:

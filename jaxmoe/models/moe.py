@@ -76,6 +76,7 @@ class MoE(nnx.Module):
         self.impl = dispatch.resolve_dispatch(moe.dispatch, self.capacity_factor)
         self.block_size = int(moe.block_size)
         self.jitter = float(moe.jitter)
+        self.balance_fractions = str(moe.get("balance_fractions", "auto"))
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
         self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
@@ -127,7 +128,9 @@ class MoE(nnx.Module):
             y_BLD = expert_parallel.sharded_moe_ffn(mesh, *args, **options)
 
         aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
-        aux["balance_loss"] = gates.balance_loss(probs_TE, routing, gate_cfg.gating)
+        aux["balance_loss"] = gates.balance_loss(
+            probs_TE, routing, gate_cfg.gating, self.balance_fractions
+        )
         aux["z_loss"] = gates.z_loss(logits_TE)
         return y_BLD.astype(dtype), aux
 
