@@ -8,33 +8,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_tpu_pod_dry_run_prints_the_command_sequence():
+def pod_dry_run(*flags: str, job=("--config.mesh.fsdp=64",)) -> list[str]:
+    """The `+ command` lines of a tpu_pod.sh dry run of a train job on slice `moe`."""
     result = subprocess.run(
-        [
-            "bash",
-            "launch/tpu_pod.sh",
-            "--name",
-            "moe",
-            "--zone",
-            "us-east5-a",
-            "--accelerator",
-            "v5p-128",
-            "--dry_run",
-            "--",
-            "train",
-            "--config",
-            "configs/default.py",
-            "--workdir",
-            "gs://bucket/run",
-            "--config.mesh.fsdp=64",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+        ["bash", "launch/tpu_pod.sh", "--name", "moe", "--zone", "us-east5-a",
+         "--accelerator", "v5p-128", *flags, "--dry_run", "--", "train", "--config",
+         "configs/default.py", "--workdir", "gs://bucket/run", *job],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+    return [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+
+
+def test_tpu_pod_dry_run_prints_the_command_sequence():
+    lines = pod_dry_run()
     assert lines[0].startswith("+ jaxmoe compile --config configs/default.py --topology v5p-128")
     assert "--config.mesh.fsdp=64" in lines[0]
     assert "tpu-vm create moe --zone us-east5-a --accelerator-type v5p-128" in lines[1]
@@ -71,33 +58,7 @@ def test_local_launcher_returns_first_failure():
 
 
 def test_tpu_pod_multislice_dry_run_uses_a_queued_resource():
-    result = subprocess.run(
-        [
-            "bash",
-            "launch/tpu_pod.sh",
-            "--name",
-            "moe",
-            "--zone",
-            "us-east5-a",
-            "--accelerator",
-            "v5p-128",
-            "--num_slices",
-            "2",
-            "--dry_run",
-            "--",
-            "train",
-            "--config",
-            "configs/default.py",
-            "--workdir",
-            "gs://bucket/run",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert result.returncode == 0, result.stderr
-    lines = [line for line in result.stdout.splitlines() if line.startswith("+ ")]
+    lines = pod_dry_run("--num_slices", "2", job=())
     assert "--topology v5p-128 --num_slices 2" in lines[0]  # the same preflight, both slices
     assert "queued-resources create moe" in lines[1] and "--node-count 2" in lines[1]
     assert "--node-prefix moe" in lines[1] and "--accelerator-type v5p-128" in lines[1]
