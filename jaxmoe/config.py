@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from jaxmoe.models.attention import ROPE_TYPES
 from jaxmoe.models.gates import BALANCE_FRACTIONS
 from jaxmoe.parallel.sharding import ConfigError
 from jaxmoe.paths import absolute_config_paths, absolute_path
@@ -21,6 +22,7 @@ GATES = ("top1", "top2", "topk", "adaptive", "top_p")
 CHOICES = {
     "model.arch": ("decoder", "encoder_decoder"),
     "model.activation": ("silu", "gelu", "relu"),
+    "model.rope_type": ROPE_TYPES,
     "model.dtype": ("float32", "bfloat16"),
     "model.remat": ("none", "full", "dots_saveable", "offload_dots"),
     "model.moe.gating": GATES,
@@ -153,6 +155,23 @@ def validate(config: ConfigDict) -> None:
     need(
         not m.rope_theta or m.head_dim % 2 == 0,
         f"model.head_dim={m.head_dim} must be even for rotary positions (model.rope_theta)",
+    )
+    if m.rope_type != "default":
+        need(m.rope_theta > 0, f"model.rope_type={m.rope_type!r} needs model.rope_theta > 0")
+        need(m.rope_factor > 0, f"model.rope_factor={m.rope_factor} must be positive")
+    if m.rope_type == "llama3":
+        need(
+            0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+            f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_"
+            f"factor={m.rope_high_freq_factor} must satisfy 0 < low < high",
+        )
+        need(
+            m.rope_original_max_len > 0,
+            f"model.rope_original_max_len={m.rope_original_max_len} must be positive",
+        )
+    need(
+        not m.qkv_bias or m.arch == "decoder",
+        "model.qkv_bias=True is implemented for decoder models only (model.arch='decoder')",
     )
     need(
         m.attention_block >= -1,

@@ -25,6 +25,12 @@ def base_config() -> ConfigDict:
     m.activation = "silu"  # gated FFN activation: silu (SwiGLU) | gelu (T5.1.1) | relu
     m.norm_eps = 1e-6  # RMSNorm epsilon
     m.rope_theta = 10000.0  # rotary base; 0 disables rotary positions
+    m.rope_type = "default"  # rotary frequency scaling: default (none) | linear | llama3
+    m.rope_factor = 1.0  # linear / llama3: context-extension factor frequencies divide by
+    m.rope_low_freq_factor = 1.0  # llama3: wavelengths over original_max_len / this scaled
+    m.rope_high_freq_factor = 4.0  # llama3: wavelengths under original_max_len / this kept
+    m.rope_original_max_len = 8192  # llama3: the context length before the extension
+    m.qkv_bias = False  # biases on the query/key/value projections (Qwen2); none on the output
     m.tie_embeddings = False  # share the input embedding with the output layer
     m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
     m.attention_block = -1  # causal self-attention query block; -1 auto (CPU only), 0 dense

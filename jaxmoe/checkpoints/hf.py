@@ -1,13 +1,13 @@
 """`jaxmoe convert hf SRC DST`: Hugging Face safetensors checkpoints -> a jaxmoe checkpoint.
 
-Reads Llama / Mistral / Mixtral / T5 v1.1 (`config.json` + `model.safetensors`, or shards
-listed in `model.safetensors.index.json`). Every tensor is checked against the model that
-the translated config builds (names, shapes, nothing missing, nothing left over) before
-anything is written. Tensors are then read, transposed and cast one at a time into
-file-backed arrays (np.memmap) in a staging directory next to DST, so the conversion holds
-about one tensor in RAM; `save_params` writes them and the directory is renamed to DST.
-PyTorch pickle files (`*.bin`) are refused: unpickling runs code from the file. Shard names
-from the index pass `safe_paths.resolve_inside`: reading never leaves SRC.
+Reads Llama (3.x RoPE scaling too) / Mistral / Mixtral / Qwen2 / T5 v1.1 (`config.json` +
+`model.safetensors`, or shards listed in `model.safetensors.index.json`). Every tensor is
+checked against the model that the translated config builds (names, shapes, nothing missing,
+nothing left over) before anything is written. Tensors are then read, transposed and cast
+one at a time into file-backed arrays (np.memmap) in a staging directory next to DST, so the
+conversion holds about one tensor in RAM; `save_params` writes them and the directory is
+renamed to DST. PyTorch pickle files (`*.bin`) are refused: unpickling runs code from the
+file. Shard names from the index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 """
 
 import argparse

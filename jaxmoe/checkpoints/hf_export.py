@@ -3,9 +3,10 @@ plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`)
 `--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: hf_tokenizer.py).
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
-(as Llama), decoders with an MoE FFN in every layer routed top-k with renormalised weights
-(as Mixtral), and multi-head T5 v1.1 encoder-decoders. Anything else (adaptive or top-p
-gating, `moe.every` > 1, GQA in T5...) is refused with a one-line reason.
+(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer routed
+top-k with renormalised weights (as Mixtral), and multi-head T5 v1.1 encoder-decoders.
+Anything else (adaptive or top-p gating, `moe.every` > 1, GQA in T5...) is refused with a
+one-line reason.
 """
 
 import argparse
@@ -81,7 +82,7 @@ def export_hf(
     config = read_config(ckpt_path)
     m = config.model
     seq_len = config.get("train", {}).get("seq_len", 0) or 0
-    hf_config, maps = export_plan(m, max_positions=max(2048, seq_len))
+    hf_config, maps = export_plan(m, max_positions=max(2048, seq_len, m.get("max_len", 0)))
     leaves = flatten(abstract_params(m))
     check_coverage(ImportPlan(maps), leaves, what="has no Hugging Face counterpart")
     dst = Path(dst_dir)

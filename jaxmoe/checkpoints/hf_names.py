@@ -8,7 +8,6 @@ transpose plus a reshape. Rotary embeddings use the same rotate-half layout on b
 so query/key need no permutation.
 """
 
-import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -19,9 +18,7 @@ from ml_collections import ConfigDict
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.models.transformer import is_moe_layer
 
-log = logging.getLogger(__name__)
-
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "t5")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5")
 # HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
 _ACT_FROM_HF = {
     "silu": "silu",
@@ -104,8 +101,23 @@ class StackedDown:
     to_hf = None
 
 
-Layout = Same | Linear | FusedGateUp | StackedDown
+@dataclass(frozen=True)
+class Bias:
+    """HF bias [N * d] <-> jaxmoe [N, d] (query/key/value biases per head)."""
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(shape),)
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return hf.reshape(shape)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(-1)
+
+
+Layout = Same | Linear | Bias | FusedGateUp | StackedDown
 SAME = Same()
+BIAS = Bias()
 
 
 @dataclass(frozen=True)
@@ -141,13 +153,23 @@ class ImportPlan:
 # ----------------------------------------------------------------------------- tables
 
 
-def _attention_maps(hf_prefix: str, path: tuple[str, ...], name_format: str) -> list[TensorMap]:
-    """q/k/v [H*dh or K*dh, D] -> [D, heads, dh]; o [D, H*dh] -> [H, dh, D]."""
+def _attention_maps(
+    hf_prefix: str, path: tuple[str, ...], name_format: str, qkv_bias: bool = False
+) -> list[TensorMap]:
+    """q/k/v [H*dh or K*dh, D] -> [D, heads, dh]; o [D, H*dh] -> [H, dh, D]; with `qkv_bias`
+    also the q/k/v biases [H*dh or K*dh] -> [heads, dh] (a Linear with no input axes)."""
     pairs = (("q", "query", 1), ("k", "key", 1), ("v", "value", 1), ("o", "out", 2))
-    return [
+    maps = [
         TensorMap(hf_prefix + name_format.format(short), (*path, long), Linear(in_axes))
         for short, long, in_axes in pairs
     ]
+    if qkv_bias:
+        bias_format = name_format.replace(".weight", ".bias")
+        maps += [
+            TensorMap(hf_prefix + bias_format.format(short), (*path, f"{long}_bias"), BIAS)
+            for short, long, _ in pairs[:3]
+        ]
+    return maps
 
 
 def _gated_ffn_maps(names: tuple[str, str, str], path: tuple[str, ...]) -> list[TensorMap]:
@@ -185,7 +207,9 @@ def decoder_maps(
     for i in range(m.num_layers):
         hf, path = f"model.layers.{i}.", ("layers", str(i))
         maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
-        maps += _attention_maps(hf + "self_attn.", (*path, "attn"), "{}_proj.weight")
+        maps += _attention_maps(
+            hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.get("qkv_bias", False)
+        )
         maps.append(
             TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
         )
@@ -281,24 +305,52 @@ def _activation(hf_name: str, key: str) -> str:
     return _ACT_FROM_HF[hf_name]
 
 
-def _rope_theta(hf: dict) -> float:
-    """The RoPE base; any RoPE scaling (llama3, yarn, linear...) is refused."""
+def _rope(hf: dict, m: ConfigDict) -> None:
+    """The RoPE base and scaling: transformers 5.x's `rope_parameters` or 4.x's
+    `rope_scaling` (+ top-level `rope_theta`); llama3 and linear scaling are implemented,
+    others (dynamic NTK, yarn, longrope...) refused."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json: rope_parameters={params!r} is not an object")
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
+    if rope_type not in ("default", "linear", "llama3"):
         raise CheckpointError(
             f"config.json: rope_type {rope_type!r} (RoPE scaling) is not supported; "
-            "jaxmoe implements plain RoPE"
+            "jaxmoe implements default, linear and llama3"
         )
-    if hf.get("partial_rotary_factor", 1.0) != 1.0:
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported")
-    return _number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m.rope_theta = _number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m.rope_type = rope_type
+    if rope_type == "default":
+        return
+    m.rope_factor = _number(params, "factor")
+    if rope_type == "llama3":
+        m.rope_low_freq_factor = _number(params, "low_freq_factor")
+        m.rope_high_freq_factor = _number(params, "high_freq_factor")
+        m.rope_original_max_len = _size(params, "original_max_position_embeddings")
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window config.json asks for, or None. Qwen2 writes a window that only
+    applies with use_sliding_window (transformers 5.x: layers typed sliding_attention)."""
+    window = hf.get("sliding_window")
+    if hf["model_type"] == "qwen2":
+        sliding = "sliding_attention" in (hf.get("layer_types") or ())
+        if not (sliding or (hf.get("use_sliding_window") and not hf.get("layer_types"))):
+            return None
+    return window
 
 
 def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
-    for key in ("attention_bias", "mlp_bias"):
-        if hf.get(key):
-            raise CheckpointError(f"config.json: {key}=true: jaxmoe projections have no bias")
+    if hf.get("mlp_bias"):
+        raise CheckpointError("config.json: mlp_bias=true: jaxmoe FFN projections have no bias")
+    if hf.get("attention_bias"):  # Llama's flag: a bias on o_proj too
+        raise CheckpointError(
+            "config.json: attention_bias=true: jaxmoe has q/k/v biases (Qwen2) but no "
+            "output-projection bias"
+        )
+    m.qkv_bias = hf["model_type"] == "qwen2"  # Qwen2: q/k/v biases always, none on o_proj
     heads = _size(hf, "num_attention_heads")
     m.arch = "decoder"
     m.vocab_size = _size(hf, "vocab_size")
@@ -311,15 +363,15 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     m.ffn_dim = _size(hf, "intermediate_size")
     m.activation = _activation(hf.get("hidden_act", "silu"), "hidden_act")
     m.norm_eps = _number(hf, "rms_norm_eps")
-    m.rope_theta = _rope_theta(hf)
+    _rope(hf, m)
     m.max_len = _size(hf, "max_position_embeddings", 0)
-    # A tied config whose file still holds lm_head.weight converts untied: same logits.
-    if hf.get("sliding_window"):
-        log.warning(
-            "config.json: sliding_window=%s: jaxmoe attends to the whole context, so logits "
-            "equal HF's for sequences up to that length",
-            hf["sliding_window"],
+    window = _sliding_window(hf)
+    if window is not None and (not m.max_len or window < m.max_len):
+        raise CheckpointError(
+            f"config.json: sliding_window={window} is shorter than max_position_embeddings="
+            f"{m.max_len}; jaxmoe attends to the whole context (no sliding windows)"
         )
+    # A tied config whose file still holds lm_head.weight converts untied: same logits.
     m.tie_embeddings = bool(hf.get("tie_word_embeddings", False)) and (
         "lm_head.weight" not in present
     )
@@ -394,7 +446,7 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     """Sets the jaxmoe model config `m` from HF's config.json `hf` and returns the tensor
     plan for the tensor names `present` in the checkpoint."""
     model_type = hf.get("model_type")
-    if model_type in ("llama", "mistral", "mixtral"):
+    if model_type in ("llama", "mistral", "mixtral", "qwen2"):
         return _decoder_plan(hf, present, m)
     if model_type == "t5":
         return _t5_plan(hf, present, m)
@@ -446,7 +498,7 @@ def _mixtral_fields(m: ConfigDict) -> dict:
 def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
     if not m.rope_theta:
         _refuse("model.rope_theta=0: Llama/Mixtral need rotary positions")
-    rope = {"rope_type": "default", "rope_theta": float(m.rope_theta)}
+    rope = _rope_export(m)
     hf = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -461,6 +513,7 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
         "rms_norm_eps": m.norm_eps,
         "rope_theta": float(m.rope_theta),  # transformers 4.x
         "rope_parameters": rope,  # transformers 5.x
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,  # transformers 4.x
         "max_position_embeddings": max_positions,
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
@@ -468,8 +521,31 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
         "attention_dropout": 0.0,
     }
     if m.moe.num_experts:
+        if m.get("qkv_bias", False):
+            _refuse("model.qkv_bias=True with MoE: Mixtral has no attention biases")
         hf.update(_mixtral_fields(m))
+    elif m.get("qkv_bias", False):
+        hf.update(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=m.num_layers,
+        )
+        del hf["attention_bias"], hf["mlp_bias"]  # not Qwen2 keys: its q/k/v have biases
     return hf
+
+
+def _rope_export(m: ConfigDict) -> dict:
+    """transformers' rope_parameters for the model's rotary scaling."""
+    rope = {"rope_type": m.get("rope_type", "default"), "rope_theta": float(m.rope_theta)}
+    if rope["rope_type"] in ("linear", "llama3"):
+        rope["factor"] = float(m.rope_factor)
+    if rope["rope_type"] == "llama3":
+        rope["low_freq_factor"] = float(m.rope_low_freq_factor)
+        rope["high_freq_factor"] = float(m.rope_high_freq_factor)
+        rope["original_max_position_embeddings"] = int(m.rope_original_max_len)
+    return rope
 
 
 def _t5_export(m: ConfigDict) -> dict:

@@ -6,8 +6,12 @@ Llama/Mistral). The grouped einsum reshapes queries to [.., K, G, ..] instead of
 K/V, so memory and bandwidth for K/V scale with K, not H.
 """
 
+import math
+from dataclasses import dataclass
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxmoe.models.layers import fan_in_init, make_param, matmul_2d
@@ -16,9 +20,62 @@ NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
 
 
-def rope_tables(positions_BL, head_dim: int, theta: float):
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Context-extension rescaling of the rotary frequencies (static, hashable).
+
+    linear: every frequency divided by `factor` (positions interpolated).
+    llama3: Llama 3.1's rule: wavelengths shorter than original_max_len / high_freq_factor
+    kept, longer than original_max_len / low_freq_factor divided by `factor`, and a smooth
+    interpolation between the two.
+    """
+
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_len: int = 8192
+
+    @classmethod
+    def from_config(cls, cfg) -> "RopeScaling | None":
+        """The model config's scaling, or None for plain RoPE (also configs older than
+        these keys)."""
+        rope_type = cfg.get("rope_type", "default")
+        if rope_type == "default":
+            return None
+        return cls(
+            rope_type,
+            float(cfg.rope_factor),
+            float(cfg.rope_low_freq_factor),
+            float(cfg.rope_high_freq_factor),
+            int(cfg.rope_original_max_len),
+        )
+
+    def rescale(self, inv_freq: np.ndarray) -> np.ndarray:
+        if self.rope_type == "linear":
+            return inv_freq / self.factor
+        low_wavelen = self.original_max_len / self.low_freq_factor
+        high_wavelen = self.original_max_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (self.original_max_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        smoothed = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return np.where(medium, smoothed, scaled)
+
+
+def rope_tables(positions_BL, head_dim: int, theta: float, scaling: RopeScaling | None = None):
     """cos/sin tables [B, L, head_dim/2] for rotary embeddings in the rotate-half layout."""
-    inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    if scaling is None:
+        inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
+    else:  # a constant of the config: computed once on the host, in float64
+        exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
+        inv_freq = jnp.asarray(scaling.rescale(1.0 / theta**exponents), jnp.float32)
     angles = positions_BL.astype(jnp.float32)[..., None] * inv_freq
     return jnp.cos(angles), jnp.sin(angles)
 
@@ -131,8 +188,10 @@ class Attention(nnx.Module):
     """Self- or cross-attention with `num_kv_heads` key/value heads.
 
     Parameters: query [D, H, d], key/value [D, K, d], out [H, d, D].
-    `rope_theta` > 0 applies rotary positions; `scale_logits=False` is T5's convention of
-    folding 1/sqrt(d) into the query initialisation.
+    `rope_theta` > 0 applies rotary positions (frequencies rescaled by `rope_scaling`);
+    `scale_logits=False` is T5's convention of folding 1/sqrt(d) into the query
+    initialisation. `qkv_bias` adds biases query_bias [H, d], key_bias/value_bias [K, d]
+    to the q/k/v projections, none to the output (Qwen2).
     """
 
     def __init__(
@@ -143,7 +202,9 @@ class Attention(nnx.Module):
         head_dim: int,
         *,
         rope_theta: float = 0.0,
+        rope_scaling: RopeScaling | None = None,
         scale_logits: bool = True,
+        qkv_bias: bool = False,
         causal_block: int = 0,
         rngs: nnx.Rngs,
     ):
@@ -153,6 +214,7 @@ class Attention(nnx.Module):
             )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
         self.causal_block = causal_block
         self.scale = head_dim**-0.5 if scale_logits else None
         q_scale = 1.0 if scale_logits else head_dim**-1.0
@@ -171,19 +233,34 @@ class Attention(nnx.Module):
             (num_heads, head_dim, d_model),
             ("heads", "head_dim", "embed"),
         )
+        self.qkv_bias = qkv_bias
+        if qkv_bias:
+            zeros = nnx.initializers.zeros_init()
+            self.query_bias = make_param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"))
+            self.key_bias = make_param(rngs, zeros, kv_shape[1:], kv_axes[1:])
+            self.value_bias = make_param(rngs, zeros, kv_shape[1:], kv_axes[1:])
+
+    def _rope(self, x_BLNd, positions_BL):
+        tables = rope_tables(positions_BL, self.head_dim, self.rope_theta, self.rope_scaling)
+        return apply_rope(x_BLNd, *tables)
 
     def project_q(self, x_BLD, positions_BL=None):
         q = matmul_2d(x_BLD, self.query[...].astype(x_BLD.dtype))
+        if self.qkv_bias:
+            q = q + self.query_bias[...].astype(q.dtype)
         if self.rope_theta:
-            q = apply_rope(q, *rope_tables(positions_BL, self.head_dim, self.rope_theta))
+            q = self._rope(q, positions_BL)
         return q
 
     def project_kv(self, x_BSD, positions_BS=None):
         dtype = x_BSD.dtype
         k = matmul_2d(x_BSD, self.key[...].astype(dtype))
         v = matmul_2d(x_BSD, self.value[...].astype(dtype))
+        if self.qkv_bias:
+            k = k + self.key_bias[...].astype(dtype)
+            v = v + self.value_bias[...].astype(dtype)
         if self.rope_theta:
-            k = apply_rope(k, *rope_tables(positions_BS, self.head_dim, self.rope_theta))
+            k = self._rope(k, positions_BS)
         return k, v
 
     def project_out(self, o_BLHd):

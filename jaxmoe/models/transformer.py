@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.attention import AUTO, Attention, RopeScaling
 from jaxmoe.models.kv_cache import self_attention
 from jaxmoe.models.layers import (
     Embed,
@@ -48,6 +48,8 @@ class DecoderBlock(nnx.Module):
             cfg.num_kv_heads,
             cfg.head_dim,
             rope_theta=cfg.rope_theta,
+            rope_scaling=RopeScaling.from_config(cfg),
+            qkv_bias=cfg.get("qkv_bias", False),
             causal_block=cfg.get("attention_block", AUTO),
             rngs=rngs,
         )
