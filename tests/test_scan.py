@@ -55,7 +55,9 @@ def batch_for(config):
 
 def loss_and_grads(config, params, batch):
     """(loss with aux terms, MoE metrics, grads) of the train step's loss on config's mesh."""
-    devices = jax.devices()[: int(np.prod([config.mesh[a] for a in config.mesh]))]
+    # The in-slice axes only: mesh.dcn_* count slices (dcn_data defaults to -1).
+    size = np.prod([config.mesh[a] for a in ("data", "fsdp", "tensor", "expert")])
+    devices = jax.devices()[: int(size)]
     mesh = make_mesh(config.mesh, devices)
     spec = model_spec(config.model, mesh)
     fns = steps.step_fns(config, spec, optimizer=None, schedule=None)
