@@ -7,6 +7,7 @@ that one the conversion missed would show in the logits.
 
 import json
 
+import jax
 import numpy as np
 import pytest
 from transformers import (
@@ -23,6 +24,8 @@ from jaxmoe.checkpoints.hf import convert_hf
 from jaxmoe.checkpoints.hf_export import export_hf
 from jaxmoe.checkpoints.manager import read_config
 from jaxmoe.config import ConfigError
+from jaxmoe.decode import Generator
+from jaxmoe.parallel.sharding import make_mesh
 from tests.helpers import tiny_config
 from tests.test_hf import (
     TOL,
@@ -166,3 +169,27 @@ def test_bad_rope_and_bias_settings_are_one_line_errors(overrides, culprit):
     with pytest.raises(ConfigError) as info:
         tiny_config(*overrides)
     assert culprit in str(info.value) and "\n" not in str(info.value)
+
+
+def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
+    """Reference: transformers' full forward re-run on the whole sequence per new token."""
+    seq = list(prompt)
+    for _ in range(steps):
+        seq.append(int(np.argmax(hf_logits(model, [seq])[0, -1])))
+    return seq[len(prompt) :]
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+def test_kv_cache_decoding_matches_transformers(kind, tmp_path):
+    """The cached decode path (prefill, then one token a step) applies the scaling and the
+    biases as the full forward does."""
+    model = _llama(LLAMA3, seed=15) if kind == "llama3" else _qwen2(seed=16)
+    model.save_pretrained(tmp_path / "src")
+    convert_hf(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+    loaded = load_converted(tmp_path / "ckpt")
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
+    prompts = [IDS[0, :30].tolist(), IDS[1, :17].tolist()]  # positions up to 40
+    result = generator.generate(prompts, 10)
+    for prompt, new in zip(prompts, result.tokens, strict=True):
+        assert new == _hf_greedy(model, prompt, 10)
