@@ -20,6 +20,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from jaxmoe.checkpoints.convert import gqa_params
 from jaxmoe.checkpoints.hf import convert_hf
 from jaxmoe.checkpoints.hf_export import export_hf
 from jaxmoe.checkpoints.manager import read_config
@@ -193,3 +194,19 @@ def test_kv_cache_decoding_matches_transformers(kind, tmp_path):
     result = generator.generate(prompts, 10)
     for prompt, new in zip(prompts, result.tokens, strict=True):
         assert new == _hf_greedy(model, prompt, 10)
+
+
+def test_gqa_pooling_pools_the_kv_biases(tmp_path):
+    """`convert gqa` on a Qwen2 import: the biases pool with their kernels (the mean of the
+    affine maps), checked by hand in numpy; a random widening restarts them at zero."""
+    model = _qwen2(seed=17)
+    model.save_pretrained(tmp_path / "src")
+    convert_hf(str(tmp_path / "src"), str(tmp_path / "ckpt"))
+    loaded = load_converted(tmp_path / "ckpt")
+    params = jax.tree.map(np.asarray, loaded.params)
+    pooled = gqa_params(params, loaded.cfg, 1)
+    hf_bias = model.model.layers[1].self_attn.k_proj.bias.detach().numpy()  # [K * d]
+    want = hf_bias.reshape(2, 8).mean(axis=0, keepdims=True)
+    np.testing.assert_allclose(pooled["layers"]["1"]["attn"]["key_bias"], want, rtol=1e-6)
+    widened = gqa_params(params, loaded.cfg, 4, method="random")
+    assert np.array_equal(widened["layers"]["0"]["attn"]["value_bias"], np.zeros((4, 8)))

@@ -112,7 +112,8 @@ def check_num_kv_heads(model_cfg, num_kv_heads: int, method: str, include_encode
 def gqa_params(
     params: dict, model_cfg, num_kv_heads: int, method="mean", include_encoder=False, seed=0
 ) -> dict:
-    """A copy of `params` with each converted attention's key/value pooled to G heads."""
+    """A copy of `params` with each converted attention's key/value (and their biases)
+    pooled to G heads."""
     check_num_kv_heads(model_cfg, num_kv_heads, method, include_encoder)
     out = dict(params)
     base_key = jax.random.key(seed)
@@ -125,6 +126,13 @@ def gqa_params(
                 counter += 1
                 key = jax.random.fold_in(base_key, counter)
                 attention[name] = pool_kv_heads(attention[name], num_kv_heads, method, key)
+                bias = attention.get(f"{name}_bias")  # [K, d] (model.qkv_bias): as a [1, K, d]
+                if bias is not None:
+                    attention[f"{name}_bias"] = (
+                        jnp.zeros((num_kv_heads, bias.shape[1]), bias.dtype)  # the init
+                        if method == "random"
+                        else pool_kv_heads(bias[None], num_kv_heads, method)[0]
+                    )
             out[stack][layer] = {**out[stack][layer], module: attention}
     return out
 
