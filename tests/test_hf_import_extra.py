@@ -183,12 +183,13 @@ def _hf_greedy(model, prompt: list[int], steps: int) -> list[int]:
 @pytest.mark.parametrize("kind", ["llama3", "qwen2"])
 def test_kv_cache_decoding_matches_transformers(kind, tmp_path):
     """The cached decode path (prefill, then one token a step) applies the scaling and the
-    biases as the full forward does."""
+    biases as transformers' full forward does."""
     model = _llama(LLAMA3, seed=15) if kind == "llama3" else _qwen2(seed=16)
     model.save_pretrained(tmp_path / "src")
     convert_hf(str(tmp_path / "src"), str(tmp_path / "ckpt"))
     loaded = load_converted(tmp_path / "ckpt")
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    # Tensor-parallel: the heads (and so the q/k/v biases) split over 2 devices.
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 2, "expert": 1}, jax.devices()[:2])
     generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
     prompts = [IDS[0, :30].tolist(), IDS[1, :17].tolist()]  # positions up to 40
     result = generator.generate(prompts, 10)
