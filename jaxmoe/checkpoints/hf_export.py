@@ -135,7 +135,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="jaxmoe checkpoint -> Hugging Face config.json + model.safetensors",
         description=(
             "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
-            "loads: dense decoders as Llama, top-k MoE decoders as Mixtral, T5 v1.1 as T5. "
+            "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
+            "as Mixtral, T5 v1.1 as T5. "
             "Models HF cannot express (adaptive gating, moe.every > 1, GQA T5) are refused."
         ),
     )
