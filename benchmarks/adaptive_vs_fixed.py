@@ -93,7 +93,8 @@ def read_metrics(path: Path) -> tuple[dict, dict]:
     train, evals = {}, {}
     for line in path.read_text().splitlines():
         record = json.loads(line)
-        (train if record["split"] == "train" else evals)[record["step"]] = record
+        if record["split"] in ("train", "eval"):  # not the run's goodput summary
+            (train if record["split"] == "train" else evals)[record["step"]] = record
     return train, evals
 
 
