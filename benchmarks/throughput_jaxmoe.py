@@ -24,6 +24,7 @@ from jaxmoe.config import apply_overrides, load_config, validate  # noqa: E402
 from jaxmoe.flops import train_flops_per_step  # noqa: E402
 from jaxmoe.optim import make_optimizer  # noqa: E402
 from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
+from jaxmoe.platforms import skip_absent_tpu  # noqa: E402
 from jaxmoe.steps import step_fns, train_step  # noqa: E402
 from jaxmoe.train_state import init_state, model_spec, state_shardings  # noqa: E402
 
@@ -148,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], help="config override k=v")
     parser.add_argument("--batches", type=int, default=8, help="distinct batches to cycle")
     args = parser.parse_args(argv)
+    skip_absent_tpu()  # libtpu's probe on a host without a TPU only prints noise
     config = variant_config(args.variant, args.set)
     runner = JaxRunner(config, args.batches)
     t = config.train
