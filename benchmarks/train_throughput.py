@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from worker_protocol import Worker  # noqa: E402
+from worker_protocol import NOT_QUIET, Worker, is_quiet  # noqa: E402
 
 VARIANTS = ("top2", "top1", "adaptive", "dense")
 PEER_OF = {"top2": "top2", "top1": "top1", "adaptive": "top1", "dense": "dense"}
@@ -154,11 +154,7 @@ def run(args) -> dict:
                 }
     loads.append(os.getloadavg()[0])
     cores = os.cpu_count() or 1
-    # The 1-minute load counts the benchmark's own busy threads too (XLA's pool takes every
-    # core, torch `--threads`): quiet = no more than half the cores of load from elsewhere,
-    # before the run and on top of the benchmark's own threads during it.
-    own = max(cores, args.threads)
-    quiet = loads[0] <= cores / 2 and max(loads) <= cores / 2 + own
+    quiet = is_quiet(loads, own_threads=max(cores, args.threads))  # XLA's pool: every core
     return {
         "rows": rows,
         "ratios": ratios,
@@ -196,12 +192,6 @@ def print_table(result: dict) -> None:
     )
     if not result["quiet"]:
         print(NOT_QUIET)
-
-
-NOT_QUIET = (
-    "WARNING: NOT A QUIET RUN: other processes loaded more than half the cores; these "
-    "ratios are not comparable (quote quiet runs only)"
-)
 
 
 def parse_args(argv=None):

@@ -6,6 +6,7 @@ pool, XLA's) never share an interpreter with the other's, and neither imports th
 """
 
 import json
+import os
 import subprocess
 import sys
 
@@ -58,3 +59,17 @@ class Worker:
         final = self._read()
         self.process.wait(timeout=60)
         return final
+
+
+def is_quiet(loads: list[float], own_threads: int) -> bool:
+    """Whether a run saw at most half the cores of load from other processes: before it
+    (`loads[0]`), and during it on top of its own busy threads (the 1-minute load average
+    counts those too)."""
+    cores = os.cpu_count() or 1
+    return loads[0] <= cores / 2 and max(loads) <= cores / 2 + own_threads
+
+
+NOT_QUIET = (
+    "WARNING: NOT A QUIET RUN: other processes loaded more than half the cores; these "
+    "ratios are not comparable (quote quiet runs only)"
+)

@@ -1,0 +1,76 @@
+"""jaxmoe's side of `decode_peer.py`: greedy KV-cache decoding timed per case, in a process
+that never imports torch. Prints one JSON line per case.
+
+    python benchmarks/decode_jaxmoe.py --spec JSON --cases JSON --prompt_len 1024 --new_tokens 32
+"""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a fresh clone without installing
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from jaxmoe.decode import Generator, Sampling  # noqa: E402
+from jaxmoe.default_config import base_config  # noqa: E402
+from jaxmoe.models import build_model  # noqa: E402
+from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
+from jaxmoe.platforms import skip_absent_tpu  # noqa: E402
+from jaxmoe.train_state import model_params  # noqa: E402
+
+
+def model_config(spec: dict, kv_heads: int, gating: str):
+    cfg = base_config().model
+    cfg.vocab_size, cfg.d_model, cfg.num_layers = spec["vocab"], spec["d_model"], spec["layers"]
+    cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = spec["heads"], kv_heads, spec["head_dim"]
+    cfg.ffn_dim, cfg.rope_theta = spec["ffn"], spec["rope_theta"]
+    cfg.max_len = spec["max_len"]
+    cfg.moe.num_experts = spec.get("experts", 0) if gating else 0
+    if gating:
+        cfg.moe.gating, cfg.moe.ffn_dim = gating, spec["ffn"]
+        cfg.moe.threshold = spec.get("threshold", 0.1)
+    return cfg
+
+
+def seconds(generator, prompts, new_tokens: int) -> float:
+    start = time.perf_counter()
+    generator.generate(prompts, new_tokens, Sampling())
+    return time.perf_counter() - start
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--cases", required=True, help="JSON list of {kv_heads, batch, gating}")
+    parser.add_argument("--prompt_len", type=int, default=1024)
+    parser.add_argument("--new_tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    skip_absent_tpu()
+    spec = json.loads(args.spec)
+    devices = jax.devices()[:1]
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, devices)
+    rng = np.random.default_rng(0)
+    for case in json.loads(args.cases):
+        cfg = model_config(spec, case["kv_heads"], case.get("gating", ""))
+        _, params = model_params(build_model(cfg, rngs=nnx.Rngs(0)))
+        generator = Generator(cfg, params, mesh, eos_id=-1)  # never stops early
+        prompts = rng.integers(3, spec["vocab"], (case["batch"], args.prompt_len)).tolist()
+        for n in (1, args.new_tokens):  # compile both programs first
+            generator.generate(prompts, n, Sampling())
+        t_1 = min(seconds(generator, prompts, 1) for _ in range(2))
+        t_n = min(seconds(generator, prompts, args.new_tokens) for _ in range(2))
+        per_token = (t_n - t_1) / (args.new_tokens - 1)
+        loaded = sorted(m for m in ("jax", "torch") if m in sys.modules)
+        print(json.dumps({**case, "ms_per_token": 1e3 * per_token, "prefill_s": t_1,
+                          "imported": loaded}), flush=True)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
