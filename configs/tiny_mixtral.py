@@ -1,4 +1,4 @@
-"""Tiny Mixtral: the peer model of the throughput comparison (issue 10, DESIGN.md).
+"""Tiny Mixtral: the peer model of the throughput comparison (benchmarks/train_throughput.py).
 
 vocab 8192, d_model 256, 4 layers, 8 query / 2 KV heads of 32, every layer an MoE of 8
 SwiGLU experts of hidden 512, top-2 with the two weights renormalised (Mixtral), RMSNorm,

@@ -18,12 +18,11 @@ own forward pass (and so every later layer's input) always uses the evaluation g
 import argparse
 import json
 
+from jaxmoe.analysis_probe import GATE_CHOICES
 from jaxmoe.paths import absolute_data_spec, absolute_path
 
 # JAX and the model code are imported inside the functions: the CLI builds its parser
 # without loading them.
-
-GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
 
 
 def piece_namer(tokenizer, encoder_decoder: bool):

@@ -12,11 +12,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxmoe.analysis import GATE_CHOICES
 from jaxmoe.analysis_counts import RoutingCounts
 from jaxmoe.models import gates
 from jaxmoe.models.moe import MoE
 from jaxmoe.models.stack import stack_modules
+
+GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
 
 
 class RoutingProbe(nnx.Module):

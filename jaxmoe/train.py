@@ -1,4 +1,4 @@
-"""The training loop: `jaxmoe train --config C --workdir W` (or `python -m jaxmoe.train`).
+"""The training loop behind `jaxmoe train --config C --workdir W`.
 
 Re-running with the same workdir resumes from the latest checkpoint, including the data
 iterator's position. Metrics are fetched one step late so the host never stalls the device.
@@ -8,7 +8,6 @@ import contextlib
 import functools
 import logging
 import signal
-import sys
 import time
 
 import jax
@@ -413,13 +412,3 @@ class _StepLog:
             self.writer.write(step, "train", scalars)
             self.writer.progress(step, float(loss), scalars["tokens_per_s"], scalars.get("mfu"))
         return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from jaxmoe.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Read T5X checkpoints one tensor at a time.
 
-Two layouts (format notes: /work/shared/PAPERS.md, "The T5X checkpoint format"):
+Two layouts:
 - legacy: `checkpoint_<step>/checkpoint`, a flax msgpack file
   `{'version': 3, 'optimizer': {'target': params, 'state': {'step', 'param_states'}}}`
   (or that file alone, renamed). A leaf is inline (flax ext type 1 ndarray, 2 complex,

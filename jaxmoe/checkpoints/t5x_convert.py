@@ -1,6 +1,6 @@
 """`jaxmoe convert t5x SRC DST`: a T5X T5.1.1 checkpoint -> a jaxmoe checkpoint + its config.
 
-The architecture is read off the tensor shapes (format notes: /work/shared/PAPERS.md):
+The architecture is read off the tensor shapes:
 vocabulary and width from `token_embedder/embedding [V, D]`, layer counts from the
 `layers_<i>` names, FFN width from `mlp/wi_0 [D, F]`, heads from the relative-bias table
 `relpos_bias/rel_embedding [H, buckets]`, head width = query width / H, key/value heads from

@@ -8,7 +8,7 @@ loops would stack every iteration's activations in a statically sized buffer and
 loops of the static maximum length, so the backward pass is a `custom_vjp` running the
 same loops for dx, dW and the combine-weight gradient.
 
-Why this shape (measured on the 2-core CPU; see DESIGN.md and benchmarks/moe_layer.py):
+Why this shape (measured on the 2-core CPU; see benchmarks/moe_layer.py):
 - Large blocks run the matmuls near the CPU's peak; 256 rows are as efficient per row as
   any larger size.
 - Padding each expert's group to whole 256-row blocks wastes E * 128 rows on average, a
