@@ -257,10 +257,10 @@ def test_sigkill_during_a_save_loses_no_completed_checkpoint(tmp_path, cache, re
 
 
 def _truncate_params(step_dir: Path) -> Path:
-    """Cut the largest parameter data file to 100 bytes, as a crash mid-copy would."""
-    victim = max(
-        (p for p in (step_dir / "params").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size
-    )
+    """Cut the largest array data file (TensorStore's OCDBT `d/` files, not the metadata) to
+    100 bytes, as a crash mid-copy would."""
+    data = [p for p in (step_dir / "params").rglob("*") if p.is_file() and p.parent.name == "d"]
+    victim = max(data, key=lambda p: p.stat().st_size)
     with victim.open("r+b") as handle:
         handle.truncate(100)
     return victim
