@@ -25,7 +25,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from worker_protocol import NOT_QUIET, is_quiet  # noqa: E402
+from worker_protocol import NOT_QUIET, is_quiet, report  # noqa: E402
 
 SPEC = {
     "vocab": 8192, "d_model": 1024, "layers": 4, "heads": 16, "head_dim": 64, "ffn": 2816,
@@ -126,13 +126,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    result = run(args)
-    if args.json:
-        if not result["quiet"]:
-            print(NOT_QUIET, file=sys.stderr)
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    report(run(args), args.json, print_table)
     return 0
 
 

@@ -34,7 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from worker_protocol import NOT_QUIET, Worker, is_quiet  # noqa: E402
+from worker_protocol import NOT_QUIET, Worker, is_quiet, report  # noqa: E402
 
 VARIANTS = ("top2", "top1", "adaptive", "dense")
 PEER_OF = {"top2": "top2", "top1": "top1", "adaptive": "top1", "dense": "dense"}
@@ -210,13 +210,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    result = run(args)
-    if args.json:
-        if not result["quiet"]:
-            print(NOT_QUIET, file=sys.stderr)
-        print(json.dumps(result))
-    else:
-        print_table(result)
+    report(run(args), args.json, print_table)
     return 0
 
 

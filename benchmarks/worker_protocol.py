@@ -73,3 +73,13 @@ NOT_QUIET = (
     "WARNING: NOT A QUIET RUN: other processes loaded more than half the cores; these "
     "ratios are not comparable (quote quiet runs only)"
 )
+
+
+def report(result: dict, as_json: bool, print_table) -> None:
+    """One JSON object (the quiet flag also as a warning on stderr) or the table."""
+    if not as_json:
+        print_table(result)
+        return
+    if not result["quiet"]:
+        print(NOT_QUIET, file=sys.stderr)
+    print(json.dumps(result))
