@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.config import load_config
-from jaxmoe.models.moe import MoE
+from jaxmoe.config.loading import load_config
+from jaxmoe.models.moe.layer import MoE
 
 SHARES = (1.0, 0.8, 0.5, 0.2, 0.0)
 BATCH, LENGTH, D_MODEL, FFN, EXPERTS = 16, 256, 256, 1024, 8

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.models.moe import MoE
+from jaxmoe.models.moe.layer import MoE
 from jaxmoe.parallel import sharding
 from tests.test_moe import moe_config
 

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxmoe.models import dispatch
-from jaxmoe.models.moe import MoE, gate_config
+from jaxmoe.models.moe import dispatch
+from jaxmoe.models.moe.layer import MoE, gate_config
 from tests.test_gates import ref_choose, ref_weights
 
 B, L, D, F, E = 4, 16, 16, 32, 8

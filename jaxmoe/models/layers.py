@@ -132,3 +132,8 @@ class GatedMLP(nnx.Module):
         gate_BLF = self.act(matmul_2d(x_BLD, self.wi_0[...].astype(dtype)))
         up_BLF = matmul_2d(x_BLD, self.wi_1[...].astype(dtype))
         return matmul_2d(gate_BLF * up_BLF, self.wo[...].astype(dtype)), {}
+
+
+def compute_dtype(cfg):
+    """The activations' dtype (`model.dtype`); parameters stay float32."""
+    return jnp.dtype(cfg.dtype)
