@@ -76,7 +76,7 @@ def make_layer(cfg):
         def loss(params, x):
             y, aux = nnx.merge(graphdef, params)(x, train=True)
             aux_loss = moe.balance_loss_weight * aux["balance_loss"]
-            return jnp.sum(y * cotangent) + aux_loss + moe.z_loss_weight * aux["z_loss"], aux
+            return jnp.sum(y * cotangent) + aux_loss + moe.z_loss_weight * aux["router_z_loss"], aux
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 

@@ -32,7 +32,7 @@ MESHES = {
 def make_step(graphdef, r):
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params)(x, train=True)
-        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"], (y, aux)
+        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["router_z_loss"], (y, aux)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 

@@ -24,7 +24,7 @@ from jaxmoe.checkpoints.hf.exporter import export_hf
 from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config
 from jaxmoe.checkpoints.surgery import gqa_params
-from jaxmoe.config import ConfigError
+from jaxmoe.errors import ConfigError
 from jaxmoe.inference.decode import Generator
 from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config

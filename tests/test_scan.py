@@ -127,7 +127,7 @@ def test_scanned_matches_unrolled(case, mesh_name):
     loss_u, extra_u, grads_u = loss_and_grads(unrolled_cfg, params, batch)
     loss_s, extra_s, grads_s = loss_and_grads(scanned_cfg, stacked, batch)
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5, atol=1e-6)
-    for key in ("aux_loss", "z_loss", "top2_fraction", "routing_BM"):
+    for key in ("weighted_balance_loss", "weighted_router_z_loss", "top2_fraction", "routing_BM"):
         np.testing.assert_allclose(extra_s[key], extra_u[key], rtol=1e-5, atol=1e-6)
     assert sorted(extra_s) == sorted(extra_u)
     jax.tree.map(
@@ -249,7 +249,7 @@ def test_routing_probes_see_every_layer_of_a_scanned_stack():
 
 def test_remat_takes_a_policy_and_the_old_booleans():
     from jaxmoe.checkpoints.manager import merge_into_defaults
-    from jaxmoe.config import ConfigError
+    from jaxmoe.errors import ConfigError
 
     assert tiny_config("model.remat=true").model.remat == "full"
     assert tiny_config("model.remat=false").model.remat == "none"

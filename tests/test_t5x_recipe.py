@@ -23,9 +23,9 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.config import ConfigError
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
+from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout
 from jaxmoe.models.spec import model_params, model_rngs, model_spec

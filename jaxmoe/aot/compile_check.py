@@ -26,6 +26,7 @@ from jaxmoe.models.attention import AUTO
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.chips import GiB
+from jaxmoe.parallel.device_memory import state_bytes_per_device
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.optimizer import make_optimizer
@@ -99,14 +100,6 @@ def abstract_batch(config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
         )
         for key, (shape, dtype) in shapes.items()
     }
-
-
-def shard_bytes(tree) -> int:
-    """Bytes one device holds of a tree of sharded ShapeDtypeStructs (no layout padding)."""
-    return sum(
-        math.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
-        for leaf in jax.tree.leaves(tree)
-    )
 
 
 def count_collectives(hlo_text: str) -> dict[str, int]:
@@ -270,9 +263,9 @@ def _describe(config, topo: Topology, mesh, spec, abstract_state, batch, step_ti
         "mesh": dict(mesh.shape),
         "moe_dispatch": config.model.moe.dispatch if config.model.moe.num_experts else None,
         "num_params": int(sum(math.prod(p.shape) for p in params)),
-        "param_bytes_per_device": shard_bytes(abstract_state["params"]),
-        "optimizer_bytes_per_device": shard_bytes(abstract_state["opt_state"]),
-        "batch_bytes_per_device": shard_bytes(batch),
+        "param_bytes_per_device": state_bytes_per_device(abstract_state["params"]),
+        "optimizer_bytes_per_device": state_bytes_per_device(abstract_state["opt_state"]),
+        "batch_bytes_per_device": state_bytes_per_device(batch),
         "tokens_per_step": t.batch_size * (length + (enc_len or 0)),
         "model_flops_per_step": flops,
         "step_time_s": step_time_s,

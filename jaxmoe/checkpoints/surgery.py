@@ -24,16 +24,15 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
     read_config,
     resolve_checkpoint,
-    restore_params,
     save_params,
 )
+from jaxmoe.checkpoints.restore import restore_on_mesh
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
@@ -229,12 +228,7 @@ def _restore(src: str):
     validate(config)
     mesh = make_mesh(_CONVERT_MESH)
     spec = model_spec(unrolled_config(config.model), mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        spec.abstract_params,
-        spec.param_specs,
-    )
-    return config, restore_params(src, abstract, config.model), mesh
+    return config, restore_on_mesh(src, spec, mesh, config.model), mesh
 
 
 def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:

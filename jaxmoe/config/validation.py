@@ -7,27 +7,33 @@ models/ in the dependency order (loading.py calls it; models never import it).
 
 from ml_collections import ConfigDict
 
+from jaxmoe.data.curriculum import POLICIES as CURRICULUM_POLICIES
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import ROPE_TYPES
-from jaxmoe.models.moe.gates import BALANCE_FRACTIONS
+from jaxmoe.models.layers import ACTIVATIONS
+from jaxmoe.models.moe.dispatch import DISPATCHES
+from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
+from jaxmoe.models.moe.layer import check_moe_config
+from jaxmoe.models.stack import REMAT_POLICIES
+from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
 from jaxmoe.training.profiling import parse_profile_steps
 
-GATES = ("top1", "top2", "topk", "adaptive", "top_p")
+# Each option list belongs to the module that implements the options.
 CHOICES = {
     "model.arch": ("decoder", "encoder_decoder"),
-    "model.activation": ("silu", "gelu", "relu"),
+    "model.activation": tuple(ACTIVATIONS),
     "model.rope_type": ROPE_TYPES,
     "model.dtype": ("float32", "bfloat16"),
-    "model.remat": ("none", "full", "dots_saveable", "offload_dots"),
+    "model.remat": tuple(REMAT_POLICIES),
     "model.moe.gating": GATES,
     "model.moe.eval_gating": ("", *GATES),
     "model.moe.balance_fractions": BALANCE_FRACTIONS,
-    "model.moe.gap_normalization": ("top2", "none"),
-    "model.moe.single_weight": ("prob", "one"),
-    "model.moe.dispatch": ("auto", "blocks", "ragged", "dense", "capacity"),
-    "optimizer.name": ("adamw", "adafactor", "t5x_adafactor"),
-    "optimizer.schedule": ("cosine", "rsqrt", "constant", "t5x_rsqrt"),
-    "data.curriculum": ("none", "paper", "magnitude"),
+    "model.moe.gap_normalization": GAP_NORMALIZATIONS,
+    "model.moe.single_weight": SINGLE_WEIGHTS,
+    "model.moe.dispatch": DISPATCHES,
+    "optimizer.name": OPTIMIZERS,
+    "optimizer.schedule": SCHEDULES,
+    "data.curriculum": CURRICULUM_POLICIES,
     "data.curriculum_source": ("previous_epoch", "scoring_pass"),
     "train.nonfinite": ("stop", "skip"),
 }
@@ -100,23 +106,10 @@ def validate(config: ConfigDict) -> None:
             + " and ".join(f"{k}={v}" for k, v in depths.items())
             + ": no layer would be MoE (model.moe.num_experts=0 is the dense model)",
         )
-        need(moe.ffn_dim > 0, f"model.moe.ffn_dim={moe.ffn_dim} must be positive")
-        need(0.0 <= moe.threshold <= 1.0, f"model.moe.threshold={moe.threshold} not in [0, 1]")
-        need(0.0 < moe.top_p <= 1.0, f"model.moe.top_p={moe.top_p} not in (0, 1]")
-        need(
-            1 <= moe.top_k <= moe.num_experts,
-            f"model.moe.top_k={moe.top_k} not in [1, model.moe.num_experts={moe.num_experts}]",
-        )
-        need(
-            1 <= moe.max_k <= moe.num_experts,
-            f"model.moe.max_k={moe.max_k} not in [1, model.moe.num_experts={moe.num_experts}]",
-        )
-        need(
-            moe.num_experts >= 2 or moe.gating == "top1",
-            f"model.moe.gating={moe.gating!r} needs model.moe.num_experts >= 2",
-        )
-        need(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} < 0")
-        need(moe.block_size > 0, f"model.moe.block_size={moe.block_size} must be positive")
+        try:
+            check_moe_config(m)  # the ranges of the MoE options live with the layer
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
         expert_axis = config.mesh.expert
         need(
             expert_axis in (-1, 1) or moe.num_experts % expert_axis == 0,

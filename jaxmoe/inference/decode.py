@@ -446,10 +446,10 @@ def decode_main(
     "compile_s"}. `config` replaces the checkpoint's stored config (then `overrides` are
     already applied to it).
     """
+    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
     from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.data.sources import load_tokenizer
     from jaxmoe.data.tokenizer import with_bos
-    from jaxmoe.inference.evaluate import checkpoint_config, restore_on_mesh
 
     sampling = Sampling(temperature, top_k, top_p)
     texts = read_prompts(prompt, prompts_file)

@@ -15,12 +15,12 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import read_config, restore_params
+from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, strict_param_check
-from jaxmoe.training.steps import eval_step
+from jaxmoe.training.steps import eval_metrics, eval_step
 
 
 @dataclass
@@ -164,28 +164,6 @@ def packed_batches(config, data_spec: str, tokenizer):
     ]
 
 
-def checkpoint_config(checkpoint: str, overrides=()):
-    """The config stored with `checkpoint`, `--config.KEY=VALUE` overrides applied."""
-    from jaxmoe.config.loading import apply_overrides
-    from jaxmoe.config.validation import validate
-
-    config = read_config(checkpoint)
-    apply_overrides(config, overrides)
-    validate(config)
-    return config
-
-
-def restore_on_mesh(checkpoint: str, spec, mesh, model_cfg=None):
-    """The parameters of `checkpoint`, read straight into their shards on `mesh` (either
-    layer layout when `model_cfg` is given, see models/stack.py)."""
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
-        spec.abstract_params,
-        spec.param_specs,
-    )
-    return restore_params(checkpoint, abstract, model_cfg)
-
-
 def evaluate(
     checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
 ) -> dict:
@@ -237,14 +215,7 @@ def evaluate(
                 totals[key] += float(out[key])
             losses.append(out["nll_per_example"])
             counts.append(out["weight_per_example"])
-    weight = max(totals["weight_sum"], 1.0)
-    loss = totals["nll_sum"] / weight
-    result = {
-        "loss": loss,
-        "num_tokens": int(totals["weight_sum"]),
-        "perplexity": float(np.exp(min(loss, 50.0))),
-        "accuracy": totals["correct_sum"] / weight,
-    }
+    result = eval_metrics(totals)
     if per_example:
         if num_examples is None:
             raise ConfigError("--per_example needs jsonl:FILE data (one example per line)")

@@ -118,9 +118,9 @@ def generate_eval(
     overrides=(),
 ) -> dict:
     """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`."""
+    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
     from jaxmoe.data.sources import load_tokenizer
     from jaxmoe.inference.decode import Generator
-    from jaxmoe.inference.evaluate import checkpoint_config, restore_on_mesh
     from jaxmoe.models.spec import model_spec
     from jaxmoe.parallel.mesh import make_mesh
 

@@ -98,8 +98,8 @@ class JaxmoeLM(TemplateLM):
         **config_overrides,
     ):
         super().__init__()
+        from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
         from jaxmoe.data.sources import load_tokenizer
-        from jaxmoe.inference.evaluate import checkpoint_config, restore_on_mesh
         from jaxmoe.storage.paths import absolute_path
 
         del device, max_batch_size  # the mesh decides placement; batches have one size

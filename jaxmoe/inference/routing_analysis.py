@@ -5,8 +5,8 @@
 The checkpoint is restored onto the mesh of its config (`config.mesh`, overridable) and the
 data (`jsonl:FILE`, `NAME/SPLIT` or `embedded`, read as `jaxmoe eval` reads it) is scored in
 batches. For every valid token and MoE layer the gate's decision (one expert or two) comes
-back to the host, where only counters (analysis_counts.py) are kept. Writes routing.json,
-summary.md and PNG plots (analysis_plots.py) into --out.
+back to the host, where only counters (routing_counts.py) are kept. Writes routing.json,
+summary.md and PNG plots (routing_plots.py) into --out.
 
 By default the decision is the one the *training* gate (`model.moe.gating`) makes on the
 layer's input, so a model evaluated with `model.moe.eval_gating=top1` still shows which tokens
@@ -76,7 +76,7 @@ def analyze_routing(
     """Routing statistics of `checkpoint` on `data_spec`, written into `out_dir`.
 
     config: the run config (default: the one stored with the checkpoint, with `overrides`).
-    Returns the summary dict that routing.json holds (see analysis_counts.summarize), plus
+    Returns the summary dict that routing.json holds (see routing_counts.summarize), plus
     `files`: the paths written (by process 0).
     """
     import jax

@@ -3,7 +3,7 @@
 Each MoE FFN of the restored model is wrapped in a RoutingProbe, whose aux adds
 `top2_mask_BL`: the decision the gate of gates.py makes on the layer's own input. The jitted
 program returns these masks (replicated, so any process can read them) and the host feeds
-them, batch by batch, to the counters of analysis_counts.py.
+them, batch by batch, to the counters of routing_counts.py.
 """
 
 import jax
@@ -31,11 +31,9 @@ class RoutingProbe(nnx.Module):
     def __call__(self, x_BLD, *, train: bool):
         y_BLD, aux = self.moe(x_BLD, train=train)
         batch, length, _ = x_BLD.shape
-        # The router exactly as MoE applies it (f32, same op order, no jitter outside
-        # training), so borderline gaps fall on the same side of the threshold.
-        logits_BLE = x_BLD.astype(jnp.float32) @ self.moe.router[...]
-        logits_TE = logits_BLE.reshape(batch * length, self.moe.num_experts)
-        routing = gates.route(jax.nn.softmax(logits_TE, axis=-1), self.gate_cfg)
+        # The layer's own router code: borderline gaps fall on the same side of the threshold.
+        _, probs_TE = self.moe.route_probs(x_BLD, train=False)
+        routing = gates.route(probs_TE, self.gate_cfg)
         top2_BL = (jnp.sum(routing.mask, axis=-1) >= 2).reshape(batch, length)
         return y_BLD, {**aux, "top2_mask_BL": top2_BL}
 
@@ -103,10 +101,10 @@ def _count_batch(counts: RoutingCounts, batch: dict, masks: dict) -> None:
 def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int = 0):
     """RoutingCounts of `checkpoint` over `batches` (an iterable of global host batches),
     computed on the mesh of `config.mesh`; returns (counts, number of batches)."""
-    from jaxmoe.checkpoints.manager import restore_params
+    from jaxmoe.checkpoints.restore import restore_on_mesh
     from jaxmoe.models.spec import model_spec
     from jaxmoe.parallel.mesh import make_mesh
-    from jaxmoe.parallel.sharding import batch_spec, named, strict_param_check
+    from jaxmoe.parallel.sharding import batch_spec, strict_param_check
 
     layers = moe_layers(config)
     if not layers:
@@ -122,12 +120,7 @@ def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     strict_param_check(spec, mesh)
-    abstract = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        spec.abstract_params,
-        named(mesh, spec.param_specs),
-    )
-    params = restore_params(checkpoint, abstract, config.model)
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
     # Replicated outputs: every process can read the whole batch's masks.
     step = jax.jit(
         lambda p, b: routing_masks(p, b, spec.graphdef, gate, spec.rest),

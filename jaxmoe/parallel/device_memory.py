@@ -8,24 +8,26 @@ the real step bigger. Without it, an impossible step costs a full compile before
 the kernel) reports an out-of-memory error.
 """
 
+import math
 import os
 
 import jax
-import numpy as np
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.chips import GiB
 from jaxmoe.parallel.sharding import data_parallel_size
 
 
-def state_bytes_per_device(abstract_tree, shardings) -> float:
-    """Bytes of `abstract_tree` held by the most loaded device under `shardings`."""
-    total = 0.0
-    for leaf, sharding in zip(
-        jax.tree.leaves(abstract_tree), jax.tree.leaves(shardings), strict=True
-    ):
-        total += float(np.prod(sharding.shard_shape(leaf.shape))) * leaf.dtype.itemsize
-    return total
+def state_bytes_per_device(abstract_tree, shardings=None) -> int:
+    """Bytes of `abstract_tree` held by the most loaded device: the one per-device count of
+    training's memory check, decoding's and the compile check's reports. `shardings`
+    defaults to the leaves' own (sharded ShapeDtypeStructs); no layout padding."""
+    leaves = jax.tree.leaves(abstract_tree)
+    placed = [leaf.sharding for leaf in leaves] if shardings is None else jax.tree.leaves(shardings)
+    return sum(
+        math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+        for leaf, sharding in zip(leaves, placed, strict=True)
+    )
 
 
 def step_bytes_lower_bound(config, mesh, abstract_state, shardings) -> dict[str, float]:

@@ -33,7 +33,7 @@ from jaxmoe.training.metrics import MetricsWriter, wandb_options
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.profiling import ProfileWindow
 from jaxmoe.training.state import init_state, state_shardings
-from jaxmoe.training.steps import eval_step, step_fns, train_step
+from jaxmoe.training.steps import eval_metrics, eval_step, step_fns, train_step
 from jaxmoe.training.workdir import WorkdirLock, check_workdir
 
 log = logging.getLogger("jaxmoe")
@@ -66,15 +66,7 @@ class Evaluator:
                 sums = self.fn(params, to_global(batch, self.batch_shardings))
                 sums = {k: v for k, v in sums.items() if not k.endswith("per_example")}
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        totals = jax.device_get(totals)
-        weight = max(float(totals["weight_sum"]), 1.0)
-        loss = float(totals["nll_sum"]) / weight
-        return {
-            "loss": loss,
-            "perplexity": float(np.exp(min(loss, 50.0))),
-            "accuracy": float(totals["correct_sum"]) / weight,
-            "num_tokens": int(weight),
-        }
+        return eval_metrics(jax.device_get(totals))
 
 
 class _Preemption:

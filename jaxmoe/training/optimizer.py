@@ -6,6 +6,9 @@ import optax
 
 from jaxmoe.training.adafactor import t5x_adafactor
 
+OPTIMIZERS = ("adamw", "adafactor", "t5x_adafactor")  # optimizer.name
+SCHEDULES = ("cosine", "rsqrt", "constant", "t5x_rsqrt")  # optimizer.schedule
+
 
 def _schedule_from_zero(opt_cfg, horizon: int) -> optax.Schedule:
     """The schedule as a function of the step counted from the start of the recipe."""

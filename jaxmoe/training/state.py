@@ -8,7 +8,7 @@ the model ever sits on one device.
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, PartitionSpec
 
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import ModelSpec, model_params, model_rngs
@@ -76,7 +76,3 @@ def init_state(model_cfg, seed: int, optimizer, shardings, mesh: Mesh):
 
     with jax.set_mesh(mesh):
         return jax.jit(init, out_shardings=shardings)(jax.random.key(seed))
-
-
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())

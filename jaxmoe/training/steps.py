@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
@@ -35,7 +36,7 @@ class StepFns:
 
 
 def step_fns(config, spec, optimizer, schedule) -> StepFns:
-    """The StepFns of `config` for a model spec (train_state.model_spec) and optimizer."""
+    """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer."""
     return StepFns(
         graphdef=spec.graphdef,
         optimizer=optimizer,
@@ -76,7 +77,7 @@ def moe_summary(aux: dict) -> dict:
     layers = list(aux)  # models give aux in layer order (sorted() put decoder_10 first)
     out = {key: jnp.mean(jnp.stack([aux[i][key] for i in layers])) for key in SCALAR_MOE_KEYS}
     out["balance_loss"] = jnp.mean(jnp.stack([aux[i]["balance_loss"] for i in layers]))
-    out["router_z_loss"] = jnp.mean(jnp.stack([aux[i]["z_loss"] for i in layers]))
+    out["router_z_loss"] = jnp.mean(jnp.stack([aux[i]["router_z_loss"] for i in layers]))
     for i in layers:
         out[f"top2_fraction/layer_{i}"] = aux[i]["top2_fraction"]
     return out
@@ -95,9 +96,11 @@ def _loss(params, batch, total_weight, rng, fns: StepFns):
     if aux:
         layers = list(aux)
         balance = sum(aux[i]["balance_loss"] for i in layers) * fns.balance_loss_weight
-        z = sum(aux[i]["z_loss"] for i in layers) * fns.z_loss_weight
+        z = sum(aux[i]["router_z_loss"] for i in layers) * fns.z_loss_weight
         loss = loss + (balance + z) / fns.grad_accum
-        extra |= {"aux_loss": balance, "z_loss": z, **moe_summary(aux)}
+        # Weighted sums (what the loss adds); balance_loss / router_z_loss are unweighted means.
+        extra |= {"weighted_balance_loss": balance, "weighted_router_z_loss": z}
+        extra |= moe_summary(aux)
         extra["routing_BM"] = jnp.stack([aux[i]["top2_per_example"] for i in layers], axis=1)
     return loss, extra
 
@@ -127,16 +130,17 @@ def train_step(state, batch, fns: StepFns):
         extra = {
             key: (
                 jnp.sum(value, 0)
-                if key in ("nll_sum", "aux_loss", "z_loss", "logits_z_loss")
+                if key
+                in ("nll_sum", "weighted_balance_loss", "weighted_router_z_loss", "logits_z_loss")
                 else value.reshape(-1, *value.shape[2:])
                 if key == "routing_BM"
                 else jnp.mean(value, 0)
             )
             for key, value in extras.items()
         }
-        if "aux_loss" in extra:  # each micro-batch's aux term was already divided
-            extra["aux_loss"] /= fns.grad_accum
-            extra["z_loss"] /= fns.grad_accum
+        if "weighted_balance_loss" in extra:  # each micro-batch's term was already divided
+            extra["weighted_balance_loss"] /= fns.grad_accum
+            extra["weighted_router_z_loss"] /= fns.grad_accum
 
     updates, opt_state = fns.optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
@@ -169,4 +173,17 @@ def eval_step(params, batch, graphdef, rest=None):
         "weight_sum": jnp.sum(weights),
         "nll_per_example": jnp.sum(nll * weights, -1),
         "weight_per_example": jnp.sum(weights, -1),
+    }
+
+
+def eval_metrics(totals) -> dict:
+    """loss (mean NLL per target token), perplexity, accuracy and token count from the sums
+    of `eval_step` added over batches (host numbers)."""
+    weight = max(float(totals["weight_sum"]), 1.0)
+    loss = float(totals["nll_sum"]) / weight
+    return {
+        "loss": loss,
+        "perplexity": float(np.exp(min(loss, 50.0))),  # capped: a diverged model stays finite
+        "accuracy": float(totals["correct_sum"]) / weight,
+        "num_tokens": int(totals["weight_sum"]),
     }

@@ -1,6 +1,6 @@
 """`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`,
 plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`) or
-`--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: hf_tokenizer.py).
+`--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: tokenizer.py).
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
 (as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer routed

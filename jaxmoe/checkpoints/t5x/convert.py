@@ -15,7 +15,7 @@ copies while it writes; measured ~200 MiB + 2.5 G), never the whole model; an in
 msgpack file is also held by the reader. Of the optimizer state only `step` is read: the
 stored config records it (`source.step`) beside T5.1.1's pre-training recipe, so uptraining
 (configs/uptrain_gqa.py) continues T5X's schedule from that step. `--keep_optimizer` also
-converts T5X's Adafactor moments (t5x_optimizer.py) into an `opt_state` item.
+converts T5X's Adafactor moments (optimizer.py) into an `opt_state` item.
 """
 
 import json

@@ -2,7 +2,7 @@
 
 Implementations, chosen by `model.moe.dispatch`:
 - "blocks": assignments laid out by expert, block loops whose cost follows the number of
-  assignments (dispatch_blocks.py). The CPU default.
+  assignments (grouped_ffn.py). The CPU default.
 - "ragged": the same expert-sorted layout fed to `jax.lax.ragged_dot` (a grouped matmul
   kernel on GPU/TPU; on CPU it is lowered to a masked dense matmul over every group, so its
   cost does not fall with fewer assignments). The GPU/TPU default when dropless.

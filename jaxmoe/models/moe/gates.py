@@ -75,17 +75,17 @@ class GateConfig:
         if self.gating not in GATES:
             raise bad("gating", self.gating, " | ".join(GATES))
         if self.gap_normalization not in GAP_NORMALIZATIONS:
-            raise bad("gap_normalization", self.gap_normalization, "top2 | none")
+            raise bad("gap_normalization", self.gap_normalization, " | ".join(GAP_NORMALIZATIONS))
         if self.single_weight not in SINGLE_WEIGHTS:
-            raise bad("single_weight", self.single_weight, "prob | one")
+            raise bad("single_weight", self.single_weight, " | ".join(SINGLE_WEIGHTS))
         if self.top_k < 1:
             raise bad("top_k", self.top_k, "an integer >= 1")
         if self.max_k < 1:
             raise bad("max_k", self.max_k, "an integer >= 1")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a probability in (0, 1]")
-        if self.threshold < 0.0:
-            raise bad("threshold", self.threshold, "a number >= 0")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise bad("threshold", self.threshold, "a number in [0, 1]")
 
 
 def num_slots(cfg: GateConfig) -> int:

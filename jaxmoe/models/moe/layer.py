@@ -6,9 +6,9 @@ Parameters (logical axis names in parentheses; converters rely on these names):
   act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
 
 `MoE(cfg, rngs=...)(x_BLD, train=...)` returns (y_BLD, aux) with aux scalars
-`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `balance_loss`, `z_loss` (losses
+`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `balance_loss`, `router_z_loss` (losses
 unweighted) and `top2_per_example` [B]. Dispatch choices are in dispatch.py; under a mesh
-with more than one device the FFN runs in parallel/expert_parallel.py.
+with more than one device the FFN runs in expert_parallel.py.
 """
 
 import jax
@@ -33,12 +33,15 @@ def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
     )
 
 
-def _check_config(cfg) -> None:
+def check_moe_config(cfg) -> None:
+    """The MoE options' ranges, checked once: config validation calls this (as ConfigError)
+    and so does the layer, for callers that build models without validating. ValueError."""
     moe = cfg.moe
     num_experts = int(moe.num_experts)
     if num_experts < 2:
         raise ValueError(
-            f"model.moe.num_experts: an MoE layer needs >= 2 experts, got {num_experts}"
+            f"model.moe.num_experts={num_experts}: an MoE layer needs >= 2 experts "
+            "(model.moe.num_experts=0 is the dense model)"
         )
     for key in ("ffn_dim", "block_size"):
         if int(moe[key]) < 1:
@@ -51,20 +54,18 @@ def _check_config(cfg) -> None:
     for key in ("capacity_factor", "jitter"):
         if float(moe[key]) < 0:
             raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
-    if moe.eval_gating and moe.eval_gating not in gates.GATES:
-        raise ValueError(
-            f"model.moe.eval_gating: got {moe.eval_gating!r}, expected '' or "
-            + " | ".join(gates.GATES)
-        )
     if float(moe.jitter) >= 1:
         raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
+    dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
+    for gating in {moe.gating, moe.eval_gating or moe.gating}:
+        gate_config(moe, gating)  # the gate's own checks (names, top_k, top_p, threshold)
 
 
 class MoE(nnx.Module):
     """Router + gate + experts; see the module docstring for shapes and outputs."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
-        _check_config(cfg)
+        check_moe_config(cfg)
         moe = cfg.moe
         dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
         self.num_experts = num_experts
@@ -86,6 +87,18 @@ class MoE(nnx.Module):
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
 
+    def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
+        """Router logits and probabilities, f32 [B*L, E] each (jitter only in training).
+        Routing analysis calls this too, so its decisions are the layer's to the bit."""
+        router_in = x_BLD.astype(jnp.float32)
+        if train and self.jitter > 0:
+            noise = jax.random.uniform(
+                self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
+            )
+            router_in = router_in * noise
+        logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
+        return logits_TE, jax.nn.softmax(logits_TE, axis=-1)
+
     def __call__(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
         batch, length, dim = x_BLD.shape
         if dim != self.router.shape[0]:
@@ -93,14 +106,7 @@ class MoE(nnx.Module):
                 f"MoE: x has shape {x_BLD.shape}, expected last dim {self.router.shape[0]}"
             )
         gate_cfg = self.train_gate if train else self.eval_gate
-        router_in = x_BLD.astype(jnp.float32)
-        if train and self.jitter > 0:
-            noise = jax.random.uniform(
-                self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
-            )
-            router_in = router_in * noise
-        logits_TE = router_in.reshape(batch * length, -1) @ self.router[...]
-        probs_TE = jax.nn.softmax(logits_TE, axis=-1)
+        logits_TE, probs_TE = self.route_probs(x_BLD, train=train)
         routing = gates.route(probs_TE, gate_cfg)
         slots = routing.indices.shape[-1]
 
@@ -130,7 +136,7 @@ class MoE(nnx.Module):
         aux["balance_loss"] = gates.balance_loss(
             probs_TE, routing, gate_cfg.gating, self.balance_fractions
         )
-        aux["z_loss"] = gates.z_loss(logits_TE)
+        aux["router_z_loss"] = gates.z_loss(logits_TE)
         return y_BLD.astype(dtype), aux
 
 
