@@ -53,8 +53,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    overrides = args.overrides
     """The command: analyse, write the files, print one JSON line with the main rates."""
+    overrides = args.overrides
     import jax
 
     from jaxmoe.config.loading import load_config

@@ -39,8 +39,8 @@ def _compile_on_cpu_host() -> None:
 
 
 def run(args) -> int:
-    overrides = args.overrides
     """`jaxmoe compile`: print the report (or JSON); 0 if the step fits, 2 if not or on error."""
+    overrides = args.overrides
     from jaxmoe.config.loading import load_config
 
     _compile_on_cpu_host()

@@ -68,8 +68,8 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
 
 
 def run_t5x(args) -> int:
-    overrides = args.overrides
     """Runs the conversion for parsed `args`; prints one JSON line describing DST."""
+    overrides = args.overrides
     start = time.perf_counter()
     config = convert_t5x(
         args.src,
