@@ -171,9 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxmoe.checkpoints import convert as gqa_upcycle
 
     gqa_upcycle.add_parsers(convert_sub)
-    export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf)")
+    export = sub.add_parser("export", help="export a jaxmoe checkpoint (hf, t5x)")
     export_sub = export.add_subparsers(dest="target", required=True)
     hf_export.add_parser(export_sub)
+    from jaxmoe.checkpoints import t5x_export
+
+    t5x_export.add_parser(export_sub)
 
     lm_eval = sub.add_parser(
         "lm-eval",
