@@ -207,6 +207,22 @@ def test_bfloat16_export_and_refusals(tmp_path, round_trip):
         export_t5x(root / "first", tmp_path / "other", step=5)
 
 
+def test_step_of_a_fresh_state_counts_from_the_schedule_start(tmp_path, round_trip):
+    """An Adafactor state begun fresh at optimizer.start_step 1000 (uptraining without the
+    source's state) is T5X's step 1000 + its count (0 here)."""
+    root, _ = round_trip
+    config = json.loads((root / "first" / "config" / "config.json").read_text())
+    config["train"]["init_optimizer"], config["optimizer"]["start_step"] = False, 1000
+    fresh = tmp_path / "fresh"
+    (fresh / "config").mkdir(parents=True)
+    (fresh / "config" / "config.json").write_text(json.dumps(config))
+    for item in ("params", "opt_state"):
+        (fresh / item).symlink_to(root / "first" / item)
+    exported = export_t5x(fresh, tmp_path / "t5x")
+    assert exported.name == "checkpoint_1000"
+    assert int(flax_tree(exported / "checkpoint")["optimizer/state/step"]) == 1000
+
+
 def run_cli(*args, cwd=REPO):
     env = dict(os.environ, PYTHONPATH=str(REPO))
     return subprocess.run(
@@ -243,4 +259,4 @@ def test_shipped_checkpoint_converts(tmp_path):
     assert {name.split("/")[1] for name in ours if "/" in name} == {"state", "target"}
     config = convert_t5x(SHIPPED, tmp_path / "converted")
     m = config.model
-    assert (m.vocab_size, m.d_model, m.num_layers, m.num_encoder_layers) == (256, 8, 2, 2)
+    assert (m.vocab_size, m.d_model, m.num_layers, m.num_encoder_layers) == (2048, 8, 2, 2)

@@ -13,8 +13,9 @@ Written as T5X's msgpack + TensorStore `Checkpointer.save` writes it from one ho
   T5X's Adafactor leaves unpartitioned, and the (1,) placeholders of unused moments.
 Parameters keep T5X's names and 2-D attention kernels (t5x_convert.t5x_name / t5x_shape).
 The Adafactor state is the checkpoint's own `t5x_adafactor` state when it stores one (e.g.
-`convert t5x --keep_optimizer`), its count becoming `step`; otherwise T5X's initial state
-(zeros, factored where `t5x_adafactor` factors) at step `--step` (default: `source.step`).
+`convert t5x --keep_optimizer`), its count (plus `optimizer.start_step` for a state that
+started fresh) becoming `step`; otherwise T5X's initial state (zeros, factored where
+`t5x_adafactor` factors) at step `--step` (default: `source.step`, else 0).
 """
 
 import argparse
@@ -143,12 +144,18 @@ def export_t5x(
     names = {path: t5x_name(path) for path in shapes}  # raises for parameters T5X lacks
     keep = _keeps_adafactor(str(ckpt), config) and not config.model.get("scan_layers", False)
     moments, count = adafactor_states(str(ckpt), config, shapes, keep)
-    if count is not None and step is not None and step != count:
-        raise CheckpointError(
-            f"--step={step} but the checkpoint's Adafactor state is at step {count}"
-        )
-    source = config.get("source", {}) or {}
-    step = count if count is not None else step if step is not None else source.get("step", 0)
+    if count is not None:
+        # A state continued from T5X's (`train.init_optimizer`) counts T5X's steps; a fresh
+        # one counts from the run's start, which sits at `optimizer.start_step` of T5X's
+        # schedule (T5X then needs `step_offset` = that start for the same decay).
+        offset = 0 if config.train.init_optimizer else int(config.optimizer.start_step)
+        if step is not None and step != count + offset:
+            raise CheckpointError(
+                f"--step={step} but the checkpoint's Adafactor state is at step {count + offset}"
+            )
+        step = count + offset
+    elif step is None:
+        step = (config.get("source", {}) or {}).get("step", 0)
 
     out = Path(out).absolute()
     final = out / f"checkpoint_{int(step)}"

@@ -1,8 +1,9 @@
 """Writes tests/data/t5x_tiny/checkpoint_0: a randomly initialised tiny T5.1.1 as a T5X
 checkpoint (written by `export t5x`), so the README's T5X examples run from the repository.
 
-Model: vocab 256, d_model 8, 4 heads of 3, gated-GELU FFN 16, 2 + 2 layers, 32 relative-
-position buckets (the shape of T5X's own test checkpoint, with a small vocabulary).
+Model: vocab 2048 (the default data's tokenizer has 1124 pieces), d_model 8, 4 heads of 3,
+gated-GELU FFN 16, 2 + 2 layers, 32 relative-position buckets (the shape of T5X's own test
+checkpoint, with a smaller vocabulary).
 
     PYTHONPATH=. python tests/data/make_t5x_tiny.py
 """
@@ -25,7 +26,7 @@ from jaxmoe.train_state import str_keys
 
 HERE = Path(__file__).resolve().parent
 MODEL = {
-    "arch": "encoder_decoder", "vocab_size": 256, "d_model": 8, "num_layers": 2,
+    "arch": "encoder_decoder", "vocab_size": 2048, "d_model": 8, "num_layers": 2,
     "num_encoder_layers": 2, "num_heads": 4, "num_kv_heads": 4, "encoder_num_kv_heads": 0,
     "head_dim": 3, "ffn_dim": 16, "activation": "gelu", "norm_eps": 1e-6, "rope_theta": 0.0,
     "tie_embeddings": False, "relpos_buckets": 32, "relpos_max_distance": 128,
