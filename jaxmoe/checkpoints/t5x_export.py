@@ -11,7 +11,9 @@ Written as T5X's msgpack + TensorStore `Checkpointer.save` writes it from one ho
   is the same to T5X, which rewrites both).
 - the rest is inline in the msgpack file: `step` and the `v_row`/`v_col`/`m` moments, which
   T5X's Adafactor leaves unpartitioned, and the (1,) placeholders of unused moments.
-Parameters keep T5X's names and 2-D attention kernels (t5x_convert.t5x_name / t5x_shape).
+Parameters keep T5X's names and 2-D attention kernels (t5x_convert.t5x_name / t5x_shape);
+a GQA model's key/value kernels are `[D, G*dh]` (what `convert t5x` reads back; T5X's own
+T5.1.1 has no GQA, so a T5X model restoring them must define it).
 The Adafactor state is the checkpoint's own `t5x_adafactor` state when it stores one (e.g.
 `convert t5x --keep_optimizer`), its count (plus `optimizer.start_step` for a state that
 started fresh) becoming `step`; otherwise T5X's initial state (zeros, factored where
