@@ -133,3 +133,15 @@ def test_a_key_that_is_not_a_name_is_refused(tmp_path):
     metadata_file.write_text(json.dumps(metadata))
     with pytest.raises(ValueError, match=r"'\.\.' in target/\.\. is not a name"):
         open_t5x(checkpoint)
+
+
+def test_older_orbax_manager_layout_with_msgpack_index_in_state(tmp_path):
+    """`checkpoint_S/state/checkpoint` (Orbax before `_METADATA`), as T5X's own restore
+    looks for it: the tiny_orbax toy moved into a `state` item."""
+    from tests.test_t5x_reader import TINY_ORBAX, copy_tree
+
+    checkpoint = tmp_path / "checkpoint_1"
+    checkpoint.mkdir()
+    copy_tree(TINY_ORBAX, checkpoint / "state")
+    opened = open_t5x(checkpoint)
+    assert opened.layout == "orbax" and "param_states/kernel" in opened.optimizer_state_names()

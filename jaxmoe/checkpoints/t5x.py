@@ -65,6 +65,8 @@ def open_t5x(path: str | Path) -> "T5xCheckpoint":
     path = Path(path)
     if path.is_dir() and (item := orbax_item(path)) is not None:
         return _build_orbax(path, item)
+    if path.is_dir() and not (path / "checkpoint").exists() and (path / "state").is_dir():
+        path = resolve_inside(path, "state")  # an older Orbax manager: msgpack index in there
     if path.is_dir():
         # The same gate as every path the checkpoint names: a `checkpoint` symlink that
         # leads out of the directory is refused.
