@@ -3,10 +3,11 @@ plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`)
 `--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: hf_tokenizer.py).
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
-(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer routed
-top-k with renormalised weights (as Mixtral), and multi-head T5 v1.1 encoder-decoders.
-Anything else (adaptive or top-p gating, `moe.every` > 1, GQA in T5...) is refused with a
-one-line reason.
+(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
+Mixtral when routed top-k with renormalised weights; other gates, adaptive and top-p
+included, as `jaxmoe_moe` with a modeling file for `trust_remote_code`: hf_remote.py), and
+multi-head T5 v1.1 encoder-decoders. Anything else (`moe.every` > 1, a token capacity, GQA
+in T5...) is refused with a one-line reason.
 """
 
 import argparse
@@ -30,6 +31,7 @@ from jaxmoe.checkpoints.hf import (
     unflatten,
 )
 from jaxmoe.checkpoints.hf_names import ImportPlan, TensorMap, export_plan
+from jaxmoe.checkpoints.hf_remote import write_modeling_file
 from jaxmoe.checkpoints.hf_tokenizer import write_hf_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, restore_params
 from jaxmoe.paths import absolute_path
@@ -102,6 +104,7 @@ def export_hf(
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    write_modeling_file(hf_config, dst)
     encoder_decoder = m.arch == "encoder_decoder"
     if tokenizer:
         write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
@@ -136,8 +139,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         description=(
             "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
             "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
-            "as Mixtral, T5 v1.1 as T5. "
-            "Models HF cannot express (adaptive gating, moe.every > 1, GQA T5) are refused."
+            "as Mixtral, other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
+            "(trust_remote_code), T5 v1.1 as T5. "
+            "Models HF cannot express (moe.every > 1, capacity_factor > 0, GQA T5) are refused."
         ),
     )
     parser.add_argument(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxmoe.checkpoints.hf_remote import remote_fields, stock_top_k
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.models.transformer import is_moe_layer
 
@@ -468,30 +469,29 @@ def _hf_activation(m: ConfigDict) -> str:
 
 
 def _mixtral_fields(m: ConfigDict) -> dict:
+    """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
+    (hf_remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
     moe = m.moe
     if moe.every != 1:
         _refuse(f"model.moe.every={moe.every}: Mixtral has an MoE FFN in every layer")
-    k = {"top1": 1, "top2": 2, "topk": moe.top_k}.get(moe.gating)
-    if k is None:
-        _refuse(f"model.moe.gating={moe.gating!r}: Mixtral routes every token to a fixed top-k")
-    if moe.eval_gating not in ("", moe.gating):
-        _refuse(f"model.moe.eval_gating={moe.eval_gating!r} differs from the training gate")
-    if not moe.renormalize:
-        _refuse("model.moe.renormalize=False: Mixtral renormalises the top-k weights")
-    if k == 1 and moe.single_weight != "one":
-        _refuse("top-1 with model.moe.single_weight='prob': Mixtral's single weight is 1")
     if moe.capacity_factor > 0:
         _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
+    gating = moe.eval_gating or moe.gating
+    fields = {
         "intermediate_size": moe.ffn_dim,
         "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": k,
         "router_aux_loss_coef": moe.balance_loss_weight,
         "router_jitter_noise": moe.jitter,
         "output_router_logits": False,
         "sliding_window": None,
+    }
+    k = stock_top_k(moe, gating)
+    if k is None:
+        return fields | remote_fields(moe, gating)
+    return fields | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_experts_per_tok": k,
     }
 
 
