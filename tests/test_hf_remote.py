@@ -2,16 +2,14 @@
 (`jaxmoe_moe`): transformers, loading it with trust_remote_code, must give jaxmoe's logits on
 inputs where tokens take different numbers of experts."""
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.hf import abstract_params
 from jaxmoe.checkpoints.hf_export import export_hf
 from jaxmoe.checkpoints.manager import save_params
-from tests.helpers import tiny_config
+from tests.helpers import tiny_config, unit_scale_params
 from tests.test_hf import IDS, assert_close, hf_logits, jaxmoe_logits, load_converted
 
 GATES = {
@@ -36,11 +34,7 @@ def _config(*overrides):
 def _random_checkpoint(path, *overrides):
     """(config, params) of a tiny 4-expert MoE with unit-scale random weights, saved at path."""
     config = _config(*overrides)
-    rng = np.random.default_rng(7)
-    params = jax.tree.map(
-        lambda a: (a.ndim == 1) + rng.standard_normal(a.shape, np.float32) / a.shape[0] ** 0.5,
-        abstract_params(config.model),
-    )
+    params = unit_scale_params(config.model, seed=7)
     save_params(str(path), params, config)
     return config, params
 

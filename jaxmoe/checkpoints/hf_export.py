@@ -1,6 +1,6 @@
 """`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`,
-plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`) or
-`--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: hf_tokenizer.py).
+plus the tokenizer files and `generation_config.json` (hf_tokenizer_files.py) when the
+checkpoint names its tokenizer (`data.tokenizer`) or `--tokenizer FILE` is given.
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
 (as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
@@ -12,7 +12,6 @@ in T5...) is refused with a one-line reason.
 
 import argparse
 import json
-import logging
 import struct
 import time
 from pathlib import Path
@@ -32,11 +31,9 @@ from jaxmoe.checkpoints.hf import (
 )
 from jaxmoe.checkpoints.hf_names import ImportPlan, TensorMap, export_plan
 from jaxmoe.checkpoints.hf_remote import write_modeling_file
-from jaxmoe.checkpoints.hf_tokenizer import write_hf_tokenizer
+from jaxmoe.checkpoints.hf_tokenizer_files import TOKENIZER_FILES, export_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, restore_params
 from jaxmoe.paths import absolute_path
-
-log = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -103,16 +100,9 @@ def export_hf(
         dst / SINGLE_FILE, shapes, dtype, lambda name: _hf_tensor(params, by_name[name], out_dtype)
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
+    hf_config |= export_tokenizer(config, dst, absolute_path(tokenizer) if tokenizer else None)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     write_modeling_file(hf_config, dst)
-    encoder_decoder = m.arch == "encoder_decoder"
-    if tokenizer:
-        write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
-    elif config.data.tokenizer:
-        try:
-            write_hf_tokenizer(config.data.tokenizer, dst, encoder_decoder)
-        except ValueError as error:  # e.g. T5's tokenizer: the weights are still useful
-            log.warning("no tokenizer.json written: %s", error)
     return hf_config
 
 
@@ -124,7 +114,7 @@ def run_export_hf(ckpt: str, dst: str, dtype: str = "float32", tokenizer: str | 
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
         "dtype": dtype,
-        "tokenizer": (Path(dst) / "tokenizer.json").exists(),
+        "tokenizer": any((Path(dst) / name).exists() for name in TOKENIZER_FILES),
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))
@@ -153,7 +143,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--tokenizer",
         type=absolute_path,
         default=None,
-        help="SentencePiece .model to write as tokenizer.json (default: data.tokenizer)",
+        help="tokenizer to export: a SentencePiece .model (written as tokenizer.json) or a "
+        "Hugging Face tokenizer.json / folder (copied); default: data.tokenizer",
     )
     parser.set_defaults(run=_run_parsed)
     return parser

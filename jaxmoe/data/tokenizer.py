@@ -3,11 +3,15 @@
 
 Trained models round-trip exactly, decode(encode(text)) == text for any string: no
 normalisation (`identity`), whitespace kept as written, no dummy prefix, and unknown
-characters fall back to their UTF-8 bytes. Ids: pad 0, eos 1, unk 2, no bos.
+characters fall back to their UTF-8 bytes. Ids: pad 0, eos 1, unk 2, no bos. A model from
+elsewhere (a converted Llama 2's `tokenizer.model`) starts texts with its BOS when the
+`tokenizer_config.json` beside it says `add_bos_token`, and generation also stops at the
+`eos_token_id`s of a `generation_config.json` there, as transformers does.
 """
 
 import hashlib
 import io
+import json
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -46,6 +50,20 @@ class Tokenizer:
             raise ValueError(f"data.tokenizer={path!r} defines no EOS piece (eos_id < 0)")
         self.path = path if is_remote(path) else os.path.abspath(path)
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+        self.bos_id, self.eos_ids = None, (self._sp.eos_id(),)
+        if not is_remote(path):
+            self._read_hf_configs(os.path.dirname(self.path), path)
+
+    def _read_hf_configs(self, folder: str, culprit: str) -> None:
+        """BOS and extra stop ids from Hugging Face files beside the model, if any."""
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        wants_bos = os.path.isfile(config_path) and self._sp.bos_id() >= 0
+        if wants_bos and read_json_object(config_path, culprit).get("add_bos_token", False):
+            self.bos_id = self._sp.bos_id()
+            # The id stream depends on BOS too: cached streams must not be reused.
+            self.sha256 = hashlib.sha256(f"{self.sha256}|bos".encode()).hexdigest()
+        extra = generation_eos_ids(folder, culprit)
+        self.eos_ids = tuple(dict.fromkeys([self._sp.eos_id(), *extra]))
 
     @property
     def vocab_size(self) -> int:
@@ -61,9 +79,9 @@ class Tokenizer:
         return max(self._sp.pad_id(), 0)
 
     @property
-    def bos_id(self) -> int | None:
-        """None: documents and prompts start without BOS (the models trained here have none)."""
-        return None
+    def pad_token_id(self) -> int | None:
+        """The model's own pad id, None if it has none (what a Hugging Face config says)."""
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else None
 
     def token_id(self, piece: str) -> int | None:
         """The id of a piece of the model, or None if it has no such piece."""
@@ -82,6 +100,30 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
+
+
+def read_json_object(path: str, culprit: str) -> dict:
+    """A tokenizer's JSON side file; a one-line ValueError naming data.tokenizer if bad."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer={culprit!r}: cannot read {path}: {e}") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"data.tokenizer={culprit!r}: {path} is not a JSON object")
+    return values
+
+
+def generation_eos_ids(folder: str, culprit: str) -> list[int]:
+    """The `eos_token_id` (an id or a list of ids) of `folder`/generation_config.json, or []."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.isfile(path):
+        return []
+    value = read_json_object(path, culprit).get("eos_token_id")
+    ids = value if isinstance(value, list) else [] if value is None else [value]
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ValueError(f"data.tokenizer={culprit!r}: {path}: eos_token_id={value!r}")
+    return ids
 
 
 def open_tokenizer(path: str):
