@@ -2,13 +2,16 @@
 (`jaxmoe_moe`): transformers, loading it with trust_remote_code, must give jaxmoe's logits on
 inputs where tokens take different numbers of experts."""
 
+import json
+
 import numpy as np
 import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
+from jaxmoe.checkpoints.hf import convert_hf
 from jaxmoe.checkpoints.hf_export import export_hf
-from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.checkpoints.manager import read_config, save_params
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_hf import IDS, assert_close, hf_logits, jaxmoe_logits, load_converted
 
@@ -70,3 +73,18 @@ def test_folder_refuses_to_load_without_trust_remote_code(tmp_path):
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=False)
+
+
+def test_convert_hf_reads_an_exported_gate_back(tmp_path):
+    _random_checkpoint(tmp_path / "ckpt", *GATES["top_p"])
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    convert_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
+    moe = read_config(str(tmp_path / "back")).model.moe
+    assert (moe.gating, moe.top_p, moe.max_k, moe.renormalize) == ("top_p", 0.5, 3, False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    assert_close(jaxmoe_logits(load_converted(tmp_path / "back"), IDS), hf_logits(model, IDS))
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    hf_config["jaxmoe_gate"]["threshold"] = "high"
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(ValueError, match=r"jaxmoe_gate\.threshold='high'"):
+        convert_hf(str(tmp_path / "hf"), str(tmp_path / "bad"))

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.hf_remote import remote_fields, stock_top_k
+from jaxmoe.checkpoints.hf_remote import MODEL_TYPE, import_gate, remote_fields, stock_top_k
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.models.transformer import is_moe_layer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5", "jaxmoe_moe")
 # HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
 _ACT_FROM_HF = {
     "silu": "silu",
@@ -377,7 +377,7 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         "lm_head.weight" not in present
     )
     moe_prefix, moe_style = "block_sparse_moe", "per_expert"
-    if hf["model_type"] == "mixtral":
+    if hf["model_type"] in ("mixtral", MODEL_TYPE):
         k = _size(hf, "num_experts_per_tok")
         moe = m.moe
         moe.num_experts = _size(hf, "num_local_experts")
@@ -392,6 +392,8 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         moe.jitter = _number(hf, "router_jitter_noise", 0.0)
         moe.balance_loss_weight = _number(hf, "router_aux_loss_coef", 0.0)
         moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
+        if hf["model_type"] == MODEL_TYPE:  # a jaxmoe export: its gate, from jaxmoe_gate
+            import_gate(hf, moe)
         if not any(".block_sparse_moe." in n for n in present):
             moe_prefix = "mlp"  # transformers 5.x module names
         if any(n.endswith(".experts.gate_up_proj") for n in present):
@@ -447,7 +449,7 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     """Sets the jaxmoe model config `m` from HF's config.json `hf` and returns the tensor
     plan for the tensor names `present` in the checkpoint."""
     model_type = hf.get("model_type")
-    if model_type in ("llama", "mistral", "mixtral", "qwen2"):
+    if model_type in ("llama", "mistral", "mixtral", "qwen2", MODEL_TYPE):
         return _decoder_plan(hf, present, m)
     if model_type == "t5":
         return _t5_plan(hf, present, m)

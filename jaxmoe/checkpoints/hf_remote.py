@@ -13,6 +13,8 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
+from jaxmoe.checkpoints.manager import CheckpointError
+
 MODEL_TYPE = "jaxmoe_moe"
 MODELING_FILE = "modeling_jaxmoe_moe.py"
 _SOURCE = Path(__file__).with_name("hf_modeling_jaxmoe_moe.py")
@@ -41,6 +43,22 @@ def gate_options(moe: ConfigDict, gating: str) -> dict:
         "renormalize": bool(moe.renormalize),
         "single_weight": str(moe.single_weight),
     }
+
+
+def import_gate(hf: dict, moe: ConfigDict) -> None:
+    """`moe` (model.moe) routed as `jaxmoe_gate` of config.json `hf` says (convert hf of an
+    export); the values are checked where the model is built (gates.GateConfig)."""
+    gate = hf.get("jaxmoe_gate")
+    expected = set(gate_options(moe, "top2"))
+    if not isinstance(gate, dict) or set(gate) != expected:
+        raise CheckpointError(
+            f"config.json: jaxmoe_gate={gate!r} must be an object with keys {sorted(expected)}"
+        )
+    for key, value in gate.items():
+        try:
+            moe[key] = value
+        except TypeError:  # ConfigDict keeps each field's type
+            raise CheckpointError(f"config.json: jaxmoe_gate.{key}={value!r}") from None
 
 
 def remote_fields(moe: ConfigDict, gating: str) -> dict:
