@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.hf import convert_hf
-from jaxmoe.checkpoints.hf_export import export_hf
+from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config, save_params
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_hf import IDS, assert_close, hf_logits, jaxmoe_logits, load_converted

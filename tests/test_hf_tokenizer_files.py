@@ -12,12 +12,12 @@ import sentencepiece as spm
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.hf import convert_hf
-from jaxmoe.checkpoints.hf_export import export_hf
+from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config, save_params
 from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer
-from jaxmoe.decode import decode_main
+from jaxmoe.inference.decode import decode_main
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_data_sources import build_bpe
 from tests.test_hf import randomize

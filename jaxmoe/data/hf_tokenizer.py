@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from jaxmoe.data.tokenizer import generation_eos_ids, read_json_object
+from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")

@@ -25,8 +25,8 @@ import numpy as np
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
-from jaxmoe.mirror import Mirror
-from jaxmoe.paths import absolute_path, is_remote
+from jaxmoe.storage.mirror import Mirror
+from jaxmoe.storage.paths import absolute_path, is_remote
 
 log = logging.getLogger(__name__)
 

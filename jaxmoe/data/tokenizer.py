@@ -11,7 +11,6 @@ elsewhere (a converted Llama 2's `tokenizer.model`) starts texts with its BOS wh
 
 import hashlib
 import io
-import json
 import os
 import tempfile
 from collections.abc import Iterator, Sequence
@@ -20,7 +19,8 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from jaxmoe.paths import is_remote
+from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
+from jaxmoe.storage.paths import is_remote
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # Changing any training option below must change this, so stale cached models are not used.
@@ -100,30 +100,6 @@ class Tokenizer:
 
     def __repr__(self) -> str:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
-
-
-def read_json_object(path: str, culprit: str) -> dict:
-    """A tokenizer's JSON side file; a one-line ValueError naming data.tokenizer if bad."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"data.tokenizer={culprit!r}: cannot read {path}: {e}") from None
-    if not isinstance(values, dict):
-        raise ValueError(f"data.tokenizer={culprit!r}: {path} is not a JSON object")
-    return values
-
-
-def generation_eos_ids(folder: str, culprit: str) -> list[int]:
-    """The `eos_token_id` (an id or a list of ids) of `folder`/generation_config.json, or []."""
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.isfile(path):
-        return []
-    value = read_json_object(path, culprit).get("eos_token_id")
-    ids = value if isinstance(value, list) else [] if value is None else [value]
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
-        raise ValueError(f"data.tokenizer={culprit!r}: {path}: eos_token_id={value!r}")
-    return ids
 
 
 def open_tokenizer(path: str):
@@ -217,7 +193,7 @@ def cached_tokenizer(
 ) -> Tokenizer:
     """Loads the tokenizer trained on these documents, training and caching it if needed.
 
-    `remote`: a jaxmoe.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
+    `remote`: a jaxmoe.storage.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
     asked before training and given the trained file."""
     key = hashlib.sha256(
         f"{_TRAINING_RECIPE}|{train_fingerprint}|{vocab_size}".encode()
