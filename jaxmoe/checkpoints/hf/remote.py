@@ -4,8 +4,8 @@ Mixtral routes every token to its top-k experts with renormalised weights. jaxmo
 gates (adaptive, top-p, top-k with raw probabilities, a single expert weighted by its
 probability) are exported as model_type `jaxmoe_moe`: Mixtral's config and tensor names,
 plus `jaxmoe_gate` (the gate options) and an `auto_map` naming `modeling_jaxmoe_moe.py`,
-which the export copies into the folder (modeling_jaxmoe_moe.py; transformers runs it
-with `trust_remote_code=True`). See docs/hf_interop.md.
+a copy of the module of that name beside this one (transformers runs it with
+`trust_remote_code=True`). See docs/hf_interop.md.
 """
 
 import shutil
@@ -23,9 +23,9 @@ _SLOTS = {"top1": 1, "top2": 2, "adaptive": 2}
 
 def stock_top_k(moe: ConfigDict, gating: str) -> int | None:
     """k when stock Mixtral computes exactly what jaxmoe's `gating` does, else None."""
-    k = _SLOTS.get(gating, moe.top_k) if gating in ("top1", "top2", "topk") else None
-    if k is None:
+    if gating not in ("top1", "top2", "topk"):
         return None
+    k = _SLOTS.get(gating, int(moe.top_k))
     if k == 1:  # one expert: Mixtral's renormalised weight p / p is 1
         return k if moe.single_weight == "one" else None
     return k if moe.renormalize else None
