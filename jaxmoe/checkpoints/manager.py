@@ -218,7 +218,7 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
 
 
 @contextlib.contextmanager
-def _quiet_orbax():
+def quiet_orbax():
     """Orbax's absl warnings about its own metadata files ("Metadata file does not exist",
     "ArrayMetadata persistence is disabled") say nothing a jaxmoe user can act on."""
     absl_log = logging.getLogger("absl")
@@ -233,7 +233,7 @@ def _quiet_orbax():
 def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
     try:
-        with _quiet_orbax():
+        with quiet_orbax():
             metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
@@ -378,9 +378,14 @@ def save_params(path: str, params, config: ConfigDict) -> None:
         from jaxmoe.models.stack import stack_layers
 
         params = stack_layers(params, config.model)  # the scanned model's checkpoint layout
-    with _quiet_orbax():
+    with quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
+    write_config(root, config)
+
+
+def write_config(root: epath.Path, config: ConfigDict) -> None:
+    """The config file of a converted checkpoint (the last of CONFIG_FILES)."""
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
