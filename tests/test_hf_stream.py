@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import SingleDeviceSharding
 from safetensors import safe_open
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM
+from transformers import AutoModelForCausalLM
 
 from jaxmoe.checkpoints.hf import abstract_params, convert_hf
 from jaxmoe.checkpoints.hf_export import export_hf, parse_size, plan_shards
@@ -23,18 +23,18 @@ from jaxmoe.checkpoints.leafwise import StoredParams
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
 from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.models.stack import unrolled_config
+from tests import test_hf
 from tests.helpers import tiny_config
 from tests.test_hf import (
     IDS,
-    VOCAB,
     assert_close,
     hf_logits,
     jaxmoe_logits,
     load_converted,
     one_line_error,
-    randomize,
 )
 
+mixtral = test_hf.mixtral  # fixture: (tiny transformers Mixtral, its one-file directory)
 MIXTRAL = (
     "model.vocab_size=64",
     "model.norm_eps=1e-5",
@@ -80,22 +80,6 @@ def test_sharded_export_loads_in_transformers(scan, tmp_path):
         np.testing.assert_array_equal(f.get_tensor(name), params["layers"]["2"]["ffn"]["wo"][3].T)
 
 
-@pytest.fixture(scope="module")
-def mixtral_dirs(tmp_path_factory):
-    """(HF model, one-file dir, sharded dir), both written by transformers."""
-    config = MixtralConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=40, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=1000.0,
-    )  # fmt: skip
-    model = randomize(MixtralForCausalLM(config), seed=12)
-    root = tmp_path_factory.mktemp("hf_stream")
-    model.save_pretrained(root / "single", safe_serialization=True)
-    model.save_pretrained(root / "sharded", safe_serialization=True, max_shard_size="10KB")
-    assert len(list((root / "sharded").glob("*.safetensors"))) > 3
-    return model, root / "single", root / "sharded"
-
-
 def restored(path: Path) -> dict:
     """Per-layer parameters of a checkpoint, whichever layout it stores."""
     m = unrolled_config(read_config(str(path)).model)
@@ -106,8 +90,12 @@ def restored(path: Path) -> dict:
     return flatten(jax.device_get(restore_params(str(path), abstract, m)))
 
 
-def test_sharded_import_equals_single_file_import(mixtral_dirs, tmp_path):
-    model, single, sharded = mixtral_dirs
+def test_sharded_import_equals_single_file_import(mixtral, tmp_path):
+    """The same model saved by transformers as one file and as shards of 10 kB."""
+    model, single = mixtral
+    sharded = tmp_path / "hf_sharded"
+    model.save_pretrained(sharded, safe_serialization=True, max_shard_size="10KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 3
     convert_hf(single, tmp_path / "single")
     convert_hf(sharded, tmp_path / "sharded")
     convert_hf(sharded, tmp_path / "scanned", overrides=["--config.model.scan_layers=True"])
