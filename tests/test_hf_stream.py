@@ -13,16 +13,21 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from jax.sharding import SingleDeviceSharding
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from jaxmoe.checkpoints.hf import abstract_params, convert_hf
 from jaxmoe.checkpoints.hf_export import export_hf, parse_size, plan_shards
 from jaxmoe.checkpoints.leafwise import StoredParams
-from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.manager import (
+    TrainCheckpoints,
+    read_config,
+    restore_params,
+    save_params,
+)
 from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.models.stack import unrolled_config
+from jaxmoe.models.stack import stack_layers, unrolled_config
 from tests import test_hf
 from tests.helpers import tiny_config
 from tests.test_hf import (
@@ -78,6 +83,38 @@ def test_sharded_export_loads_in_transformers(scan, tmp_path):
     name = "model.layers.2.block_sparse_moe.experts.3.w2.weight"
     with safe_open(tmp_path / "hf" / index["weight_map"][name], "np") as f:
         np.testing.assert_array_equal(f.get_tensor(name), params["layers"]["2"]["ffn"]["wo"][3].T)
+
+
+def test_export_reads_a_training_runs_sharded_checkpoint(tmp_path):
+    """A training checkpoint (TrainCheckpoints, scanned layout, arrays sharded over the 8
+    devices: one storage chunk per shard) exports to the same files as the same parameters
+    written whole by save_params."""
+    config = tiny_config(*MIXTRAL, "model.scan_layers=True")
+    params = random_params(config, seed=13)
+    save_params(str(tmp_path / "whole"), params, config)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+
+    def shard(a):  # the largest axis that 8 divides, as fsdp would
+        axes = [i for i in np.argsort(a.shape)[::-1] if a.shape[i] % 8 == 0][:1]
+        spec = [("x" if i in axes else None) for i in range(a.ndim)]
+        return jax.device_put(a, NamedSharding(mesh, PartitionSpec(*spec)))
+
+    stacked = jax.tree.map(shard, stack_layers(params, config.model))
+    run = TrainCheckpoints(str(tmp_path / "run"), max_to_keep=1)
+    state = {"params": stacked, "opt_state": {"count": jax.numpy.zeros(())}}
+    run.save(5, state, {"step": 5, "data": {}}, config)
+    run.wait()
+    run.close()
+    wo = StoredParams(str(tmp_path / "run"))._open(("layers", "period", "0", "ffn", "wo"))
+    assert wo.spec().to_json()["metadata"]["chunks"] == [3, 4, 32, 4]  # [L, E, F, D / 8]
+    export_hf(str(tmp_path / "run"), str(tmp_path / "hf_run"), max_shard_size="20KB")
+    export_hf(str(tmp_path / "whole"), str(tmp_path / "hf_whole"), max_shard_size="20KB")
+    files = sorted(p.name for p in (tmp_path / "hf_whole").iterdir())
+    assert len(files) > 4 and files == sorted(p.name for p in (tmp_path / "hf_run").iterdir())
+    for name in files:
+        assert (tmp_path / "hf_run" / name).read_bytes() == (
+            tmp_path / "hf_whole" / name
+        ).read_bytes(), name
 
 
 def restored(path: Path) -> dict:

@@ -101,7 +101,12 @@ class _PieceHandler(type_handlers.NumpyHandler):
                         f"{info.name}{list(index)}: produced {piece.shape}, expected "
                         f"{value.piece_shape[value.depth :]}"
                     )
-                await store[index].write(piece.astype(value.dtype, copy=False))
+                # Awaited before the next piece and never modified: TensorStore may read
+                # it in place instead of copying it first.
+                await store[index].write(
+                    piece.astype(value.dtype, copy=False),
+                    can_reference_source_data_indefinitely=True,
+                )
                 written += 1
             expected = int(np.prod(value.shape[: value.depth], dtype=np.int64))
             if written != expected:
