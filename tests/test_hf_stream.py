@@ -105,8 +105,8 @@ def test_export_reads_a_training_runs_sharded_checkpoint(tmp_path):
     run.save(5, state, {"step": 5, "data": {}}, config)
     run.wait()
     run.close()
-    wo = StoredParams(str(tmp_path / "run"))._open(("layers", "period", "0", "ffn", "wo"))
-    assert wo.spec().to_json()["metadata"]["chunks"] == [3, 4, 32, 4]  # [L, E, F, D / 8]
+    wo = ("layers", "period", "0", "ffn", "wo")
+    assert StoredParams(str(tmp_path / "run")).chunk_shape(wo) == (3, 4, 32, 4)  # D / 8
     export_hf(str(tmp_path / "run"), str(tmp_path / "hf_run"), max_shard_size="20KB")
     export_hf(str(tmp_path / "whole"), str(tmp_path / "hf_whole"), max_shard_size="20KB")
     files = sorted(p.name for p in (tmp_path / "hf_whole").iterdir())
@@ -145,8 +145,7 @@ def test_sharded_import_equals_single_file_import(mixtral, tmp_path):
     # The scanned import stores experts stacked [L, E, D, F], one chunk per HF tensor.
     stored = StoredParams(str(tmp_path / "scanned"))
     wo = ("layers", "period", "0", "ffn", "wo")
-    chunks = stored._open(wo).spec().to_json()["metadata"]["chunks"]
-    assert chunks == [1, 1, 40, 32]
+    assert stored.chunk_shape(wo) == (1, 1, 40, 32)
     w2 = model.state_dict()["model.layers.1.mlp.experts.down_proj"][2].numpy()  # [D, F]
     np.testing.assert_array_equal(stored.read(wo, (1, 2)), w2.T)
     assert_close(jaxmoe_logits(load_converted(tmp_path / "scanned"), IDS), hf_logits(model, IDS))

@@ -161,6 +161,10 @@ class StoredParams:
                 f"{describe_error(error)}"
             ) from error
 
+    def chunk_shape(self, path: tuple[str, ...]) -> tuple[int, ...]:
+        """The storage chunk of the array at `path`: a read decodes whole chunks."""
+        return tuple(self._open(path).chunk_layout.read_chunk.shape)
+
     def read(self, path: tuple[str, ...], index: Index = ()) -> np.ndarray:
         """Slice `index` (over the leading axes) of the array at `path`."""
         store = self._open(path)
