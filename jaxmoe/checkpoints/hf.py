@@ -284,8 +284,9 @@ def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> 
 
     def produce(items):
         for index, t in sorted(items, key=lambda item: item[0]):
-            value = _finite(folder, t.hf_name)
-            yield index, t.layout.to_jaxmoe(value, t.slot_shape(leaves[t.path].shape))
+            # No name keeps the source tensor alive while the next one is read.
+            shape = t.slot_shape(leaves[t.path].shape)
+            yield index, t.layout.to_jaxmoe(_finite(folder, t.hf_name), shape)
 
     return unflatten(
         {

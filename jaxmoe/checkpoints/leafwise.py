@@ -107,6 +107,7 @@ class _PieceHandler(type_handlers.NumpyHandler):
                     piece.astype(value.dtype, copy=False),
                     can_reference_source_data_indefinitely=True,
                 )
+                del piece  # not alive while the next piece is produced
                 written += 1
             expected = int(np.prod(value.shape[: value.depth], dtype=np.int64))
             if written != expected:
