@@ -46,7 +46,8 @@ SHARD_SIZES = {"tiny": "100KB", "200MB": "50MB", "2.5GB": "1GB"}
 
 
 def preset_config(name: str):
-    from jaxmoe.config import apply_overrides, load_config, validate
+    from jaxmoe.config.loading import apply_overrides, load_config
+    from jaxmoe.config.validation import validate
 
     vocab, d, heads, kv, head_dim, ffn, layers = PRESETS[name]
     config = load_config(str(ROOT / "configs" / "default.py"))
@@ -70,13 +71,14 @@ def preset_config(name: str):
 
 def make_checkpoint(path: Path, preset: str, seed: int = 0) -> int:
     """A checkpoint of random float32 parameters (unit-scale); returns its size in bytes."""
-    from jaxmoe.checkpoints.hf import abstract_params
     from jaxmoe.checkpoints.manager import save_params
     from jaxmoe.checkpoints.trees import flatten, unflatten
+    from jaxmoe.models.spec import abstract_params
+    from jaxmoe.models.stack import unrolled_config
 
     config = preset_config(preset)
     rng = np.random.default_rng(seed)
-    leaves = flatten(abstract_params(config.model))
+    leaves = flatten(abstract_params(unrolled_config(config.model)))
     params = {
         p: rng.standard_normal(a.shape, np.float32) / np.float32(a.shape[0] ** 0.5)
         for p, a in leaves.items()
@@ -113,7 +115,7 @@ def peak_rss(args: list[str]) -> int:
 
 def largest_tensor(hf_dir: Path) -> int:
     """Bytes of the largest tensor in an HF safetensors directory (headers only)."""
-    from jaxmoe.checkpoints.hf import SafetensorsFolder
+    from jaxmoe.checkpoints.hf.importer import SafetensorsFolder
 
     folder = SafetensorsFolder(hf_dir)
     return max(4 * int(np.prod(folder.shape(n), dtype=np.int64)) for n in folder.names)

@@ -13,7 +13,7 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.models.moe import MoE
+from jaxmoe.models.moe.layer import MoE
 from jaxmoe.parallel import sharding
 from tests.test_moe import moe_config
 
@@ -32,7 +32,7 @@ MESHES = {
 def make_step(graphdef, r):
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params)(x, train=True)
-        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"], (y, aux)
+        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["router_z_loss"], (y, aux)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 

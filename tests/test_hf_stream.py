@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.hf import abstract_params, convert_hf
-from jaxmoe.checkpoints.hf_export import export_hf, parse_size, plan_shards
+from jaxmoe.checkpoints.hf.exporter import export_hf, parse_size, plan_shards
+from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.leafwise import StoredParams
 from jaxmoe.checkpoints.manager import (
     TrainCheckpoints,
@@ -27,6 +27,7 @@ from jaxmoe.checkpoints.manager import (
     save_params,
 )
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, unrolled_config
 from tests import test_hf
 from tests.helpers import tiny_config
@@ -56,7 +57,7 @@ def random_params(config, seed: int) -> dict:
     rng = np.random.default_rng(seed)
     return jax.tree.map(
         lambda a: (a.ndim == 1) + rng.standard_normal(a.shape, np.float32) / a.shape[0] ** 0.5,
-        abstract_params(config.model),
+        abstract_params(unrolled_config(config.model)),
     )
 
 

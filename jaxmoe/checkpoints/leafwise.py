@@ -37,7 +37,7 @@ from jaxmoe.checkpoints.manager import (
     resolve_checkpoint,
     write_config,
 )
-from jaxmoe.paths import absolute_path
+from jaxmoe.storage.paths import absolute_path
 
 Index = tuple[int, ...]
 
