@@ -32,8 +32,8 @@ from orbax.checkpoint._src.serialization import types as ts_types
 
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
+    _quiet_orbax,
     describe_error,
-    quiet_orbax,
     resolve_checkpoint,
     write_config,
 )
@@ -120,7 +120,7 @@ def save_params_leafwise(path: str, leaves: dict, config) -> None:
     `model.scan_layers`): one piece in memory at a time."""
     root = epath.Path(absolute_path(path))
     registry = type_handlers.create_type_handler_registry((LazyArray, _PieceHandler()))
-    with quiet_orbax():
+    with _quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(leaves), force=True)

@@ -218,7 +218,7 @@ def merge_into_defaults(stored: dict) -> ConfigDict:
 
 
 @contextlib.contextmanager
-def quiet_orbax():
+def _quiet_orbax():
     """Orbax's absl warnings about its own metadata files ("Metadata file does not exist",
     "ArrayMetadata persistence is disabled") say nothing a jaxmoe user can act on."""
     absl_log = logging.getLogger("absl")
@@ -233,7 +233,7 @@ def quiet_orbax():
 def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
     try:
-        with quiet_orbax():
+        with _quiet_orbax():
             metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
@@ -378,7 +378,7 @@ def save_params(path: str, params, config: ConfigDict) -> None:
         from jaxmoe.models.stack import stack_layers
 
         params = stack_layers(params, config.model)  # the scanned model's checkpoint layout
-    with quiet_orbax():
+    with _quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)

@@ -38,7 +38,7 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
         "t5x",
         help="T5X T5.1.1 checkpoint -> jaxmoe checkpoint",
         description=(
-            "Convert a T5X checkpoint (legacy msgpack, TensorStore or Orbax era) of a T5.1.1 "
+            "Convert a T5X checkpoint (legacy msgpack, TensorStore, Orbax or OCDBT) of a T5.1.1 "
             "encoder-decoder. The architecture is inferred from the tensors; --config.KEY=VALUE "
             "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model)."
         ),

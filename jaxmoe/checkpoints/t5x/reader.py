@@ -8,6 +8,8 @@ Two layouts:
   relative to the checkpoint directory.
 - Orbax era: `<step>/checkpoint`, a msgpack tree under `_optimizer/{target,state}` whose
   array leaves are `PLACEHOLDER://<dir>`; `<dir>` is a zarr v2 array with its `.zarray`.
+- T5X's Orbax manager: `checkpoint_<step>/state/`, an OCDBT PyTree item read through Orbax
+  (ocdbt.py).
 
 The msgpack file is parsed once; inline leaves keep their raw bytes and decode in `read`,
 zarr leaves are read through TensorStore in `read`. A conversion therefore holds one
@@ -33,6 +35,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.t5x.ocdbt import orbax_item, read_orbax_tree
 
 _PLACEHOLDER = "PLACEHOLDER://"
 # T5X writes this bucket name into specs of checkpoints saved on GCS so that they stay
@@ -60,13 +63,16 @@ def open_t5x(path: str | Path) -> "T5xCheckpoint":
     """Opens a T5X checkpoint: a `checkpoint_<step>/` or Orbax-era `<step>/` directory,
     or a bare msgpack file. Parses the msgpack index only; tensors are read on demand."""
     path = Path(path)
+    if path.is_dir() and (item := orbax_item(path)) is not None:
+        return _build_orbax(path, item)
+    if path.is_dir() and not (path / "checkpoint").exists() and (path / "state").is_dir():
+        path = resolve_inside(path, "state")  # an older Orbax manager: msgpack index in there
     if path.is_dir():
         # The same gate as every path the checkpoint names: a `checkpoint` symlink that
         # leads out of the directory is refused.
         file = resolve_inside(path, "checkpoint")
         if not file.is_file():
-            newer = " (a newer Orbax checkpoint?)" if (path / "_METADATA").exists() else ""
-            raise ValueError(f"{path}: no `checkpoint` msgpack file in this directory{newer}")
+            raise ValueError(f"{path}: no `checkpoint` msgpack file in this directory")
     elif path.is_file():
         file = path
     else:
@@ -134,7 +140,7 @@ class T5xCheckpoint(TensorTable):
         super().__init__(params, file, params_prefix)
         self.file = file  # the msgpack index
         self.directory = file.parent  # relative array paths resolve (only) inside this
-        self.layout = layout  # "legacy" | "orbax"
+        self.layout = layout  # "legacy" | "orbax" | "ocdbt"
         self.version = version  # T5X format version (3 since 2021), None in Orbax era
         self.optimizer_state = optimizer_state
 
@@ -212,6 +218,23 @@ def _build(file: Path, tree: Any) -> T5xCheckpoint:
             raise ValueError(f"{file}: {prefixes[part]} is nested too deeply") from None
     state = TensorTable(leaves["state"], file, prefixes["state"])
     return T5xCheckpoint(file, layout, version, leaves["target"], prefixes["target"], state)
+
+
+def _build_orbax(path: Path, item: Path) -> T5xCheckpoint:
+    """A checkpoint of T5X's Orbax manager: the `state` PyTree item, read through Orbax."""
+    tree = read_orbax_tree(item, path.resolve())
+    parts = {"target": {}, "state": {}}
+    for keys, leaf in tree.items():
+        if keys[0] in parts and len(keys) > 1:
+            parts[keys[0]]["/".join(keys[1:])] = leaf
+    if not parts["target"] and not parts["state"]:
+        raise ValueError(
+            f"{item}: no target/... or state/... arrays in this Orbax checkpoint (top-level "
+            f"keys {sorted({keys[0] for keys in tree})})"
+        )
+    file = item / "_METADATA"
+    state = TensorTable(parts["state"], file, "state")
+    return T5xCheckpoint(file, "ocdbt", None, parts["target"], "target", state)
 
 
 def _flatten(node: Any, prefix: str, name: str, make: "_LeafMaker", out: dict) -> None:
