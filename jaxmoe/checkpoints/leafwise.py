@@ -14,9 +14,14 @@ Reading: `StoredParams` opens one array of an existing `params` item with Tensor
 using Orbax's own read spec (OCDBT or per-array directories, zarr v2 or v3, as the item's
 `_METADATA` says), and reads one slice of it. TensorStore decodes whole storage chunks:
 reading a slice costs the chunks it touches (training checkpoints: one chunk per device
-shard; `save_params`: up to the whole array; this module: one piece).
+shard; `save_params`: up to the whole array; this module: one piece). A slice is read one
+chunk-aligned block at a time, so at most one decoded chunk is held besides the slice. A
+chunk holding several slices (a training checkpoint's kernel sharded along D holds part of
+every expert) is decoded again for each slice read from it: reading is amplified, memory
+is not.
 """
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -167,12 +172,26 @@ class StoredParams:
         return tuple(self._open(path).chunk_layout.read_chunk.shape)
 
     def read(self, path: tuple[str, ...], index: Index = ()) -> np.ndarray:
-        """Slice `index` (over the leading axes) of the array at `path`."""
+        """Slice `index` (over the leading axes) of the array at `path`, read one storage
+        chunk at a time (TensorStore would decode every touched chunk at once)."""
         store = self._open(path)
+        view = store[index] if index else store
+        # Chunks start at 0 on every axis; integer indexing keeps the others' origins at 0.
+        chunk = store.chunk_layout.read_chunk.shape[len(index) :]
+        starts = [range(0, n, c) for n, c in zip(view.shape, chunk, strict=True)]
         try:
-            return store[index].read().result() if index else store.read().result()
+            if all(len(axis) == 1 for axis in starts):  # within one chunk: no block copies
+                return view.read().result()
+            out = np.empty(view.shape, view.dtype.numpy_dtype)
+            for corner in itertools.product(*starts):
+                block = tuple(
+                    slice(b, min(b + c, n))
+                    for b, c, n in zip(corner, chunk, view.shape, strict=True)
+                )
+                out[block] = view[block].read().result()
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {str(self.step_dir)!r} is damaged: {'.'.join(path)}: "
                 f"{describe_error(error)}"
             ) from error
+        return out
