@@ -1,22 +1,22 @@
 """`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`
 (or, past `--max_shard_size`, shards `model-0000i-of-0000n.safetensors` listed in
-`model.safetensors.index.json`), plus `tokenizer.json` when the checkpoint names its
-tokenizer (`data.tokenizer`) or `--tokenizer FILE.model` is given (jaxmoe's own
-SentencePiece models only: tokenizer.py).
+`model.safetensors.index.json`), plus the tokenizer files and `generation_config.json`
+(tokenizer_files.py) when the checkpoint names its tokenizer (`data.tokenizer`) or
+`--tokenizer FILE` is given.
 
 Tensors stream: each HF tensor is read from the checkpoint on its own (one layer of a
 scanned stack, one expert: leafwise.StoredParams), converted and written before the next
 is read, so host memory holds about one tensor whatever the model's size.
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
-(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer routed
-top-k with renormalised weights (as Mixtral), and multi-head T5 v1.1 encoder-decoders.
-Anything else (adaptive or top-p gating, `moe.every` > 1, GQA in T5...) is refused with a
-one-line reason.
+(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
+Mixtral when routed top-k with renormalised weights; other gates, adaptive and top-p
+included, as `jaxmoe_moe` with a modeling file for `trust_remote_code`: remote.py), and
+multi-head T5 v1.1 encoder-decoders. Anything else (`moe.every` > 1, a token capacity, GQA
+in T5...) is refused with a one-line reason.
 """
 
 import json
-import logging
 import re
 import struct
 from pathlib import Path
@@ -26,15 +26,14 @@ import numpy as np
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
 from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, export_plan
-from jaxmoe.checkpoints.hf.tokenizer import write_hf_tokenizer
+from jaxmoe.checkpoints.hf.remote import write_modeling_file
+from jaxmoe.checkpoints.hf.tokenizer_files import export_tokenizer
 from jaxmoe.checkpoints.leafwise import Index, StoredParams
 from jaxmoe.checkpoints.manager import CheckpointError, check_params_match, read_config
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
 from jaxmoe.storage.paths import absolute_path
-
-log = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"  # save_pretrained's shard names
@@ -177,13 +176,7 @@ def export_hf(
         lambda n: _hf_tensor(stored, by_name[n], m, stacked, out_dtype),
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
+    hf_config |= export_tokenizer(config, dst, absolute_path(tokenizer) if tokenizer else None)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    encoder_decoder = m.arch == "encoder_decoder"
-    if tokenizer:
-        write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
-    elif config.data.tokenizer:
-        try:
-            write_hf_tokenizer(config.data.tokenizer, dst, encoder_decoder)
-        except ValueError as error:  # e.g. T5's tokenizer: the weights are still useful
-            log.warning("no tokenizer.json written: %s", error)
+    write_modeling_file(hf_config, dst)
     return hf_config

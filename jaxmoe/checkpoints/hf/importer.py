@@ -7,9 +7,9 @@ nothing left over) before anything is written. Tensors are then read, transposed
 one at a time while Orbax writes the checkpoint (leafwise.py: each HF tensor is one piece
 of a jaxmoe array, one expert of [E, ...] or one layer of a scanned [L, ...] stack), so the
 conversion holds about one tensor in RAM; it is written in a staging directory next to DST
-that is renamed to DST at the end. PyTorch pickle files (`*.bin`) are refused: unpickling
-runs code from the file. Shard names from the index pass `safe_paths.resolve_inside`:
-reading never leaves SRC.
+that is renamed to DST at the end, with the tokenizer files (tokenizer_files.py). PyTorch
+pickle files (`*.bin`) are refused: unpickling runs code from the file. Shard names from the
+index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 """
 
 import json
@@ -26,6 +26,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
+from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
@@ -304,6 +305,7 @@ def convert_hf(
     hf_config = read_hf_config(src)
     config = base_config()
     plan = import_plan(hf_config, set(folder.names), config.model)
+    config.data.tokenizer = kept_tokenizer(src, dst)  # the copy made below, if any
     apply_overrides(config, overrides)
     validate(config)
     leaves = flatten(abstract_params(unrolled_config(config.model)))
@@ -315,6 +317,7 @@ def convert_hf(
         _check_tied_copies(plan, folder)
         params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
         save_params_leafwise(str(staging), params, config)
+        keep_tokenizer_files(src, staging)
         if dst.exists():
             dst.rmdir()  # empty, checked above
         staging.rename(dst)
