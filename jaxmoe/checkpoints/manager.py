@@ -382,5 +382,10 @@ def save_params(path: str, params, config: ConfigDict) -> None:
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
+    write_config(root, config)
+
+
+def write_config(root: epath.Path, config: ConfigDict) -> None:
+    """The config file of a converted checkpoint (the last of CONFIG_FILES)."""
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))

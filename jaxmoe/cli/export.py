@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
 from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x.exporter import export_t5x
@@ -22,11 +22,16 @@ def add_parser(subparsers) -> None:
 
 
 def export_hf_summary(
-    ckpt: str, dst: str, dtype: str = "float32", tokenizer: str | None = None
+    ckpt: str,
+    dst: str,
+    dtype: str = "float32",
+    tokenizer: str | None = None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
 ) -> int:
-    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer]`: prints one JSON line."""
+    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
+    JSON line."""
     start = time.perf_counter()
-    hf_config = export_hf(ckpt, dst, dtype, tokenizer)
+    hf_config = export_hf(ckpt, dst, dtype, tokenizer, max_shard_size)
     summary = {
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
@@ -63,6 +68,11 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         help="tokenizer to export: a SentencePiece .model (written as tokenizer.json) or a "
         "Hugging Face tokenizer.json / folder (copied); default: data.tokenizer",
     )
+    parser.add_argument(
+        "--max_shard_size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); more tensors: shards + index",
+    )
     parser.set_defaults(run=run_hf)
     return parser
 
@@ -71,7 +81,7 @@ def run_hf(args) -> int:
     overrides = args.overrides
     if overrides:
         raise CheckpointError(f"export hf takes no --config overrides (got {overrides[0]!r})")
-    return export_hf_summary(args.ckpt, args.dst, args.dtype, args.tokenizer)
+    return export_hf_summary(args.ckpt, args.dst, args.dtype, args.tokenizer, args.max_shard_size)
 
 
 def _add_t5x(subparsers) -> argparse.ArgumentParser:

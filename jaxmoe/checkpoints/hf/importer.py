@@ -4,11 +4,12 @@ Reads Llama (3.x RoPE scaling too) / Mistral / Mixtral / Qwen2 / T5 v1.1 (`confi
 `model.safetensors`, or shards listed in `model.safetensors.index.json`). Every tensor is
 checked against the model that the translated config builds (names, shapes, nothing missing,
 nothing left over) before anything is written. Tensors are then read, transposed and cast
-one at a time into file-backed arrays (np.memmap) in a staging directory next to DST, so the
-conversion holds about one tensor in RAM; `save_params` writes them and the directory is
-renamed to DST, with the tokenizer files (tokenizer_files.py). PyTorch pickle files
-(`*.bin`) are refused: unpickling runs code from the file. Shard names from the index pass
-`safe_paths.resolve_inside`: reading never leaves SRC.
+one at a time while Orbax writes the checkpoint (leafwise.py: each HF tensor is one piece
+of a jaxmoe array, one expert of [E, ...] or one layer of a scanned [L, ...] stack), so the
+conversion holds about one tensor in RAM; it is written in a staging directory next to DST
+that is renamed to DST at the end, with the tokenizer files (tokenizer_files.py). PyTorch
+pickle files (`*.bin`) are refused: unpickling runs code from the file. Shard names from the
+index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 """
 
 import json
@@ -24,16 +25,17 @@ from ml_collections import ConfigDict
 from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
-from jaxmoe.checkpoints.hf.names import ImportPlan, import_plan
+from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
-from jaxmoe.checkpoints.manager import CheckpointError, save_params
+from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
+from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
 from jaxmoe.models.spec import abstract_params
-from jaxmoe.models.stack import unrolled_config
+from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -44,7 +46,6 @@ _NUMPY_DTYPES = {
     "F16": np.dtype("<f2"),
     "BF16": np.dtype(ml_dtypes.bfloat16),
 }
-_ARRAYS = "arrays"  # staging subdirectory: file-backed arrays until save_params wrote them
 
 
 class SafetensorsFolder:
@@ -252,29 +253,42 @@ def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
     return value
 
 
-def _convert_tensors(plan, leaves, folder, dtype: np.dtype, staging: Path) -> dict:
-    """Fill one file-backed array per jaxmoe parameter, reading one HF tensor at a time."""
-    staging.mkdir(parents=True, exist_ok=True)
-    arrays = {
-        path: np.memmap(staging / f"{i}.bin", dtype=dtype, mode="w+", shape=leaf.shape)
-        for i, (path, leaf) in enumerate(leaves.items())
-    }
-    # File order, then name: each shard is read front to back once.
-    for m in sorted(plan.maps, key=lambda m: (str(folder.file(m.hf_name)), m.hf_name)):
-        target = arrays[m.path]
-        value = m.layout.to_jaxmoe(_finite(folder, m.hf_name), m.slot_shape(target.shape))
-        if m.expert is None:
-            target[...] = value
-        else:
-            target[m.expert] = value
+def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> dict:
+    """The checkpoint's parameters in the layout model config `m` restores (stacked for
+    `scan_layers`), each a LazyArray whose pieces are the HF tensors mapped to it."""
+    stacked = bool(m.get("scan_layers", False))
+    pieces: dict[tuple[str, ...], list[tuple[tuple[int, ...], TensorMap]]] = {}
+    for t in plan.maps:
+        path, row = stacked_location(t.path, m) if stacked else (t.path, None)
+        index = tuple(i for i in (row, t.expert) if i is not None)
+        pieces.setdefault(path, []).append((index, t))
+    stored = flatten(stack_layers(unflatten(leaves), m)) if stacked else leaves
+
+    def produce(items):
+        for index, t in sorted(items, key=lambda item: item[0]):
+            # No name keeps the source tensor alive while the next one is read.
+            shape = t.slot_shape(leaves[t.path].shape)
+            yield index, t.layout.to_jaxmoe(_finite(folder, t.hf_name), shape)
+
+    return unflatten(
+        {
+            path: LazyArray(
+                tuple(leaf.shape),
+                dtype,
+                depth=len(pieces[path][0][0]),
+                pieces=lambda items=pieces[path]: produce(items),
+            )
+            for path, leaf in stored.items()
+        }
+    )
+
+
+def _check_tied_copies(plan: ImportPlan, folder) -> None:
     for copy, source in plan.tied_copies.items():
         if not np.array_equal(folder.read(copy), folder.read(source)):
             raise CheckpointError(
                 f"tensor {copy} differs from {source}; jaxmoe shares one embedding table"
             )
-    for array in arrays.values():
-        array.flush()
-    return unflatten(arrays)
 
 
 def convert_hf(
@@ -300,11 +314,10 @@ def convert_hf(
     staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:
-        params = _convert_tensors(plan, leaves, folder, out_dtype, staging / _ARRAYS)
-        save_params(str(staging), params, config)
+        _check_tied_copies(plan, folder)
+        params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
+        save_params_leafwise(str(staging), params, config)
         keep_tokenizer_files(src, staging)
-        del params
-        shutil.rmtree(staging / _ARRAYS)
         if dst.exists():
             dst.rmdir()  # empty, checked above
         staging.rename(dst)
