@@ -208,6 +208,14 @@ def validate(config: ConfigDict) -> None:
         )
         need(moe.capacity_factor >= 0, f"model.moe.capacity_factor={moe.capacity_factor} < 0")
         need(moe.block_size > 0, f"model.moe.block_size={moe.block_size} must be positive")
+        need(
+            moe.ep_buffer_factor > 0,
+            f"model.moe.ep_buffer_factor={moe.ep_buffer_factor} must be positive",
+        )
+        need(
+            moe.ep_exchange in ("auto", "ragged", "padded"),
+            f"model.moe.ep_exchange={moe.ep_exchange!r} not in auto | ragged | padded",
+        )
         expert_axis = config.mesh.expert
         need(
             expert_axis in (-1, 1) or moe.num_experts % expert_axis == 0,
