@@ -7,6 +7,8 @@ numpy loop of test_moe.py (outputs and gradients), with the receive buffer large
 and so small that the dropless layer must fall back to the worst-case buffer.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,8 @@ from jaxmoe.models import dispatch, gates
 from jaxmoe.models.moe import MoE, gate_config
 from jaxmoe.parallel import sharding
 from jaxmoe.parallel.ragged_exchange import reference
+from jaxmoe.parallel.sharding import ConfigError
+from tests.helpers import tiny_config
 from tests.test_moe import D, E, L, _silu, moe_config, ref_layer
 
 B = 8  # sequences of L tokens: one per device on an expert axis of 8
@@ -170,3 +174,18 @@ def test_capacity_mode_drops_overflow_and_counts_it(data):
                 hidden = _silu(xs[t] @ wi_0[e]) * (xs[t] @ wi_1[e])
                 want[t] += weights[t, k] * (hidden @ wo[e])
     np.testing.assert_allclose(np.asarray(y).reshape(-1, D), want, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.moe.ep_buffer_factor=0", "model.moe.ep_buffer_factor=0.0 must be positive"),
+        (
+            "model.moe.ep_exchange=dense",
+            "model.moe.ep_exchange='dense' not in auto | ragged | padded",
+        ),
+    ],
+)
+def test_bad_exchange_settings_name_the_key(override, message):
+    with pytest.raises(ConfigError, match="^" + re.escape(message)):
+        tiny_config(override)
