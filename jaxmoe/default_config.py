@@ -65,7 +65,7 @@ def base_config() -> ConfigDict:
     # padded (worst-case all_to_all) | auto (padded on CPU, ragged on GPU/TPU).
     moe.ep_exchange = "auto"
     # ragged: receive buffer = this x the balanced load (local tokens x slots); overflow
-    # re-runs the layer with the worst-case buffer (dropless) or is dropped (capacity).
+    # goes in further rounds through it (dropless) or is dropped (capacity).
     moe.ep_buffer_factor = 2.0
 
     c.train = t = ConfigDict()

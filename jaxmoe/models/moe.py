@@ -144,8 +144,8 @@ class MoE(nnx.Module):
             keep_BLK = keep_BLK & ~overflow_BLK
 
         aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
-        # Assignments past the expert-parallel receive buffer: re-run with the worst-case
-        # buffer when dropless, dropped (and in dropped_fraction) with a capacity.
+        # Assignments past the expert-parallel receive buffer: sent in further rounds when
+        # dropless, dropped (and in dropped_fraction) with a capacity.
         assigned = jnp.maximum(jnp.sum(mask_BLK.astype(jnp.float32)), 1.0)
         aux["exchange_overflow"] = jnp.sum(overflow_BLK.astype(jnp.float32)) / assigned
         aux["balance_loss"] = gates.balance_loss(

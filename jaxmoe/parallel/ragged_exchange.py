@@ -13,7 +13,7 @@ send one row, not two). Per MoE layer, inside shard_map over the "expert" axis:
 The receive buffer is bounded: rows = ceil(ep_buffer_factor * T * K) for T local tokens and
 K slots (the load of a perfectly balanced router), at most the worst case ep * T *
 min(K, E_local). Rows past the bound overflow. See docs/expert_exchange.md for what happens
-to them (dropless: the layer re-runs with the worst-case bound; capacity: dropped, counted).
+to them (dropless: further rounds through the same buffer; capacity: dropped, counted).
 
 XLA:CPU has no ragged-all-to-all, so there `ragged_all_to_all` runs `reference`, the same
 semantics from a dense all_to_all and masks (tests compare the two exchange paths on CPU).
@@ -91,37 +91,38 @@ def exchange_counts(counts_JX, axis: str) -> dict:
     )
 
 
-def send_sizes(c: dict, rows: int):
-    """Rows sent to each device when receivers hold `rows` rows (the rest overflow)."""
-    return jnp.clip(rows - c["out_offset"], 0, c["send_count"])
+def _window(offset, count, first: jax.Array, rows: int):
+    """Start and size of the part of [offset, offset + count) in [first, first + rows)."""
+    start = jnp.clip(first - offset, 0, count)
+    return start, jnp.clip(first + rows - offset, 0, count) - start
 
 
-def _exchange_ffn(send_x, c, rows, experts, *, axis, act, impl, bs):
-    """send_x [A, D] (sorted by expert) -> expert outputs [A, D] at the same rows."""
-    recv_size_I = jnp.clip(rows - c["recv_offset"], 0, c["recv_count"])
-    send_size_J = send_sizes(c, rows)
-    # Each received row's local expert: segments (source, local expert), in that order.
+def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs):
+    """One exchange of receive-stream rows [first, first + rows): acc_AD [A, D] with the
+    expert outputs of those rows written at their send-buffer rows (others unchanged)."""
+    send_start_J, send_size_J = _window(c["out_offset"], c["send_count"], first, rows)
+    recv_start_I, recv_size_I = _window(c["recv_offset"], c["recv_count"], first, rows)
+    # Each received row's local expert: stream segments (source, local expert) in order.
     seg_end = jnp.cumsum(c["recv_counts"].reshape(-1))
     r_R = jnp.arange(rows, dtype=jnp.int32)
     local = c["recv_counts"].shape[1]
-    expert_R = (jnp.searchsorted(seg_end, r_R, side="right") % local).astype(jnp.int32)
-    valid_R = r_R < seg_end[-1]
+    expert_R = jnp.searchsorted(seg_end, first + r_R, side="right") % local
     dim = send_x.shape[-1]
     recv_x = ragged_all_to_all(
         send_x,
         jnp.zeros((rows, dim), send_x.dtype),
-        c["send_offset"],
+        c["send_offset"] + send_start_J,
         send_size_J,
-        c["out_offset"],
+        c["out_offset"] + send_start_J - first,
         recv_size_I,
         axis=axis,
     )
     out_RD = grouped_ffn(
         recv_x,
         r_R,
-        expert_R,
+        expert_R.astype(jnp.int32),
         jnp.ones((rows,), jnp.float32),
-        valid_R,
+        first + r_R < seg_end[-1],
         experts,
         act=act,
         impl=impl,
@@ -129,10 +130,10 @@ def _exchange_ffn(send_x, c, rows, experts, *, axis, act, impl, bs):
     ).astype(send_x.dtype)
     return ragged_all_to_all(
         out_RD,
-        jnp.zeros_like(send_x),
-        c["recv_offset"],
+        acc_AD,
+        c["recv_offset"] + recv_start_I - first,
         recv_size_I,
-        c["src_offset"],
+        c["src_offset"] + recv_start_I,
         send_size_J,
         axis=axis,
     )
@@ -143,9 +144,10 @@ def ragged_ep(
 ):
     """(y_BLD, overflow_BLK): the MoE FFN with a routing-sized exchange (runs per device).
 
-    overflow_BLK marks kept assignments that did not fit the bounded receive buffer. With
-    `dropless` the layer then re-runs with the worst-case bound (same result, one branch of
-    a lax.cond chosen by every device of the expert group); otherwise they are dropped.
+    overflow_BLK marks kept assignments past the bounded receive buffer's first round. With
+    `dropless` further rounds of the same buffer carry them (a scan over at most
+    ceil(worst / rows) rounds, skipped once every device's stream is done); otherwise they
+    are dropped.
     """
     batch, length, dim = x_BLD.shape
     slots = indices_BLK.shape[-1]
@@ -164,27 +166,33 @@ def ragged_ep(
 
     rows, worst = receive_rows(factor, num_tokens, slots, ep, local)
     c = exchange_counts(counts_E.reshape(ep, local), axis)
+    # An assignment overflows if its place in its receiver's stream is past `rows`.
     dest_A = expert_A // local
-    overflow_A = valid_A & (pos_A - c["send_offset"][dest_A] >= send_sizes(c, rows)[dest_A])
-
-    def run(r):
-        def exchange(send_x, c, experts):
-            return _exchange_ffn(send_x, c, r, experts, axis=axis, act=act, impl=impl, bs=bs)
-
-        return exchange
-
-    if dropless and rows < worst:
-        any_overflow = jax.lax.psum(jnp.sum(overflow_A.astype(jnp.int32)), axis) > 0
-        # Rematerialised branches: a differentiated cond keeps the residuals of both
-        # branches alive (each returns zeros for the other's), which would make the
-        # bounded buffer cost more memory than the worst case alone; this way the
-        # residuals are the branch inputs, and the backward pass re-runs the taken branch.
-        branches = [jax.checkpoint(run(r)) for r in (rows, worst)]
-        back_AD = jax.lax.cond(any_overflow, branches[1], branches[0], send_x, c, experts)
-        fits_A = valid_A
-    else:
-        back_AD = run(rows)(send_x, c, experts)
+    stream_A = c["out_offset"][dest_A] + pos_A - c["send_offset"][dest_A]
+    overflow_A = valid_A & (stream_A >= rows)
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+    acc_AD = jnp.zeros_like(send_x)
+    if not dropless or rows == worst:
+        back_AD = _round(acc_AD, send_x, c, experts, jnp.int32(0), **options)
         fits_A = valid_A & ~overflow_A
+    else:
+        # Dropless: the longest receive stream of the group in rounds of `rows` rows, all
+        # devices together; rounds past it are skipped (no traffic, no compute). Each round
+        # is rematerialised, so the backward pass keeps one [A, D] carry per round rather
+        # than every round's expert activations: memory stays that of one bounded buffer.
+        longest = jax.lax.pmax(c["recv_count"].sum(), axis)
+
+        def step(acc_AD, first):
+            def exchange(acc_AD):
+                return _round(acc_AD, send_x, c, experts, first, **options)
+
+            return jax.lax.cond(
+                first < longest, jax.checkpoint(exchange), lambda a: a, acc_AD
+            ), None
+
+        starts = jnp.arange(0, worst, rows, dtype=jnp.int32)
+        back_AD, _ = jax.lax.scan(step, acc_AD, starts)
+        fits_A = valid_A
     out_AD = back_AD.at[pos_A].get(mode="fill", fill_value=0).astype(jnp.float32)
     weight_A = jnp.where(fits_A, weights_BLK.reshape(-1), 0).astype(jnp.float32)
     y_TD = jnp.sum((out_AD * weight_A[:, None]).reshape(num_tokens, slots, dim), axis=1)
