@@ -22,8 +22,8 @@ import sys
 
 import jax
 
-from jaxmoe import compile as compile_module
-from jaxmoe.config import load_config
+from jaxmoe.aot import compile_check as compile_module
+from jaxmoe.config.loading import load_config
 
 
 def _padded_rows(hlo_text: str, dim: int) -> list[int]:

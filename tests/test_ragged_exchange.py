@@ -17,11 +17,12 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.models import dispatch, gates
-from jaxmoe.models.moe import MoE, gate_config
+from jaxmoe.errors import ConfigError
+from jaxmoe.models.moe import dispatch, gates
+from jaxmoe.models.moe.layer import MoE, gate_config
+from jaxmoe.models.moe.ragged_exchange import reference
 from jaxmoe.parallel import sharding
-from jaxmoe.parallel.ragged_exchange import reference
-from jaxmoe.parallel.sharding import ConfigError
+from jaxmoe.parallel.mesh import MESH_AXES
 from tests.helpers import tiny_config
 from tests.test_moe import D, E, L, _silu, moe_config, ref_layer
 
@@ -49,7 +50,7 @@ def test_reference_gives_the_documented_example():
 
 
 def _mesh(shape):
-    return jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
 
 
 def _run(cfg, x, r, mesh):
@@ -62,7 +63,7 @@ def _run(cfg, x, r, mesh):
     def step(params, x):
         def loss(params, x):
             y, aux = nnx.merge(graphdef, params)(x, train=True)
-            return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"], (y, aux)
+            return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["router_z_loss"], (y, aux)
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
@@ -181,10 +182,13 @@ def test_capacity_mode_drops_overflow_and_counts_it(data):
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("model.moe.ep_buffer_factor=0", "model.moe.ep_buffer_factor=0.0 must be positive"),
+        (
+            "model.moe.ep_buffer_factor=0",
+            "model.moe.ep_buffer_factor: expected a number > 0, got 0.0",
+        ),
         (
             "model.moe.ep_exchange=dense",
-            "model.moe.ep_exchange='dense' not in auto | ragged | padded",
+            "model.moe.ep_exchange: got 'dense', expected auto | ragged | padded",
         ),
     ],
 )
