@@ -345,7 +345,9 @@ def format_report(result: dict, config_name: str = "") -> str:
             ("collectives", ", ".join(f"{k} {v}" for k, v in result["collectives"].items()))
         )
     if result.get("all_to_all_bytes"):
-        rows.append(("all-to-all / device", f"{result['all_to_all_bytes'] / 2**20:.1f} MiB"))
+        size = result["all_to_all_bytes"]
+        text = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+        rows.append(("all-to-all / device", text))
     if result.get("dcn_transfers"):
         transfers = ", ".join(f"{k.lower()} {v}" for k, v in result["dcn_transfers"].items())
         rows.append(("across slices (DCN)", transfers))
