@@ -18,6 +18,7 @@ pytest.importorskip(
 
 from jaxmoe.aot import compile_check as compile_module
 from jaxmoe.aot.compile_check import (
+    all_to_all_bytes,
     compile_for_topology,
     count_collectives,
 )
@@ -97,6 +98,7 @@ ENTRY %main (p: f32[8,128]) -> f32[4,128] {
   %all-gather-done = f32[16,128]{1,0} all-gather-done(%all-gather-start)
   %all-reduce = (f32[8,128]{1,0}, f32[]) all-reduce(%p, %s), to_apply=%add
   %a2a = f32[8,128]{1,0} all-to-all(%p), dimensions={0}
+  %r2a = f32[8,128]{1,0} ragged-all-to-all(%p, %p, %o, %s, %o, %s)
   %cp = f32[8,128]{1,0} collective-permute-start(%p), source_target_pairs={{0,1}}
   %cpd = f32[8,128]{1,0} collective-permute-done(%cp)
   %rs = f32[4,128]{1,0} reduce-scatter(%p), dimensions={0}, to_apply=%add
@@ -108,8 +110,10 @@ ENTRY %main (p: f32[8,128]) -> f32[4,128] {
         "all-gather": 1,
         "reduce-scatter": 2,
         "all-to-all": 1,
+        "ragged-all-to-all": 1,
         "collective-permute": 1,
     }
+    assert all_to_all_bytes(hlo) == 8 * 128 * 4  # the ragged one's shape is only a bound
 
 
 def test_tiny_step_fits_v5p_8(v5p_8):
@@ -248,6 +252,21 @@ def test_scanned_step_compiles_with_every_remat_policy(v5p_8, remat):
     assert scanned["verdict"] == "fits"
     assert scanned["argument_bytes"] == v5p_8["argument_bytes"]
     assert scanned["model_flops_per_step"] == v5p_8["model_flops_per_step"]
+
+
+def test_expert_parallel_adaptive_step_exchanges_with_ragged_all_to_all():
+    """For TPU the dropless expert-parallel exchange is sized to the routing: ragged
+    all-to-alls carry the tokens; plain all-to-alls carry only the per-(device, expert)
+    counts and offsets, at most ep x E_local int32 = 4 x 2 x 4 bytes each."""
+    config = tiny_config(
+        "model.moe.gating=adaptive", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+        "mesh.expert=4",
+    )  # fmt: skip
+    result = compile_for_topology(config, "v5p-8")
+    assert result["verdict"] == "fits" and result["mesh"]["expert"] == 4
+    assert result["moe_dispatch"] == "ragged"  # ragged_dot for the grouped matmuls
+    assert result["collectives"]["ragged-all-to-all"] > 0
+    assert 0 < result["all_to_all_bytes"] <= 32 * result["collectives"]["all-to-all"]
 
 
 def _ici_groups(hlo_text: str) -> list[list[int]]:

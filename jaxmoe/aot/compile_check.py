@@ -34,7 +34,14 @@ from jaxmoe.training.state import state_shardings
 from jaxmoe.training.steps import step_fns, train_step
 
 EXIT_FITS, EXIT_FAILS = 0, 2
-COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-reduce",
+    "all-gather",
+    "reduce-scatter",
+    "all-to-all",
+    "ragged-all-to-all",  # the expert-parallel exchange sized to the routing
+    "collective-permute",
+)
 
 
 def model_vocab_size(config) -> int:
@@ -136,6 +143,23 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
             if name in counts:
                 counts[name] += 1
     return counts
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
+
+
+def all_to_all_bytes(hlo_text: str) -> int:
+    """Bytes the all-to-all ops' results hold, per device, each op once (loop bodies once).
+
+    A padded all_to_all moves all of it whatever the routing. Ragged all-to-alls are left
+    out: their output shapes only bound the rows that the routing moves at run time.
+    """
+    total = 0
+    for result in re.findall(r"= (\(.*?\)|\S+) all-to-all(?:-start)?\(", hlo_text):
+        for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", result):
+            size = math.prod(int(d) for d in dims.split(",") if d)
+            total += size * _DTYPE_BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
+    return total
 
 
 def count_dcn_transfers(hlo_text: str) -> dict[str, int]:
@@ -241,6 +265,7 @@ def compile_for_topology(
         "headroom_bytes": int(hbm - peak),
         "hlo_flops_per_device": float(cost.get("flops", 0.0)),
         "collectives": count_collectives(hlo_text),
+        "all_to_all_bytes": all_to_all_bytes(hlo_text),
         "dcn_transfers": count_dcn_transfers(hlo_text),
         "lower_s": lowered_s,
         "compile_s": time.perf_counter() - started - lowered_s,
@@ -319,6 +344,10 @@ def format_report(result: dict, config_name: str = "") -> str:
         rows.append(
             ("collectives", ", ".join(f"{k} {v}" for k, v in result["collectives"].items()))
         )
+    if result.get("all_to_all_bytes"):
+        size = result["all_to_all_bytes"]
+        text = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
+        rows.append(("all-to-all / device", text))
     if result.get("dcn_transfers"):
         transfers = ", ".join(f"{k.lower()} {v}" for k, v in result["dcn_transfers"].items())
         rows.append(("across slices (DCN)", transfers))

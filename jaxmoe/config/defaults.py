@@ -61,6 +61,12 @@ def base_config() -> ConfigDict:
     moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
     moe.block_size = 256  # rows per expert block in the block dispatch
     moe.dispatch = "auto"  # auto | blocks | ragged | dense | capacity (GShard fixed buffers)
+    # Expert-parallel token exchange: ragged (sized to the routing, ragged_all_to_all) |
+    # padded (worst-case all_to_all) | auto (padded on CPU, ragged on GPU/TPU).
+    moe.ep_exchange = "auto"
+    # ragged: receive buffer = this x the balanced load (local tokens x slots); overflow
+    # goes in further rounds through it (dropless) or is dropped (capacity).
+    moe.ep_buffer_factor = 2.0
 
     c.train = t = ConfigDict()
     t.steps = 600  # optimizer steps

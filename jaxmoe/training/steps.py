@@ -16,7 +16,7 @@ from flax import nnx
 
 from jaxmoe.models.spec import merge_model
 
-SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction")
+SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction", "exchange_overflow")
 
 
 @dataclass(frozen=True)

@@ -11,13 +11,15 @@ repeats another's work:
 An axis that does not divide its dim (a decode batch of 1) repeats the work instead; see
 `_layout`.
 
-With expert size > 1, tokens travel to the devices holding their experts and back with
-`jax.lax.all_to_all` over "expert":
-- dropless dispatches send, to each expert device, a buffer sized for the worst case
-  (every local token's assignments on that device: T_local * min(K, E_local) rows), since
-  `ragged_all_to_all` does not exist on CPU; the receiving device's block dispatch works
-  only on the rows actually sent, so compute still follows the assignments;
-- the capacity dispatch exchanges its fixed [E, B * C, D] buffers (GShard).
+With expert size > 1, tokens travel to the devices holding their experts and back over
+"expert", by `model.moe.ep_exchange`:
+- "ragged" (assignment dispatches): ragged_exchange.py, sized to the routing with
+  `ragged_all_to_all` (emulated on CPU, which lacks it);
+- "padded" (assignment dispatches): `jax.lax.all_to_all` of buffers sized for the worst
+  case (every local token's assignments on one device: T_local * min(K, E_local) rows per
+  device); the receiving device's dispatch works only on the rows actually sent;
+- "auto": "padded" when the program is lowered for CPU, "ragged" for GPU/TPU;
+- the capacity dispatch always exchanges its fixed [E, B * C, D] buffers (GShard).
 """
 
 import jax
@@ -33,10 +35,12 @@ from jaxmoe.models.moe.dispatch import (
     local_moe_ffn,
 )
 from jaxmoe.models.moe.grouped_ffn import expert_ranks
+from jaxmoe.models.moe.ragged_exchange import ragged_ep
 
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
 LENGTH_AXIS = "tensor"
+EXCHANGES = ("auto", "ragged", "padded")
 
 
 def _size(mesh, axis: str) -> int:
@@ -151,26 +155,45 @@ def sharded_moe_ffn(
     impl: str,
     block_size: int,
     capacity: int,
+    exchange: str = "auto",
+    buffer_factor: float = 2.0,
 ):
-    """The MoE FFN under `mesh` (same result as dispatch.local_moe_ffn on one device)."""
+    """(y_BLD, overflow_BLK): the MoE FFN under `mesh` (y as dispatch.local_moe_ffn gives on
+    one device). overflow_BLK marks kept assignments that did not fit the ragged exchange's
+    receive buffer (ragged_exchange.ragged_ep); all False on the other paths."""
+    if exchange not in EXCHANGES:
+        raise ValueError(
+            f"model.moe.ep_exchange: got {exchange!r}, expected {' | '.join(EXCHANGES)}"
+        )
     token_spec, ep = _layout(mesh, x_BLD.shape, experts[0].shape[0])
     expert_spec = P(EXPERT_AXIS if ep > 1 else None)
 
     def per_device(x_BLD, indices_BLK, weights_BLK, keep_BLK, *experts):
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
+        none_BLK = jnp.zeros(keep_BLK.shape, bool)
         if ep == 1:
-            return local_moe_ffn(
-                *args, act=act, impl=impl, block_size=block_size, capacity=capacity
-            )
+            y = local_moe_ffn(*args, act=act, impl=impl, block_size=block_size, capacity=capacity)
+            return y, none_BLK
         if impl == "capacity":
-            return _capacity_ep(*args, ep=ep, act=act, capacity=capacity)
-        return _dropless_ep(*args, ep=ep, act=act, impl=impl, bs=block_size)
+            return _capacity_ep(*args, ep=ep, act=act, capacity=capacity), none_BLK
+
+        def padded(*args):
+            return _dropless_ep(*args, ep=ep, act=act, impl=impl, bs=block_size), none_BLK
+
+        def ragged(*args):
+            options = dict(act=act, impl=impl, bs=block_size, factor=buffer_factor)
+            return ragged_ep(*args, ep=ep, axis=EXPERT_AXIS, dropless=capacity == 0, **options)
+
+        if exchange == "auto":
+            # Chosen when lowering: XLA:CPU has no ragged-all-to-all to run "ragged" fast.
+            return jax.lax.platform_dependent(*args, cpu=padded, default=ragged)
+        return (ragged if exchange == "ragged" else padded)(*args)
 
     return jax.shard_map(
         per_device,
         mesh=mesh,
         in_specs=(token_spec,) * 4 + (expert_spec,) * 3,
-        out_specs=token_spec,
+        out_specs=(token_spec, token_spec),
         # The block dispatch's loops and custom_vjp carry no varying-axis annotations. Without
         # the check, the transpose still sums weight gradients over the token axes only
         # (tests/test_expert_parallel.py compares gradients with one device).

@@ -6,9 +6,9 @@ Parameters (logical axis names in parentheses; converters rely on these names):
   act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
 
 `MoE(cfg, rngs=...)(x_BLD, train=...)` returns (y_BLD, aux) with aux scalars
-`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `balance_loss`, `router_z_loss` (losses
-unweighted) and `top2_per_example` [B]. Dispatch choices are in dispatch.py; under a mesh
-with more than one device the FFN runs in expert_parallel.py.
+`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`, `balance_loss`,
+`router_z_loss` (losses unweighted) and `top2_per_example` [B]. Dispatch choices are in
+dispatch.py; under a mesh with more than one device the FFN runs in expert_parallel.py.
 """
 
 import jax
@@ -54,6 +54,16 @@ def check_moe_config(cfg) -> None:
     for key in ("capacity_factor", "jitter"):
         if float(moe[key]) < 0:
             raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
+    if float(moe.get("ep_buffer_factor", 2.0)) <= 0:
+        raise ValueError(
+            f"model.moe.ep_buffer_factor: expected a number > 0, got {moe.ep_buffer_factor!r}"
+        )
+    exchange = moe.get("ep_exchange", "auto")
+    if exchange not in expert_parallel.EXCHANGES:
+        raise ValueError(
+            f"model.moe.ep_exchange: got {exchange!r}, expected "
+            + " | ".join(expert_parallel.EXCHANGES)
+        )
     if float(moe.jitter) >= 1:
         raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
     dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
@@ -77,6 +87,8 @@ class MoE(nnx.Module):
         self.block_size = int(moe.block_size)
         self.jitter = float(moe.jitter)
         self.balance_fractions = str(moe.get("balance_fractions", "auto"))
+        self.ep_exchange = str(moe.get("ep_exchange", "auto"))
+        self.ep_buffer_factor = float(moe.get("ep_buffer_factor", 2.0))
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
         self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
@@ -127,12 +139,25 @@ class MoE(nnx.Module):
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
+        overflow_BLK = jnp.zeros(keep_BLK.shape, bool)
         if mesh is None:
             y_BLD = dispatch.local_moe_ffn(*args, **options)
         else:
-            y_BLD = expert_parallel.sharded_moe_ffn(mesh, *args, **options)
+            y_BLD, overflow_BLK = expert_parallel.sharded_moe_ffn(
+                mesh,
+                *args,
+                **options,
+                exchange=self.ep_exchange,
+                buffer_factor=self.ep_buffer_factor,
+            )
+        if capacity:  # capacity mode: what overflowed the exchange's buffer was dropped
+            keep_BLK = keep_BLK & ~overflow_BLK
 
         aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
+        # Assignments past the expert-parallel receive buffer: sent in further rounds when
+        # dropless, dropped (and in dropped_fraction) with a capacity.
+        assigned = jnp.maximum(jnp.sum(mask_BLK.astype(jnp.float32)), 1.0)
+        aux["exchange_overflow"] = jnp.sum(overflow_BLK.astype(jnp.float32)) / assigned
         aux["balance_loss"] = gates.balance_loss(
             probs_TE, routing, gate_cfg.gating, self.balance_fractions
         )
