@@ -67,6 +67,11 @@ def check_moe_config(cfg) -> None:
     if float(moe.jitter) >= 1:
         raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
     dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
+    if moe.eval_gating and moe.eval_gating not in gates.GATES:
+        raise ValueError(
+            f"model.moe.eval_gating: got {moe.eval_gating!r}, expected '' or "
+            + " | ".join(gates.GATES)
+        )
     for gating in {moe.gating, moe.eval_gating or moe.gating}:
         gate_config(moe, gating)  # the gate's own checks (names, top_k, top_p, threshold)
 
