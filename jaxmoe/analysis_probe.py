@@ -28,13 +28,12 @@ class RoutingProbe(nnx.Module):
         self.moe = moe
         self.gate_cfg = gate_cfg
 
-    def __call__(self, x_BLD, *, train: bool):
-        y_BLD, aux = self.moe(x_BLD, train=train)
-        batch, length, _ = x_BLD.shape
+    def __call__(self, x_BLD, *, train: bool, token_mask_BL=None):
+        y_BLD, aux = self.moe(x_BLD, train=train, token_mask_BL=token_mask_BL)
+        batch, length, dim = x_BLD.shape
         # The router exactly as MoE applies it (f32, same op order, no jitter outside
         # training), so borderline gaps fall on the same side of the threshold.
-        logits_BLE = x_BLD.astype(jnp.float32) @ self.moe.router[...]
-        logits_TE = logits_BLE.reshape(batch * length, self.moe.num_experts)
+        logits_TE = self.moe.router_logits(x_BLD.astype(jnp.float32).reshape(-1, dim))
         routing = gates.route(jax.nn.softmax(logits_TE, axis=-1), self.gate_cfg)
         top2_BL = (jnp.sum(routing.mask, axis=-1) >= 2).reshape(batch, length)
         return y_BLD, {**aux, "top2_mask_BL": top2_BL}

@@ -59,6 +59,7 @@ def base_config() -> ConfigDict:
     moe.balance_fractions = "auto"  # balance loss counts: auto (adaptive top1) | top1 | chosen
     moe.z_loss_weight = 0.001  # router z-loss coefficient
     moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
+    moe.router_bias = False  # a router bias [E] (Flaxformer RouterWeights use_bias)
     moe.block_size = 256  # rows per expert block in the block dispatch
     moe.dispatch = "auto"  # auto | blocks | ragged | dense | capacity (GShard fixed buffers)
 

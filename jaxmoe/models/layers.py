@@ -125,9 +125,10 @@ class GatedMLP(nnx.Module):
         self.wi_1 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
 
-    def __call__(self, x_BLD, *, train: bool = False):
-        """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it)."""
-        del train
+    def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
+        """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it; the
+        token mask only matters to its routing statistics)."""
+        del train, token_mask_BL
         dtype = x_BLD.dtype
         gate_BLF = self.act(matmul_2d(x_BLD, self.wi_0[...].astype(dtype)))
         up_BLF = matmul_2d(x_BLD, self.wi_1[...].astype(dtype))

@@ -5,10 +5,17 @@ Parameters (logical axis names in parentheses; converters rely on these names):
   wo [E, F, D] ("expert", "expert_mlp", "embed"). Expert e computes
   act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
 
-`MoE(cfg, rngs=...)(x_BLD, train=...)` returns (y_BLD, aux) with aux scalars
-`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `balance_loss`, `z_loss` (losses
-unweighted) and `top2_per_example` [B]. Dispatch choices are in dispatch.py; under a mesh
-with more than one device the FFN runs in parallel/expert_parallel.py.
+With `moe.router_bias` the router also has router_bias [E] (None), added to the logits
+(Flaxformer's RouterWeights with use_bias; its default and the released Switch / ST-MoE
+configs have none).
+
+`MoE(cfg, rngs=...)(x_BLD, train=..., token_mask_BL=...)` returns (y_BLD, aux) with aux
+scalars `top2_fraction`, `expert_load_cv`, `dropped_fraction`, `balance_loss`, `z_loss`
+(losses unweighted) and `top2_per_example` [B]. `token_mask_BL` (bool, None = every token)
+marks the real tokens: padding still goes through the experts (its output is unused) but
+counts in none of the aux values, so they equal those of the batch without its padding.
+Dispatch choices are in dispatch.py; under a mesh with more than one device the FFN runs
+in parallel/expert_parallel.py.
 """
 
 import jax
@@ -80,6 +87,8 @@ class MoE(nnx.Module):
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
         self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
+        if moe.get("router_bias", False):
+            self.router_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
         expert_in = ("expert", "embed", "expert_mlp")
         self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
         self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
@@ -87,7 +96,16 @@ class MoE(nnx.Module):
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
 
-    def __call__(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
+    def router_logits(self, x_TD: jax.Array) -> jax.Array:
+        """f32 router logits [T, E] of f32 inputs [T, D] (plus the bias when there is one)."""
+        logits_TE = x_TD @ self.router[...]
+        if hasattr(self, "router_bias"):
+            logits_TE = logits_TE + self.router_bias[...]
+        return logits_TE
+
+    def __call__(
+        self, x_BLD: jax.Array, *, train: bool, token_mask_BL: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
         batch, length, dim = x_BLD.shape
         if dim != self.router.shape[0]:
             raise ValueError(
@@ -100,7 +118,7 @@ class MoE(nnx.Module):
                 self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
             )
             router_in = router_in * noise
-        logits_TE = router_in.reshape(batch * length, -1) @ self.router[...]
+        logits_TE = self.router_logits(router_in.reshape(batch * length, -1))
         probs_TE = jax.nn.softmax(logits_TE, axis=-1)
         routing = gates.route(probs_TE, gate_cfg)
         slots = routing.indices.shape[-1]
@@ -127,26 +145,35 @@ class MoE(nnx.Module):
         else:
             y_BLD = expert_parallel.sharded_moe_ffn(mesh, *args, **options)
 
-        aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
+        if token_mask_BL is None:
+            token_mask_BL = jnp.ones((batch, length), bool)
+        token_mask_BL = jnp.asarray(token_mask_BL, bool)
+        aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts, token_mask_BL)
+        token_mask_T = token_mask_BL.reshape(-1)
         aux["balance_loss"] = gates.balance_loss(
-            probs_TE, routing, gate_cfg.gating, self.balance_fractions
+            probs_TE, routing, gate_cfg.gating, self.balance_fractions, token_mask_T
         )
-        aux["z_loss"] = gates.z_loss(logits_TE)
+        aux["z_loss"] = gates.z_loss(logits_TE, token_mask_T)
         return y_BLD.astype(dtype), aux
 
 
-def routing_metrics(routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int) -> dict:
-    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32)."""
-    multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32)
+def routing_metrics(
+    routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int, token_mask_BL
+) -> dict:
+    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32), over
+    the real tokens of token_mask_BL (bool [B, L]); an example without any gives 0."""
+    real_BL = token_mask_BL.astype(jnp.float32)
+    multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32) * real_BL
+    chosen_TK = routing.mask * real_BL.reshape(-1, 1)
     load_E = jnp.sum(
-        jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32) * routing.mask[..., None],
+        jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32) * chosen_TK[..., None],
         axis=(0, 1),
     )
-    assigned = jnp.sum(mask_BLK.astype(jnp.float32))
-    kept = jnp.sum(keep_BLK.astype(jnp.float32))
+    assigned = jnp.sum(mask_BLK * real_BL[..., None])
+    kept = jnp.sum(keep_BLK * real_BL[..., None])
     return {
-        "top2_fraction": jnp.mean(multi_BL),
-        "top2_per_example": jnp.mean(multi_BL, axis=1),
+        "top2_fraction": jnp.sum(multi_BL) / jnp.maximum(jnp.sum(real_BL), 1.0),
+        "top2_per_example": jnp.sum(multi_BL, axis=1) / jnp.maximum(jnp.sum(real_BL, axis=1), 1.0),
         # Population std / mean of the per-expert assignment counts (before any drop).
         "expert_load_cv": jnp.std(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
         "dropped_fraction": 1.0 - kept / jnp.maximum(assigned, 1.0),

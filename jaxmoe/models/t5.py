@@ -96,9 +96,9 @@ class EncoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x, *, mask, bias, train):
+    def __call__(self, x, *, mask, bias, train, token_mask_BL=None):
         x = x + dropout(self.dropout, self.attn(self.attn_norm(x), mask=mask, bias=bias), train)
-        y, aux = self.ffn(self.ffn_norm(x), train=train)
+        y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         return x + dropout(self.dropout, y, train), aux
 
 
@@ -114,9 +114,22 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train, slot=None, cross_kv=None):
+    def __call__(
+        self,
+        x,
+        encoded,
+        *,
+        self_mask,
+        cross_mask,
+        bias,
+        train,
+        slot=None,
+        cross_kv=None,
+        token_mask_BL=None,
+    ):
         """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
-        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`."""
+        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`.
+        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
         h, cache = self_attention(
             self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
         )
@@ -125,7 +138,7 @@ class DecoderBlock(nnx.Module):
             self.cross_attn, self.cross_attn_norm(x), encoded, mask=cross_mask, cross_kv=cross_kv
         )
         x = x + dropout(self.dropout, h, train)
-        y, aux = self.ffn(self.ffn_norm(x), train=train)
+        y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         x = x + dropout(self.dropout, y, train)
         return x, aux if cache is None else {**aux, "cache": cache}
 
@@ -179,14 +192,23 @@ class EncoderDecoderLM(nnx.Module):
         x = constrain_batch(dropout(self.dropout, x, train))
 
         def apply(layer, x):
-            x, aux = layer(x, mask=mask, bias=bias, train=train)
+            x, aux = layer(x, mask=mask, bias=bias, train=train, token_mask_BL=valid_BS)
             return constrain_batch(x), aux
 
         x, aux = run_stack(self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}")
         return dropout(self.encoder_out_dropout, self.encoder_norm(x), train), aux
 
-    def decode(self, decoder_tokens_BL, encoded_BSD, encoder_valid_BS, *, train: bool = False):
-        """(logits [B, L, V] f32, aux) given the encoder output."""
+    def decode(
+        self,
+        decoder_tokens_BL,
+        encoded_BSD,
+        encoder_valid_BS,
+        *,
+        train: bool = False,
+        token_mask_BL=None,
+    ):
+        """(logits [B, L, V] f32, aux) given the encoder output; `token_mask_BL` (bool, None =
+        all) marks the real decoder positions for the MoE losses and statistics."""
         l = decoder_tokens_BL.shape[1]
         self_mask = jnp.tril(jnp.ones((l, l), bool))[None]
         cross_mask = jnp.broadcast_to(
@@ -198,7 +220,13 @@ class EncoderDecoderLM(nnx.Module):
 
         def apply(layer, x):
             x, aux = layer(
-                x, encoded_BSD, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train
+                x,
+                encoded_BSD,
+                self_mask=self_mask,
+                cross_mask=cross_mask,
+                bias=bias,
+                train=train,
+                token_mask_BL=token_mask_BL,
             )
             return constrain_batch(x), aux
 
@@ -210,9 +238,17 @@ class EncoderDecoderLM(nnx.Module):
         x = dropout(self.dropout, self.decoder_norm(x), train)
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
-    def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):
+    def __call__(
+        self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False, token_mask_BL=None
+    ):
+        """Encoder padding (token 0) is known; `token_mask_BL` marks the decoder's real
+        positions (e.g. loss weights > 0) for the MoE losses, None = all."""
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
         logits, dec_aux = self.decode(
-            decoder_tokens_BL, encoded, encoder_tokens_BS != 0, train=train
+            decoder_tokens_BL,
+            encoded,
+            encoder_tokens_BS != 0,
+            train=train,
+            token_mask_BL=token_mask_BL,
         )
         return logits, enc_aux | dec_aux
