@@ -32,6 +32,7 @@ def base_config() -> ConfigDict:
     m.rope_original_max_len = 8192  # llama3: the context length before the extension
     m.qkv_bias = False  # biases on the query/key/value projections (Qwen2); none on the output
     m.tie_embeddings = False  # share the input embedding with the output layer
+    m.ffn_gated = True  # act(x wi_0) * (x wi_1) wo; False: act(x wi) wo (T5 v1.0, Switch Base)
     m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
     m.attention_block = -1  # causal self-attention query block; -1 auto (CPU only), 0 dense
     m.remat = "none"  # backward-pass recompute: none | full | dots_saveable | offload_dots

@@ -5,6 +5,10 @@ Parameters (logical axis names in parentheses; converters rely on these names):
   wo [E, F, D] ("expert", "expert_mlp", "embed"). Expert e computes
   act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
 
+With `model.ffn_gated` False the experts are ungated, act(x wi[e]) wo[e]: wi [E, D, F]
+replaces wi_0 / wi_1. They run through the same gated dispatch code as (wi, wi, wo) with the
+gate layers.ungated_gate_fn (exact in value and gradient; one extra matmul per expert).
+
 With `moe.router_bias` the router also has router_bias [E] (None), added to the logits
 (Flaxformer's RouterWeights with use_bias; its default and the released Switch / ST-MoE
 configs have none).
@@ -23,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models import dispatch, gates
-from jaxmoe.models.layers import activation_fn, fan_in_init, make_param
+from jaxmoe.models.layers import activation_fn, fan_in_init, make_param, ungated_gate_fn
 from jaxmoe.parallel import expert_parallel
 
 
@@ -76,7 +80,8 @@ class MoE(nnx.Module):
         moe = cfg.moe
         dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
         self.num_experts = num_experts
-        self.act = activation_fn(cfg.activation)
+        self.gated = bool(cfg.get("ffn_gated", True))
+        self.act = activation_fn(cfg.activation) if self.gated else ungated_gate_fn(cfg.activation)
         self.train_gate = gate_config(moe, moe.gating)
         self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
         self.capacity_factor = float(moe.capacity_factor)
@@ -90,8 +95,11 @@ class MoE(nnx.Module):
         if moe.get("router_bias", False):
             self.router_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
         expert_in = ("expert", "embed", "expert_mlp")
-        self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
-        self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        if self.gated:
+            self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+            self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        else:
+            self.wi = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
         expert_out = ("expert", "expert_mlp", "embed")
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
@@ -136,7 +144,8 @@ class MoE(nnx.Module):
             keep_BLK = dispatch.capacity_keep(indices_BLK, mask_BLK, self.num_experts, capacity)
 
         dtype = x_BLD.dtype
-        experts = tuple(w[...].astype(dtype) for w in (self.wi_0, self.wi_1, self.wo))
+        kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
+        experts = tuple(w[...].astype(dtype) for w in kernels)
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()

@@ -5,6 +5,8 @@ its layers, bidirectional buckets in the encoder, causal in the decoder), gated-
 no 1/sqrt(d) scaling of attention logits, a shared input embedding and an untied output
 layer. Decoder self- and cross-attention take `num_kv_heads` (MHA / GQA / MQA); the encoder
 takes `encoder_num_kv_heads` (0 = MHA, as in the paper). Any FFN slot may be an MoE layer.
+With `tie_embeddings` (T5 v1.0, Switch Base) the output layer is the embedding, logits
+scaled by 1/sqrt(d_model) as in T5X; with `ffn_gated` False the FFNs are ungated.
 """
 
 import jax.numpy as jnp
@@ -175,9 +177,10 @@ class EncoderDecoderLM(nnx.Module):
             cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
         )
         self.decoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.lm_head = make_param(
-            rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
-        )
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(
+                rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
+            )
         # T5X's places: embeddings, final norms (the encoder's without a shared mask).
         self.dropout = make_dropout(cfg, rngs)
         self.encoder_out_dropout = make_dropout(cfg, rngs, share_along_length=False)
@@ -236,6 +239,8 @@ class EncoderDecoderLM(nnx.Module):
     def decoder_logits(self, x, train: bool = False):
         """The output layer on the last decoder block's output: logits [B, L, V] f32."""
         x = dropout(self.dropout, self.decoder_norm(x), train)
+        if self.cfg.tie_embeddings:
+            return self.token_embed.attend(x).astype(jnp.float32) * self.cfg.d_model**-0.5
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
     def __call__(

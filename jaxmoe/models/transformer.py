@@ -7,6 +7,7 @@ from flax import nnx
 from jaxmoe.models.attention import AUTO, Attention, RopeScaling
 from jaxmoe.models.kv_cache import self_attention
 from jaxmoe.models.layers import (
+    MLP,
     Embed,
     GatedMLP,
     RMSNorm,
@@ -27,12 +28,14 @@ def is_moe_layer(cfg, layer_index: int) -> bool:
 
 
 def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
-    """The FFN slot: a dense gated MLP, or the MoE layer where `is_moe_layer`."""
+    """The FFN slot: a dense (gated unless `ffn_gated` is False) MLP, or the MoE layer where
+    `is_moe_layer`."""
     if is_moe_layer(cfg, layer_index):
         from jaxmoe.models.moe import MoE  # the MoE module pulls in dispatch code
 
         return MoE(cfg, rngs=rngs)
-    return GatedMLP(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
+    mlp = GatedMLP if cfg.get("ffn_gated", True) else MLP
+    return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
 
 
 def compute_dtype(cfg):
