@@ -27,8 +27,11 @@ from flax import nnx
 
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x_convert import convert_t5x
+from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.models import build_model
 from jaxmoe.steps import forward
+from jaxmoe.train import train
+from tests.test_t5x_recipe import tiny_uptrain
 
 V, D, H, DH, F, E, FE, LAYERS, BUCKETS, MAX_DISTANCE = 64, 8, 2, 4, 12, 4, 6, 4, 32, 128
 SPARSE = (1, 3)  # Flaxformer MIXED with 2 sparse layers of 4: i % 2 == 1
@@ -74,7 +77,7 @@ def write_t5x_tensorstore(path: Path, arrays: dict[str, np.ndarray], step: int) 
 
 
 def switch_arrays(
-    seed: int = 0, router_bias: bool = False, base: bool = False
+    seed: int = 0, router_bias: bool = False, base: bool = False, vocab: int = V
 ) -> dict[str, np.ndarray]:
     """T5X names -> arrays of a tiny Switch-layout model: XXL-style (gated GELU, untied
     logits), or with `base` Switch Base-style (ReLU `wi`, logits tied to the embedding)."""
@@ -85,7 +88,7 @@ def switch_arrays(
         return rng.normal(size=shape) / np.sqrt(fan_in)
 
     a = {
-        "token_embedder/embedding": rng.normal(size=(V, D)),
+        "token_embedder/embedding": rng.normal(size=(vocab, D)),
         "encoder/encoder_norm/scale": 1 + 0.1 * rng.normal(size=D),
         "decoder/decoder_norm/scale": 1 + 0.1 * rng.normal(size=D),
     }
@@ -124,7 +127,7 @@ def switch_arrays(
                     a[f"{layer}/mlp/{name}/kernel"] = w(D, F, fan_in=D)
                 a[f"{layer}/mlp/wo/kernel"] = w(F, D, fan_in=F)
     if not base:
-        a["decoder/logits_dense/kernel"] = w(D, V, fan_in=D)
+        a["decoder/logits_dense/kernel"] = w(D, vocab, fan_in=D)
     return {name: value.astype(np.float32) for name, value in a.items()}
 
 
@@ -308,6 +311,30 @@ def test_regating_with_adaptive_threshold_zero_is_switch_top1(tmp_path):
     )
     assert any(float(v["top2_fraction"]) > 0.0 for v in aux.values())
     assert not np.allclose(wider, top1, atol=1e-4)
+
+
+@pytest.mark.slow  # ~40 s of CPU; 166 s wall on the loaded shared host
+def test_regated_switch_base_uptrains_with_the_adaptive_gate(tmp_path):
+    """The path the converter is for: a Switch Base-style checkpoint converted re-gated to
+    the adaptive gate, then uptrained by configs/uptrain_gqa.py (T5X's recipe continued
+    from the source step: 0.05 x 40 = 2 steps) on the embedded corpus."""
+    arrays = switch_arrays(seed=5, base=True, vocab=640)  # >= 512 + 100 sentinels
+    src = write_t5x_tensorstore(tmp_path / "checkpoint_40", arrays, step=40)
+    dst = tmp_path / "switch"
+    convert_t5x(src, dst, overrides=["model.moe.gating=adaptive", "model.moe.threshold=0.3"])
+    config = tiny_uptrain(dst, tmp_path)
+    assert (config.train.steps, config.optimizer.start_step) == (2, 40)
+    assert config.model.moe.gating == "adaptive" and not config.model.ffn_gated
+    train(config, str(tmp_path / "run"), progress=False)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines if '"top2_fraction"' in line]
+    assert steps and all(0 < s["top2_fraction"] < 1 and s["aux_loss"] > 0 for s in steps)
+    with ocp.StandardCheckpointer() as checkpointer:
+        before = flatten(checkpointer.restore(dst / "params"))
+        after = flatten(checkpointer.restore(tmp_path / "run" / "checkpoints" / "2" / "params"))
+    router = ("encoder_layers", "1", "ffn", "router")
+    assert not np.array_equal(before[router], after[router])
+    assert all(np.isfinite(value).all() for value in after.values())
 
 
 def _with_mlp(arrays, layer, source):
