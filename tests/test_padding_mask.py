@@ -78,11 +78,16 @@ def _check_same_aux(padded, cut):
             )
 
 
-@pytest.mark.parametrize("gating", ["adaptive", "top2"])
-def test_decoder_padding_changes_no_moe_loss(gating):
+@pytest.mark.parametrize(
+    "gating, layout",
+    [("adaptive", ()), ("top2", ()), ("adaptive", ("model.scan_layers=true", "model.remat=full"))],
+    ids=["adaptive", "top2", "adaptive-scanned-remat"],
+)
+def test_decoder_padding_changes_no_moe_loss(gating, layout):
     """Right-padded windows (weight 0 after 10 real positions) against the same windows cut
-    to their 10 real positions: causal attention keeps the real positions' states equal."""
-    graphdef, params, rest = _moe_model((), gating)
+    to their 10 real positions: causal attention keeps the real positions' states equal.
+    The mask reaches scanned and rematerialised stacks too."""
+    graphdef, params, rest = _moe_model(layout, gating)
     rng = np.random.default_rng(1)
     b, l, n = 4, 16, 10
     tokens = rng.integers(1, 128, size=(b, l + 1)).astype(np.int32)
