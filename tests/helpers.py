@@ -2,7 +2,8 @@
 
 import numpy as np
 
-from jaxmoe.config import apply_overrides, load_config, validate
+from jaxmoe.config.loading import apply_overrides, load_config
+from jaxmoe.config.validation import validate
 
 CONFIG = "configs/default.py"
 # A tiny T5 v1.1-style encoder-decoder (dense, relative position buckets): tiny_config(*TINY_T5)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.models import build_model, gates
-from jaxmoe.models.gates import GateConfig
-from jaxmoe.steps import forward
+from jaxmoe.models import build_model
+from jaxmoe.models.moe import gates
+from jaxmoe.models.moe.gates import GateConfig
+from jaxmoe.training.steps import forward
 from tests.helpers import TINY_T5, tiny_config
 
 # The four real tokens of test_gates' hand-computed example, then two padding tokens whose
@@ -72,7 +73,7 @@ def _aux(graphdef, params, rest, batch):
 def _check_same_aux(padded, cut):
     assert list(padded) == list(cut)
     for layer in padded:
-        for key in ("balance_loss", "z_loss", "top2_fraction", "top2_per_example"):
+        for key in ("balance_loss", "router_z_loss", "top2_fraction", "top2_per_example"):
             np.testing.assert_allclose(
                 padded[layer][key], cut[layer][key], rtol=2e-5, atol=1e-6, err_msg=f"{layer} {key}"
             )

@@ -26,11 +26,11 @@ import tensorstore
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x_convert import convert_t5x
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.models import build_model
-from jaxmoe.steps import forward
-from jaxmoe.train import train
+from jaxmoe.training.loop import train
+from jaxmoe.training.steps import forward
 from tests.test_t5x_recipe import tiny_uptrain
 
 V, D, H, DH, F, E, FE, LAYERS, BUCKETS, MAX_DISTANCE = 64, 8, 2, 4, 12, 4, 6, 4, 32, 128

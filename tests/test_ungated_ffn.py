@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.models.layers import MLP, activation_fn, ungated_gate_fn
-from jaxmoe.models.moe import MoE
+from jaxmoe.models.moe.layer import MoE
 from tests.test_moe import B, D, L, moe_config
 
 

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
-from jaxmoe.paths import absolute_path, finished_steps
+from jaxmoe.storage.paths import absolute_path, finished_steps
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def describe_error(error: BaseException) -> str:
 def merge_into_defaults(stored: dict) -> ConfigDict:
     """The stored config on top of today's defaults, so keys added since it was written
     exist (with their defaults) and can be overridden."""
-    from jaxmoe.default_config import base_config
+    from jaxmoe.config.defaults import base_config
 
     def merge(node: ConfigDict, values: dict) -> None:
         for key, value in values.items():

@@ -24,8 +24,8 @@ import numpy as np
 from jaxmoe.data import corpus, tfds_text
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
-from jaxmoe.mirror import Mirror
-from jaxmoe.paths import absolute_path, is_remote
+from jaxmoe.storage.mirror import Mirror
+from jaxmoe.storage.paths import absolute_path, is_remote
 
 # Bump when the token stream layout changes, so old token caches are not reused.
 _PACKING_VERSION = "eos-after-doc-v1"

@@ -16,7 +16,7 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from jaxmoe.paths import is_remote
+from jaxmoe.storage.paths import is_remote
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # Changing any training option below must change this, so stale cached models are not used.
@@ -175,7 +175,7 @@ def cached_tokenizer(
 ) -> Tokenizer:
     """Loads the tokenizer trained on these documents, training and caching it if needed.
 
-    `remote`: a jaxmoe.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
+    `remote`: a jaxmoe.storage.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
     asked before training and given the trained file."""
     key = hashlib.sha256(
         f"{_TRAINING_RECIPE}|{train_fingerprint}|{vocab_size}".encode()

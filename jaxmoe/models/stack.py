@@ -8,7 +8,7 @@ j in a period of k = `model.moe.every` blocks, so dense and MoE layers keep alte
 keeps its parameters in row p of `<stack>/period/<j>/...`, whose leading axis has the logical
 name `layers` (never sharded). The k blocks of one period are one `jax.lax.scan` body, so
 the program holds one period whatever the depth. Layers left over when k does not divide the
-depth (all dense, see transformer.is_moe_layer) are unrolled after the scan at
+depth (all dense, see ffn.is_moe_layer) are unrolled after the scan at
 `<stack>/tail/<t>/...`.
 
 Both run the same block code and create parameters in the same order from the same RNG
