@@ -9,8 +9,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxmoe.checkpoints.hf.names import export_plan
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.t5x.exporter import check_exportable
 from jaxmoe.models.layers import MLP, activation_fn, ungated_gate_fn
 from jaxmoe.models.moe.layer import MoE
+from tests.helpers import tiny_config
 from tests.test_moe import B, D, L, moe_config
 
 
@@ -80,3 +84,20 @@ def test_dense_ungated_mlp():
     want = np.maximum(np.asarray(x) @ np.asarray(mlp.wi[...]), 0) @ np.asarray(mlp.wo[...])
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-6)
     assert aux == {}
+
+
+@pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
+def test_exporters_refuse_ungated_ffns(arch):
+    """Neither the Hugging Face families nor T5X's T5.1.1 have an ungated FFN: one line."""
+    config = tiny_config(
+        f"model.arch={arch}",
+        "model.moe.num_experts=0",
+        "model.activation=gelu",
+        "model.rope_theta=0.0" if arch == "encoder_decoder" else "model.rope_theta=10000.0",
+        "model.ffn_gated=false",
+    )
+    with pytest.raises(CheckpointError, match=r"model\.ffn_gated=False"):
+        export_plan(config.model)
+    if arch == "encoder_decoder":
+        with pytest.raises(CheckpointError, match=r"model\.ffn_gated=False"):
+            check_exportable(config.model)
