@@ -328,7 +328,7 @@ def test_regated_switch_base_uptrains_with_the_adaptive_gate(tmp_path):
     train(config, str(tmp_path / "run"), progress=False)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines if '"top2_fraction"' in line]
-    assert steps and all(0 < s["top2_fraction"] < 1 and s["aux_loss"] > 0 for s in steps)
+    assert steps and all(0 < s["top2_fraction"] < 1 and s["balance_loss"] > 0 for s in steps)
     with ocp.StandardCheckpointer() as checkpointer:
         before = flatten(checkpointer.restore(dst / "params"))
         after = flatten(checkpointer.restore(tmp_path / "run" / "checkpoints" / "2" / "params"))
