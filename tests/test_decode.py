@@ -189,6 +189,15 @@ def test_generation_stops_at_eos(sharded_generation):
     stopper = Generator(generator.cfg, generator.params, generator.mesh, eos_id=expected[2])
     first = expected.index(expected[2])
     assert stopper.generate(prompts[:1], 6).tokens[0] == expected[: first + 1]
+    # A further stop id (generation_config.json's EOS list) ends the row too; EOS itself
+    # never comes here.
+    never = next(i for i in range(generator.cfg.vocab_size) if i not in expected)
+    stop = expected[3]
+    several = Generator(
+        generator.cfg, generator.params, generator.mesh, eos_id=never, stop_ids=(stop,)
+    )
+    assert several.stop_ids == (never, stop)
+    assert several.generate(prompts[:1], 6).tokens[0] == expected[: expected.index(stop) + 1]
 
 
 def allowed_by_hand(logits, temperature, top_k, top_p):

@@ -227,12 +227,12 @@ def test_uptrain_config_takes_model_and_recipe_from_the_converted_checkpoint(sou
 
 
 def test_uptrain_alpha_override_reaches_train_steps(source):
-    import jaxmoe.config
+    from jaxmoe.config.loading import load_config
 
     root, _, _ = source
     if not (root / "mean").exists():
         convert_gqa(str(root / "mha"), str(root / "mean"), num_kv_heads=2)
-    config = jaxmoe.config.load_config(
+    config = load_config(
         f"configs/uptrain_gqa.py:{root / 'mean'}", ["--config.uptrain.alpha=0.5"]
     )
     assert config.train.steps == 2

@@ -321,9 +321,8 @@ def test_export_jaxmoe_llama_loads_in_transformers(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        (("model.moe.gating=adaptive",), "model.moe.gating='adaptive'"),
         (("model.moe.gating=top2", "model.moe.every=2"), "model.moe.every=2"),
-        (("model.moe.gating=top2",), "model.moe.renormalize=False"),
+        (("model.moe.capacity_factor=1.25",), "model.moe.capacity_factor=1.25"),
         (("model.moe.num_experts=0", "model.rope_theta=0.0"), "model.rope_theta=0"),
         (("model.arch=encoder_decoder", "model.moe.num_experts=0"), "num_kv_heads=2"),
     ],

@@ -101,3 +101,9 @@ def test_exporters_refuse_ungated_ffns(arch):
     if arch == "encoder_decoder":
         with pytest.raises(CheckpointError, match=r"model\.ffn_gated=False"):
             check_exportable(config.model)
+
+
+def test_hf_export_refuses_a_router_bias():
+    config = tiny_config("model.moe.num_experts=4", "model.moe.router_bias=true")
+    with pytest.raises(CheckpointError, match=r"model\.moe\.router_bias=True"):
+        export_plan(config.model)

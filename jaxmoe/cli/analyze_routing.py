@@ -4,10 +4,15 @@ sends to two experts; writes routing.json, plots and a summary, prints one JSON 
 import argparse
 import json
 
-from jaxmoe.cli.flags import add_distributed_flags
+from jaxmoe.cli.flags import (
+    add_checkpoint_flags,
+    add_distributed_flags,
+    checkpoint_config_override,
+    initialize_from_flags,
+)
 from jaxmoe.inference.routing_analysis import analyze_routing
 from jaxmoe.inference.routing_probe import GATE_CHOICES
-from jaxmoe.storage.paths import absolute_data_spec, absolute_path
+from jaxmoe.storage.paths import absolute_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -15,26 +20,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "analyze-routing", help="which tokens each MoE layer sends to two experts"
     )
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        type=absolute_path,
-        help="checkpoint dir (a step or a workdir)",
-    )
-    parser.add_argument(
-        "--data",
-        required=True,
-        type=absolute_data_spec,
-        help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded",
-    )
+    add_checkpoint_flags(parser)
     parser.add_argument(
         "--out",
         required=True,
         type=absolute_path,
         help="directory for routing.json, plots, summary",
-    )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
     parser.add_argument(
         "--gate",
@@ -57,16 +48,8 @@ def run(args) -> int:
     overrides = args.overrides
     import jax
 
-    from jaxmoe.config.loading import load_config
-    from jaxmoe.parallel.distributed import initialize
-
-    initialize(
-        getattr(args, "coordinator_address", None),
-        getattr(args, "num_processes", None),
-        getattr(args, "process_id", None),
-        getattr(args, "init_timeout", None),
-    )
-    config = load_config(args.config, overrides) if args.config else None
+    initialize_from_flags(args)
+    config = checkpoint_config_override(args)
     result = analyze_routing(
         args.checkpoint,
         args.data,

@@ -2,6 +2,7 @@
 
 import argparse
 
+from jaxmoe.cli.flags import add_checkpoint_flags, checkpoint_config_override
 from jaxmoe.inference.decode import decode_main
 from jaxmoe.storage.paths import absolute_path
 
@@ -9,12 +10,7 @@ from jaxmoe.storage.paths import absolute_path
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `jaxmoe decode` on the CLI's subparsers; it runs `run`."""
     parser = subparsers.add_parser("decode", help="generate text with a KV cache, sharded")
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        type=absolute_path,
-        help="checkpoint dir (a step or a workdir)",
-    )
+    add_checkpoint_flags(parser, data=False)
     prompts = parser.add_mutually_exclusive_group(required=True)
     prompts.add_argument("--prompt", help="one prompt")
     prompts.add_argument(
@@ -30,18 +26,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="cut prompts longer than the model's context to their last tokens (logged)",
     )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: the one stored with the checkpoint)"
-    )
     parser.set_defaults(run=run)
     return parser
 
 
 def run(args) -> int:
     overrides = args.overrides
-    from jaxmoe.config.loading import load_config
-
-    config = load_config(args.config, overrides) if args.config else None
+    config = checkpoint_config_override(args)
     decode_main(
         args.checkpoint,
         prompt=args.prompt,

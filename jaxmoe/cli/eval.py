@@ -3,27 +3,18 @@ and score generations (`--task generate`), sharded on the mesh."""
 
 import json
 
-from jaxmoe.cli.flags import add_distributed_flags, initialize_from_flags
-from jaxmoe.storage.paths import absolute_data_spec, absolute_path
+from jaxmoe.cli.flags import (
+    add_checkpoint_flags,
+    add_distributed_flags,
+    checkpoint_config_override,
+    initialize_from_flags,
+)
+from jaxmoe.storage.paths import absolute_path
 
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("eval", help="score data with a checkpoint, sharded on the mesh")
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        type=absolute_path,
-        help="checkpoint dir (a step or a workdir)",
-    )
-    parser.add_argument(
-        "--data",
-        required=True,
-        type=absolute_data_spec,
-        help="jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded",
-    )
-    parser.add_argument(
-        "--config", default=None, help="config file (default: the one stored with the checkpoint)"
-    )
+    add_checkpoint_flags(parser)
     parser.add_argument("--per_example", action="store_true", help="add per-example losses")
     parser.add_argument(
         "--task",
@@ -37,11 +28,10 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from jaxmoe.config.loading import load_config
     from jaxmoe.inference.evaluate import evaluate
 
     initialize_from_flags(args)
-    config = load_config(args.config, args.overrides) if args.config else None
+    config = checkpoint_config_override(args)
     if args.task == "generate":
         result = _generate(args, config, args.overrides)
     else:

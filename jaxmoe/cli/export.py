@@ -7,6 +7,7 @@ from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
 from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x.exporter import export_t5x
 from jaxmoe.storage.paths import absolute_path
@@ -30,7 +31,7 @@ def export_hf_summary(
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
         "dtype": dtype,
-        "tokenizer": (Path(dst) / "tokenizer.json").exists(),
+        "tokenizer": any((Path(dst) / name).exists() for name in TOKENIZER_FILES),
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))
@@ -45,8 +46,9 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         description=(
             "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
             "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
-            "as Mixtral, T5 v1.1 as T5. "
-            "Models HF cannot express (adaptive gating, moe.every > 1, GQA T5) are refused."
+            "as Mixtral, other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
+            "(trust_remote_code), T5 v1.1 as T5, each with its tokenizer. "
+            "Models HF cannot express (moe.every > 1, capacity_factor > 0, GQA T5) are refused."
         ),
     )
     parser.add_argument(
@@ -58,7 +60,8 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         "--tokenizer",
         type=absolute_path,
         default=None,
-        help="SentencePiece .model to write as tokenizer.json (default: data.tokenizer)",
+        help="tokenizer to export: a SentencePiece .model (written as tokenizer.json) or a "
+        "Hugging Face tokenizer.json / folder (copied); default: data.tokenizer",
     )
     parser.set_defaults(run=run_hf)
     return parser

@@ -141,16 +141,17 @@ def _decode_loop(
     rest,
     sampling,
     new_bucket,
-    eos_id,
+    stop_ids,
     vocab_limit,
     constrain,
 ):
-    """Sample up to `max_new` tokens [B, new_bucket] (pad after EOS).
+    """Sample up to `max_new` tokens [B, new_bucket] (pad after a stop id: EOS...).
 
     Returns (tokens, number of loop steps, caches). The caches are donated by the caller and
     returned, so XLA updates one buffer in place from the first step to the last.
     """
     model = merge_model(graphdef, params, rest)  # rest: RNG streams, unused at decode
+    stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
 
     def forward(tokens_B1, caches, index):
         if "cross" in state:
@@ -178,9 +179,9 @@ def _decode_loop(
         next_B = sample_tokens(logits_B1V[:, -1, :vocab_limit], sub, sampling)
         next_B = jnp.where(done_B, PAD_ID, next_B)
         tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, next_B[:, None], (jnp.int32(0), t))
-        return t + 1, next_B, caches, tokens_BN, done_B | (next_B == eos_id), key
+        return t + 1, next_B, caches, tokens_BN, done_B | jnp.isin(next_B, stop_S), key
 
-    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B | (first_B == eos_id), key)
+    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B | jnp.isin(first_B, stop_S), key)
     steps, _, caches, tokens_BN, _, _ = jax.lax.while_loop(cond, body, carry)
     return tokens_BN, steps, caches
 
@@ -189,8 +190,9 @@ class Generator:
     """Compiled, sharded prefill + decode for one model on one mesh.
 
     params: the model's parameters (nested str-keyed dict), placed on `mesh` or not.
-    eos_id < 0 disables stopping at EOS (benchmarks). vocab_limit: only ids below it are
-    generated (the tokenizer's size; default the model's vocabulary).
+    eos_id < 0 disables stopping at EOS (benchmarks); `stop_ids` also end a row (the
+    tokenizer's further EOS ids). vocab_limit: only ids below it are generated (the
+    tokenizer's size; default the model's vocabulary).
     """
 
     def __init__(
@@ -201,9 +203,12 @@ class Generator:
         *,
         spec=None,
         eos_id: int = EOS_ID,
+        stop_ids: tuple[int, ...] = (),
         vocab_limit: int | None = None,
     ):
         self.cfg, self.mesh, self.eos_id = model_cfg, mesh, eos_id
+        first = (eos_id,) if eos_id >= 0 else ()
+        self.stop_ids = tuple(dict.fromkeys((*first, *(int(i) for i in stop_ids))))
         self.vocab_limit = vocab_limit or model_cfg.vocab_size
         self.spec = spec or model_spec(model_cfg, mesh)
         self.encoder_decoder = model_cfg.arch == "encoder_decoder"
@@ -294,7 +299,7 @@ class Generator:
             rest=self.spec.rest,
             sampling=sampling,
             new_bucket=new_bucket,
-            eos_id=self.eos_id,
+            stop_ids=self.stop_ids,
             vocab_limit=self.vocab_limit,
             constrain=self._constrain(rows, cache_len),
         )
@@ -371,7 +376,8 @@ class Generator:
         decode_s = time.perf_counter() - start - compile_decode
         out = []
         for row in tokens[: len(prompts), :max_new_tokens].tolist():
-            out.append(row[: row.index(self.eos_id) + 1] if self.eos_id in row else row)
+            ends = [i for i, token in enumerate(row) if token in self.stop_ids]
+            out.append(row[: ends[0] + 1] if ends else row)
         return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
 
 
@@ -442,9 +448,9 @@ def decode_main(
 ) -> dict:
     """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
 
-    Returns {"texts": [...], "new_tokens", "tokens_per_s", "prefill_s", "decode_s",
-    "compile_s"}. `config` replaces the checkpoint's stored config (then `overrides` are
-    already applied to it).
+    Returns {"texts": [...], "tokens": [new ids per prompt], "new_tokens", "tokens_per_s",
+    "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
+    (then `overrides` are already applied to it).
     """
     from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
     from jaxmoe.config.validation import resolve_vocab_size
@@ -472,6 +478,7 @@ def decode_main(
         mesh,
         spec=spec,
         eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.eos_ids,
         vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
     )
     # The encoder reads the input followed by EOS, as in training and evaluation.
@@ -483,7 +490,7 @@ def decode_main(
     result = generator.generate(ids, max_new_tokens, sampling, seed)
     completions = []
     for text, new in zip(texts, result.tokens, strict=True):
-        ended = bool(new) and new[-1] == tokenizer.eos_id
+        ended = bool(new) and new[-1] in generator.stop_ids
         completion = tokenizer.decode(new[:-1] if ended else new)
         completions.append(completion)
         print_fn(f"=== {text!r}{' [EOS]' if ended else ''}")
@@ -503,4 +510,4 @@ def decode_main(
         f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}"
     )
     print_fn(json.dumps(summary))
-    return {"texts": completions, **summary}
+    return {"texts": completions, "tokens": result.tokens, **summary}

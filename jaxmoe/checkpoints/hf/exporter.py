@@ -1,16 +1,16 @@
 """`jaxmoe export hf CKPT DST`: a jaxmoe checkpoint -> `config.json` + `model.safetensors`,
-plus `tokenizer.json` when the checkpoint names its tokenizer (`data.tokenizer`) or
-`--tokenizer FILE.model` is given (jaxmoe's own SentencePiece models only: tokenizer.py).
+plus the tokenizer files and `generation_config.json` (tokenizer_files.py) when the
+checkpoint names its tokenizer (`data.tokenizer`) or `--tokenizer FILE` is given.
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
-(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer routed
-top-k with renormalised weights (as Mixtral), and multi-head T5 v1.1 encoder-decoders.
-Anything else (adaptive or top-p gating, `moe.every` > 1, GQA in T5...) is refused with a
-one-line reason.
+(as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
+Mixtral when routed top-k with renormalised weights; other gates, adaptive and top-p
+included, as `jaxmoe_moe` with a modeling file for `trust_remote_code`: remote.py), and
+multi-head T5 v1.1 encoder-decoders. Anything else (`moe.every` > 1, a token capacity, GQA
+in T5...) is refused with a one-line reason.
 """
 
 import json
-import logging
 import struct
 from pathlib import Path
 
@@ -21,14 +21,13 @@ from jax.sharding import SingleDeviceSharding
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.hf.importer import SINGLE_FILE, check_coverage
 from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, export_plan
-from jaxmoe.checkpoints.hf.tokenizer import write_hf_tokenizer
+from jaxmoe.checkpoints.hf.remote import write_modeling_file
+from jaxmoe.checkpoints.hf.tokenizer_files import export_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, restore_params
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
 from jaxmoe.storage.paths import absolute_path
-
-log = logging.getLogger(__name__)
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 
@@ -95,13 +94,7 @@ def export_hf(
         dst / SINGLE_FILE, shapes, dtype, lambda name: _hf_tensor(params, by_name[name], out_dtype)
     )
     hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
+    hf_config |= export_tokenizer(config, dst, absolute_path(tokenizer) if tokenizer else None)
     (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    encoder_decoder = m.arch == "encoder_decoder"
-    if tokenizer:
-        write_hf_tokenizer(absolute_path(tokenizer), dst, encoder_decoder)
-    elif config.data.tokenizer:
-        try:
-            write_hf_tokenizer(config.data.tokenizer, dst, encoder_decoder)
-        except ValueError as error:  # e.g. T5's tokenizer: the weights are still useful
-            log.warning("no tokenizer.json written: %s", error)
+    write_modeling_file(hf_config, dst)
     return hf_config

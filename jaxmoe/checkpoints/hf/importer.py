@@ -6,8 +6,9 @@ checked against the model that the translated config builds (names, shapes, noth
 nothing left over) before anything is written. Tensors are then read, transposed and cast
 one at a time into file-backed arrays (np.memmap) in a staging directory next to DST, so the
 conversion holds about one tensor in RAM; `save_params` writes them and the directory is
-renamed to DST. PyTorch pickle files (`*.bin`) are refused: unpickling runs code from the
-file. Shard names from the index pass `safe_paths.resolve_inside`: reading never leaves SRC.
+renamed to DST, with the tokenizer files (tokenizer_files.py). PyTorch pickle files
+(`*.bin`) are refused: unpickling runs code from the file. Shard names from the index pass
+`safe_paths.resolve_inside`: reading never leaves SRC.
 """
 
 import json
@@ -24,6 +25,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.hf.names import ImportPlan, import_plan
+from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError, save_params
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.trees import flatten, unflatten
@@ -289,6 +291,7 @@ def convert_hf(
     hf_config = read_hf_config(src)
     config = base_config()
     plan = import_plan(hf_config, set(folder.names), config.model)
+    config.data.tokenizer = kept_tokenizer(src, dst)  # the copy made below, if any
     apply_overrides(config, overrides)
     validate(config)
     leaves = flatten(abstract_params(unrolled_config(config.model)))
@@ -299,6 +302,7 @@ def convert_hf(
     try:
         params = _convert_tensors(plan, leaves, folder, out_dtype, staging / _ARRAYS)
         save_params(str(staging), params, config)
+        keep_tokenizer_files(src, staging)
         del params
         shutil.rmtree(staging / _ARRAYS)
         if dst.exists():

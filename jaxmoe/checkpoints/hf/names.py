@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_collections import ConfigDict
 
+from jaxmoe.checkpoints.hf.remote import MODEL_TYPE, import_gate, remote_fields, stock_top_k
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.models.ffn import is_moe_layer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5", "jaxmoe_moe")
 # HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
 _ACT_FROM_HF = {
     "silu": "silu",
@@ -376,7 +377,7 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         "lm_head.weight" not in present
     )
     moe_prefix, moe_style = "block_sparse_moe", "per_expert"
-    if hf["model_type"] == "mixtral":
+    if hf["model_type"] in ("mixtral", MODEL_TYPE):
         k = _size(hf, "num_experts_per_tok")
         moe = m.moe
         moe.num_experts = _size(hf, "num_local_experts")
@@ -391,6 +392,8 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         moe.jitter = _number(hf, "router_jitter_noise", 0.0)
         moe.balance_loss_weight = _number(hf, "router_aux_loss_coef", 0.0)
         moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
+        if hf["model_type"] == MODEL_TYPE:  # a jaxmoe export: its gate, from jaxmoe_gate
+            import_gate(hf, moe)
         if not any(".block_sparse_moe." in n for n in present):
             moe_prefix = "mlp"  # transformers 5.x module names
         if any(n.endswith(".experts.gate_up_proj") for n in present):
@@ -446,7 +449,7 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     """Sets the jaxmoe model config `m` from HF's config.json `hf` and returns the tensor
     plan for the tensor names `present` in the checkpoint."""
     model_type = hf.get("model_type")
-    if model_type in ("llama", "mistral", "mixtral", "qwen2"):
+    if model_type in ("llama", "mistral", "mixtral", "qwen2", MODEL_TYPE):
         return _decoder_plan(hf, present, m)
     if model_type == "t5":
         return _t5_plan(hf, present, m)
@@ -468,30 +471,29 @@ def _hf_activation(m: ConfigDict) -> str:
 
 
 def _mixtral_fields(m: ConfigDict) -> dict:
+    """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
+    (remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
     moe = m.moe
     if moe.every != 1:
         _refuse(f"model.moe.every={moe.every}: Mixtral has an MoE FFN in every layer")
-    k = {"top1": 1, "top2": 2, "topk": moe.top_k}.get(moe.gating)
-    if k is None:
-        _refuse(f"model.moe.gating={moe.gating!r}: Mixtral routes every token to a fixed top-k")
-    if moe.eval_gating not in ("", moe.gating):
-        _refuse(f"model.moe.eval_gating={moe.eval_gating!r} differs from the training gate")
-    if not moe.renormalize:
-        _refuse("model.moe.renormalize=False: Mixtral renormalises the top-k weights")
-    if k == 1 and moe.single_weight != "one":
-        _refuse("top-1 with model.moe.single_weight='prob': Mixtral's single weight is 1")
     if moe.capacity_factor > 0:
         _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
-    return {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
+    gating = moe.eval_gating or moe.gating
+    fields = {
         "intermediate_size": moe.ffn_dim,
         "num_local_experts": moe.num_experts,
-        "num_experts_per_tok": k,
         "router_aux_loss_coef": moe.balance_loss_weight,
         "router_jitter_noise": moe.jitter,
         "output_router_logits": False,
         "sliding_window": None,
+    }
+    k = stock_top_k(moe, gating)
+    if k is None:
+        return fields | remote_fields(moe, gating)
+    return fields | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_experts_per_tok": k,
     }
 
 
@@ -590,6 +592,8 @@ def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[Te
     the reason when HF cannot express the model."""
     if not m.get("ffn_gated", True):
         _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
+    if m.moe.num_experts and m.moe.get("router_bias", False):
+        _refuse("model.moe.router_bias=True (the exported MoE routers have no bias)")
     if m.arch == "encoder_decoder":
         if m.tie_embeddings:
             _refuse("model.tie_embeddings with arch=encoder_decoder (exported T5 is untied)")
