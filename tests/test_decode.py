@@ -111,7 +111,17 @@ def test_cached_decoder_matches_full_forward_at_every_position(extra):
                 np.testing.assert_allclose(logits[row, 0], full[row][p + t], atol=ATOL)
 
 
-@SCAN
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),
+        ("model.scan_layers=true", "model.num_layers=3"),
+        # Switch Base-style: ungated ReLU FFNs, MoE every other layer, tied output layer.
+        ("model.ffn_gated=false", "model.activation=relu", "model.tie_embeddings=true",
+         "model.moe.num_experts=4", "model.moe.every=2", "model.moe.gating=top1"),
+    ],
+    ids=["unrolled", "scanned", "switch_base"],
+)  # fmt: skip
 def test_cached_encoder_decoder_matches_full_forward_at_every_position(extra):
     cfg = t5_config(*extra)
     model = build_model(cfg, rngs=nnx.Rngs(1))

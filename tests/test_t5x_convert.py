@@ -265,9 +265,13 @@ CROSS_V = "decoder/layers_1/encoder_decoder_attention/value/kernel"
             lambda a: variant(a, decoder__layers_1__mlp__wo__kernel=np.zeros((17, 8), "f4")),
             f"tensor {WO} has shape [17, 8] but the model config",
         ),
-        (
-            lambda a: {k.replace("wi_0", "wi"): v for k, v in a.items() if "wi_1" not in k},
-            "decoder/layers_0/mlp/wi/kernel [8, 16] is a non-gated FFN",
+        (  # one ungated FFN in a gated model: one FFN form per jaxmoe model
+            lambda a: {
+                k.replace("decoder/layers_1/mlp/wi_0", "decoder/layers_1/mlp/wi"): v
+                for k, v in a.items()
+                if k != "decoder/layers_1/mlp/wi_1/kernel"
+            },
+            "unknown parameter decoder/layers_1/mlp/wi/kernel [8, 16]",
         ),
         (
             lambda a: variant(a, decoder__relpos_bias__rel_embedding=np.zeros((5, 32), "f4")),

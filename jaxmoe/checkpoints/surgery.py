@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 METHODS = ("mean", "first", "random")
 # The mesh conversions run on: every device along fsdp, so no device holds a full copy.
 _CONVERT_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
-_EXPERT_KERNELS = ("wi_0", "wi_1", "wo")
+_EXPERT_KERNELS = ("wi_0", "wi_1", "wi", "wo")
 
 
 # --- GQA: pooling key/value heads ------------------------------------------------------

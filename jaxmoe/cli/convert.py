@@ -36,11 +36,13 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
     """Registers `t5x` under the `jaxmoe convert` subcommands."""
     parser = subparsers.add_parser(
         "t5x",
-        help="T5X T5.1.1 checkpoint -> jaxmoe checkpoint",
+        help="T5X T5 or MoE (Switch Transformer) checkpoint -> jaxmoe checkpoint",
         description=(
-            "Convert a T5X checkpoint (legacy msgpack, TensorStore, Orbax or OCDBT) of a T5.1.1 "
-            "encoder-decoder. The architecture is inferred from the tensors; --config.KEY=VALUE "
-            "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model)."
+            "Convert a T5X checkpoint (legacy msgpack, TensorStore, Orbax or OCDBT) of a T5 "
+            "encoder-decoder (T5.1.1, T5 v1.0), dense or with Flaxformer MoE layers (Switch "
+            "Transformer). The architecture is inferred from the tensors; --config.KEY=VALUE "
+            "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model, "
+            "--config.model.moe.gating=adaptive to re-gate a Switch model)."
         ),
     )
     parser.add_argument(
@@ -90,6 +92,8 @@ def run_t5x(args) -> int:
         "layers": [m.num_encoder_layers, m.num_layers],
         "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
         "ffn_dim": m.ffn_dim,
+        "experts": m.moe.num_experts,
+        "moe_every": m.moe.every if m.moe.num_experts else 0,
         "source_step": config.source.step,
         "seconds": round(time.perf_counter() - start, 2),
     }

@@ -32,6 +32,7 @@ def base_config() -> ConfigDict:
     m.rope_original_max_len = 8192  # llama3: the context length before the extension
     m.qkv_bias = False  # biases on the query/key/value projections (Qwen2); none on the output
     m.tie_embeddings = False  # share the input embedding with the output layer
+    m.ffn_gated = True  # act(x wi_0) * (x wi_1) wo; False: act(x wi) wo (T5 v1.0, Switch Base)
     m.dtype = "float32"  # compute dtype (float32 | bfloat16); parameters stay float32
     m.attention_block = -1  # causal self-attention query block; -1 auto (CPU only), 0 dense
     m.remat = "none"  # backward-pass recompute: none | full | dots_saveable | offload_dots
@@ -59,6 +60,7 @@ def base_config() -> ConfigDict:
     moe.balance_fractions = "auto"  # balance loss counts: auto (adaptive top1) | top1 | chosen
     moe.z_loss_weight = 0.001  # router z-loss coefficient
     moe.jitter = 0.0  # multiplicative router-input noise in training (0 = off)
+    moe.router_bias = False  # a router bias [E] (Flaxformer RouterWeights use_bias)
     moe.block_size = 256  # rows per expert block in the block dispatch
     moe.dispatch = "auto"  # auto | blocks | ragged | dense | capacity (GShard fixed buffers)
     # Expert-parallel token exchange: ragged (sized to the routing, ragged_all_to_all) |

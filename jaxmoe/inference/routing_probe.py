@@ -28,8 +28,8 @@ class RoutingProbe(nnx.Module):
         self.moe = moe
         self.gate_cfg = gate_cfg
 
-    def __call__(self, x_BLD, *, train: bool):
-        y_BLD, aux = self.moe(x_BLD, train=train)
+    def __call__(self, x_BLD, *, train: bool, token_mask_BL=None):
+        y_BLD, aux = self.moe(x_BLD, train=train, token_mask_BL=token_mask_BL)
         batch, length, _ = x_BLD.shape
         # The layer's own router code: borderline gaps fall on the same side of the threshold.
         _, probs_TE = self.moe.route_probs(x_BLD, train=False)

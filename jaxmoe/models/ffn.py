@@ -1,4 +1,5 @@
-"""The FFN slot of a block: a dense gated MLP, or the MoE layer in every `moe.every`-th layer.
+"""The FFN slot of a block: a dense MLP (gated unless `model.ffn_gated` is False), or the MoE
+layer in every `moe.every`-th layer.
 
 Decoder, encoder-decoder, FLOP counts, converters and routing analysis all ask `is_moe_layer`,
 so which layers are MoE is decided here once.
@@ -6,7 +7,7 @@ so which layers are MoE is decided here once.
 
 from flax import nnx
 
-from jaxmoe.models.layers import GatedMLP
+from jaxmoe.models.layers import MLP, GatedMLP
 
 
 def is_moe_layer(cfg, layer_index: int) -> bool:
@@ -16,9 +17,11 @@ def is_moe_layer(cfg, layer_index: int) -> bool:
 
 
 def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
-    """The FFN slot: a dense gated MLP, or the MoE layer where `is_moe_layer`."""
+    """The FFN slot: a dense (gated unless `ffn_gated` is False) MLP, or the MoE layer where
+    `is_moe_layer`."""
     if is_moe_layer(cfg, layer_index):
         from jaxmoe.models.moe.layer import MoE  # the MoE module pulls in dispatch code
 
         return MoE(cfg, rngs=rngs)
-    return GatedMLP(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
+    mlp = GatedMLP if cfg.get("ffn_gated", True) else MLP
+    return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)

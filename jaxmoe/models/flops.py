@@ -26,12 +26,14 @@ def experts_per_token(moe_cfg) -> float:
 
 
 def ffn_macs_per_token(cfg, layer_index: int) -> float:
-    """Multiply-adds per token of the FFN slot of layer `layer_index` (gated: 3 matrices)."""
+    """Multiply-adds per token of the FFN slot of layer `layer_index` (gated: 3 matrices,
+    ungated: 2; the model's FLOPs, not the extra matmul ungated experts run, moe.py)."""
+    matrices = 3 if cfg.get("ffn_gated", True) else 2
     if is_moe_layer(cfg, layer_index):
         moe = cfg.moe
         router = cfg.d_model * moe.num_experts
-        return router + experts_per_token(moe) * 3 * cfg.d_model * moe.ffn_dim
-    return 3 * cfg.d_model * cfg.ffn_dim
+        return router + experts_per_token(moe) * matrices * cfg.d_model * moe.ffn_dim
+    return matrices * cfg.d_model * cfg.ffn_dim
 
 
 def _projection_macs(cfg, kv_heads: int) -> float:

@@ -76,6 +76,21 @@ def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
     return ACTIVATIONS[name]
 
 
+def ungated_gate_fn(name: str) -> Callable[[jax.Array], jax.Array]:
+    """s with act(h) = s(h) * h for activation `name` (relu: step, silu: sigmoid, gelu: its
+    tanh-approximation factor). A gated FFN with this gate and wi_0 = wi_1 = wi (the same
+    array, so autodiff sums both gradient paths into d act(h) / dh) is exactly the ungated
+    act(x wi) wo, in value and gradient: how the MoE layer runs ungated experts through the
+    gated dispatch code."""
+    if name == "relu":
+        return lambda h: (h > 0).astype(h.dtype)
+    if name == "silu":
+        return jax.nn.sigmoid
+    if name == "gelu":
+        return lambda h: 0.5 * (1 + jnp.tanh(0.7978845608028654 * (h + 0.044715 * h**3)))
+    raise ValueError(f"model.activation: unknown activation {name!r} (silu | gelu | relu)")
+
+
 class RMSNorm(nnx.Module):
     """Root-mean-square norm with a learned scale and no bias (Llama, T5)."""
 
@@ -121,6 +136,22 @@ def matmul_2d(x, w, contract: int = 1):
     return y.reshape(*lead, *w.shape[contract:])
 
 
+class MLP(nnx.Module):
+    """Ungated FFN: act(x wi) wo (T5 v1.0 and Switch Base / Large / C with relu)."""
+
+    def __init__(self, d_model: int, ffn_dim: int, activation: str, *, rngs: nnx.Rngs):
+        self.act = activation_fn(activation)
+        self.wi = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
+        self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
+
+    def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
+        """Returns (y_BLD, {}), like GatedMLP."""
+        del train, token_mask_BL
+        dtype = x_BLD.dtype
+        hidden_BLF = self.act(matmul_2d(x_BLD, self.wi[...].astype(dtype)))
+        return matmul_2d(hidden_BLF, self.wo[...].astype(dtype)), {}
+
+
 class GatedMLP(nnx.Module):
     """Gated FFN: act(x wi_0) * (x wi_1) wo. SwiGLU with silu, T5.1.1's gated GELU with gelu."""
 
@@ -130,9 +161,10 @@ class GatedMLP(nnx.Module):
         self.wi_1 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
 
-    def __call__(self, x_BLD, *, train: bool = False):
-        """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it)."""
-        del train
+    def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
+        """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it; the
+        token mask only matters to its routing statistics)."""
+        del train, token_mask_BL
         dtype = x_BLD.dtype
         gate_BLF = self.act(matmul_2d(x_BLD, self.wi_0[...].astype(dtype)))
         up_BLF = matmul_2d(x_BLD, self.wi_1[...].astype(dtype))

@@ -5,6 +5,8 @@ its layers, bidirectional buckets in the encoder, causal in the decoder), gated-
 no 1/sqrt(d) scaling of attention logits, a shared input embedding and an untied output
 layer. Decoder self- and cross-attention take `num_kv_heads` (MHA / GQA / MQA); the encoder
 takes `encoder_num_kv_heads` (0 = MHA, as in the paper). Any FFN slot may be an MoE layer.
+With `tie_embeddings` (T5 v1.0, Switch Base) the output layer is the embedding, logits
+scaled by 1/sqrt(d_model) as in T5X; with `ffn_gated` False the FFNs are ungated.
 """
 
 import jax.numpy as jnp
@@ -97,9 +99,9 @@ class EncoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x, *, mask, bias, train):
+    def __call__(self, x, *, mask, bias, train, token_mask_BL=None):
         x = x + dropout(self.dropout, self.attn(self.attn_norm(x), mask=mask, bias=bias), train)
-        y, aux = self.ffn(self.ffn_norm(x), train=train)
+        y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         return x + dropout(self.dropout, y, train), aux
 
 
@@ -115,9 +117,22 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x, encoded, *, self_mask, cross_mask, bias, train, slot=None, cross_kv=None):
+    def __call__(
+        self,
+        x,
+        encoded,
+        *,
+        self_mask,
+        cross_mask,
+        bias,
+        train,
+        slot=None,
+        cross_kv=None,
+        token_mask_BL=None,
+    ):
         """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
-        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`."""
+        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`.
+        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
         h, cache = self_attention(
             self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
         )
@@ -126,7 +141,7 @@ class DecoderBlock(nnx.Module):
             self.cross_attn, self.cross_attn_norm(x), encoded, mask=cross_mask, cross_kv=cross_kv
         )
         x = x + dropout(self.dropout, h, train)
-        y, aux = self.ffn(self.ffn_norm(x), train=train)
+        y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         x = x + dropout(self.dropout, y, train)
         return x, aux if cache is None else {**aux, "cache": cache}
 
@@ -163,9 +178,10 @@ class EncoderDecoderLM(nnx.Module):
             cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
         )
         self.decoder_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.lm_head = make_param(
-            rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
-        )
+        if not cfg.tie_embeddings:
+            self.lm_head = make_param(
+                rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
+            )
         # T5X's places: embeddings, final norms (the encoder's without a shared mask).
         self.dropout = make_dropout(cfg, rngs)
         self.encoder_out_dropout = make_dropout(cfg, rngs, share_along_length=False)
@@ -180,14 +196,23 @@ class EncoderDecoderLM(nnx.Module):
         x = constrain_batch(dropout(self.dropout, x, train))
 
         def apply(layer, x):
-            x, aux = layer(x, mask=mask, bias=bias, train=train)
+            x, aux = layer(x, mask=mask, bias=bias, train=train, token_mask_BL=valid_BS)
             return constrain_batch(x), aux
 
         x, aux = run_stack(self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}")
         return dropout(self.encoder_out_dropout, self.encoder_norm(x), train), aux
 
-    def decode(self, decoder_tokens_BL, encoded_BSD, encoder_valid_BS, *, train: bool = False):
-        """(logits [B, L, V] f32, aux) given the encoder output."""
+    def decode(
+        self,
+        decoder_tokens_BL,
+        encoded_BSD,
+        encoder_valid_BS,
+        *,
+        train: bool = False,
+        token_mask_BL=None,
+    ):
+        """(logits [B, L, V] f32, aux) given the encoder output; `token_mask_BL` (bool, None =
+        all) marks the real decoder positions for the MoE losses and statistics."""
         l = decoder_tokens_BL.shape[1]
         self_mask = jnp.tril(jnp.ones((l, l), bool))[None]
         cross_mask = jnp.broadcast_to(
@@ -199,7 +224,13 @@ class EncoderDecoderLM(nnx.Module):
 
         def apply(layer, x):
             x, aux = layer(
-                x, encoded_BSD, self_mask=self_mask, cross_mask=cross_mask, bias=bias, train=train
+                x,
+                encoded_BSD,
+                self_mask=self_mask,
+                cross_mask=cross_mask,
+                bias=bias,
+                train=train,
+                token_mask_BL=token_mask_BL,
             )
             return constrain_batch(x), aux
 
@@ -209,11 +240,21 @@ class EncoderDecoderLM(nnx.Module):
     def decoder_logits(self, x, train: bool = False):
         """The output layer on the last decoder block's output: logits [B, L, V] f32."""
         x = dropout(self.dropout, self.decoder_norm(x), train)
+        if self.cfg.tie_embeddings:
+            return self.token_embed.attend(x).astype(jnp.float32) * self.cfg.d_model**-0.5
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
-    def __call__(self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False):
+    def __call__(
+        self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False, token_mask_BL=None
+    ):
+        """Encoder padding (token 0) is known; `token_mask_BL` marks the decoder's real
+        positions (e.g. loss weights > 0) for the MoE losses, None = all."""
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
         logits, dec_aux = self.decode(
-            decoder_tokens_BL, encoded, encoder_tokens_BS != 0, train=train
+            decoder_tokens_BL,
+            encoded,
+            encoder_tokens_BS != 0,
+            train=train,
+            token_mask_BL=token_mask_BL,
         )
         return logits, enc_aux | dec_aux

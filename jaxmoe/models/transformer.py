@@ -38,14 +38,15 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None):
+    def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None, token_mask_BL=None):
         """(x, aux). With `slot` (kv_cache.CacheSlot, decoding) the self-attention reads and
-        writes the layer's KV cache and aux["cache"] is the updated cache."""
+        writes the layer's KV cache and aux["cache"] is the updated cache. `token_mask_BL`
+        (bool, None = all) marks the real tokens for the MoE statistics and losses."""
         h_BLD, cache = self_attention(
             self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
-        y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train)
+        y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)
         x_BLD = x_BLD + dropout(self.dropout, y_BLD, train)
         return x_BLD, aux if cache is None else {**aux, "cache": cache}
 
@@ -66,8 +67,10 @@ class DecoderLM(nnx.Module):
                 rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
             )
 
-    def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None):
-        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order."""
+    def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None, token_mask_BL=None):
+        """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
+        `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
+        MoE balance / z losses and routing statistics."""
         cfg = self.cfg
         b, l = tokens_BL.shape
         if positions_BL is None:
@@ -77,7 +80,13 @@ class DecoderLM(nnx.Module):
         x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
 
         def apply(layer, x_BLD):
-            x_BLD, aux = layer(x_BLD, mask=mask, positions_BL=positions_BL, train=train)
+            x_BLD, aux = layer(
+                x_BLD,
+                mask=mask,
+                positions_BL=positions_BL,
+                train=train,
+                token_mask_BL=token_mask_BL,
+            )
             return constrain_batch(x_BLD), aux
 
         x_BLD, aux = run_stack(self.layers, x_BLD, apply, cfg.remat, name=lambda i: i)

@@ -52,11 +52,19 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
 
 
 def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
-    """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch."""
+    """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch.
+
+    Positions of loss weight 0 (padding; a decoder-only window's last real token, whose
+    prediction is padding too) count in no MoE loss or routing statistic (the complexity
+    vectors): with causal attention nothing they route reaches a weighted prediction.
+    """
     model = merge_model(graphdef, params, rest, rng)
+    token_mask = batch["weights"] > 0 if "weights" in batch else None
     if "encoder_inputs" in batch:
-        return model(batch["encoder_inputs"], batch["inputs"], train=train)
-    return model(batch["inputs"], train=train)
+        return model(
+            batch["encoder_inputs"], batch["inputs"], train=train, token_mask_BL=token_mask
+        )
+    return model(batch["inputs"], train=train, token_mask_BL=token_mask)
 
 
 def token_nll(logits_BLV, targets_BL):

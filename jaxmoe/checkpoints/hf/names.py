@@ -590,6 +590,12 @@ def _t5_export(m: ConfigDict) -> dict:
 def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
     """(HF config.json dict, tensor maps) for jaxmoe model config `m`; a CheckpointError with
     the reason when HF cannot express the model."""
+    if not m.get("ffn_gated", True):
+        _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
+    if m.moe.num_experts and m.moe.get("router_bias", False):
+        _refuse("model.moe.router_bias=True (the exported MoE routers have no bias)")
     if m.arch == "encoder_decoder":
+        if m.tie_embeddings:
+            _refuse("model.tie_embeddings with arch=encoder_decoder (exported T5 is untied)")
         return _t5_export(m), t5_maps(m)
     return _decoder_export(m, max_positions), decoder_maps(m)

@@ -2,7 +2,11 @@
 
 The architecture is read off the tensor shapes:
 vocabulary and width from `token_embedder/embedding [V, D]`, layer counts from the
-`layers_<i>` names, FFN width from `mlp/wi_0 [D, F]`, heads from the relative-bias table
+`layers_<i>` names, FFN width from `mlp/wi_0 [D, F]` (gated GELU, T5.1.1) or `mlp/wi`
+(ungated ReLU: T5 v1.0, Switch Base), an untied output layer from `decoder/logits_dense`
+(without it the logits come from the embedding, scaled by 1/sqrt(D)), MoE layers
+(Flaxformer's MoeLayer: Switch Transformer and other token-choice MoE checkpoints) from
+`mlp/router/...` and `mlp/expert/...` (moe.py), heads from the relative-bias table
 `relpos_bias/rel_embedding [H, buckets]`, head width = query width / H, key/value heads from
 the key width (GQA-uptrained checkpoints convert too). Flags cover the rest (max distance,
 or heads when no table exists). Every tensor is checked against the model that config
@@ -32,6 +36,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
 from jaxmoe.checkpoints.t5x.reader import TensorTable, open_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
@@ -42,7 +47,7 @@ _GROUP_BYTES = 256 << 20
 _MAX_GROUPS = 64  # Orbax's partial save slows down with each call; keep the calls few
 _EMBEDDING = "token_embedder/embedding"
 _LAYER = re.compile(r"(encoder|decoder)/layers_(\d+)/")
-_UNGATED = re.compile(r"(encoder|decoder)/layers_\d+/mlp/wi/kernel")
+_LOGITS = "decoder/logits_dense/kernel"
 
 # jaxmoe parameter path -> T5X name. Top-level parameters:
 _TOP_NAMES = {
@@ -51,7 +56,7 @@ _TOP_NAMES = {
     ("encoder_norm", "scale"): "encoder/encoder_norm/scale",
     ("decoder_relpos", "rel_embedding"): "decoder/relpos_bias/rel_embedding",
     ("decoder_norm", "scale"): "decoder/decoder_norm/scale",
-    ("lm_head",): "decoder/logits_dense/kernel",
+    ("lm_head",): _LOGITS,
 }
 # Per-layer modules: jaxmoe name -> T5X name, for each stack.
 _ENCODER_MODULES = {
@@ -72,17 +77,21 @@ _LAYER_MODULES = {
     "encoder_layers": ("encoder", _ENCODER_MODULES),
     "decoder_layers": ("decoder", _DECODER_MODULES),
 }
-_KERNELS = ("query", "key", "value", "out", "wi_0", "wi_1", "wo")
+_KERNELS = ("query", "key", "value", "out", "wi_0", "wi_1", "wi", "wo")
 
 
-def t5x_name(path: tuple[str, ...]) -> str:
+def t5x_name(path: tuple[str, ...], expert: bool = False) -> str:
     """The T5X name of the jaxmoe parameter at `path`, e.g. ('decoder_layers', '0',
-    'self_attn', 'key') -> 'decoder/layers_0/self_attention/key/kernel'."""
+    'self_attn', 'key') -> 'decoder/layers_0/self_attention/key/kernel'. `expert`: the
+    FFN kernel belongs to an MoE layer (stacked experts under `mlp/expert`)."""
     if path in _TOP_NAMES:
         return _TOP_NAMES[path]
     if len(path) == 4 and path[0] in _LAYER_MODULES:
         stack, modules = _LAYER_MODULES[path[0]]
         index, module, param = path[1:]
+        moe_param = module == "ffn" and (expert or param in ("router", "router_bias"))
+        if moe_param and (name := t5x_moe_name(stack, index, param)):
+            return name
         if module in modules and (param in _KERNELS or param == "scale"):
             leaf = f"{param}/kernel" if param in _KERNELS else param
             return f"{stack}/layers_{index}/{modules[module]}/{leaf}"
@@ -122,14 +131,9 @@ def infer_model(
     head_dim: int | None = None,
     relpos_max_distance: int = 128,
 ) -> dict:
-    """The `model.*` values of a T5.1.1 checkpoint, inferred from its tensor shapes."""
+    """The `model.*` values of a T5.1.1 checkpoint, inferred from its tensor shapes; "moe"
+    holds the `model.moe.*` values (num_experts 0 for a dense checkpoint)."""
     names = table.names()
-    ungated = [n for n in names if _UNGATED.fullmatch(n)]
-    if ungated:
-        raise CheckpointError(
-            f"{src}: {ungated[0]} {list(table.shape(ungated[0]))} is a non-gated FFN (T5 v1.0, "
-            "ReLU); jaxmoe converts T5.1.1 checkpoints, whose FFN is gated (mlp/wi_0, mlp/wi_1)"
-        )
     layers = {"encoder": 0, "decoder": 0}
     for name in names:
         if match := _LAYER.match(name):
@@ -140,8 +144,9 @@ def infer_model(
             raise CheckpointError(
                 f"{src}: no {stack}/layers_<i>/... tensors: not a T5 encoder-decoder checkpoint"
             )
+    moe = infer_moe(table, src, layers)
     vocab, d_model = _shape(table, _EMBEDDING, src, "the vocabulary and width")
-    ffn_dim = _shape(table, "encoder/layers_0/mlp/wi_0/kernel", src, "model.ffn_dim")[1]
+    gated, ffn_dim = _ffn_form(table, src, layers["encoder"], moe)
 
     tables = [f"{stack}/relpos_bias/rel_embedding" for stack in layers]
     relpos = next((name for name in tables if name in table), None)
@@ -182,13 +187,53 @@ def infer_model(
         "encoder_num_kv_heads": 0 if encoder_kv == heads else encoder_kv,
         "head_dim": head_dim,
         "ffn_dim": ffn_dim,
-        "activation": "gelu",
+        # T5.1.1 and Switch XXL: gated GELU; T5 v1.0 and Switch Base / Large / C: ReLU.
+        "activation": "gelu" if gated else "relu",
+        "ffn_gated": gated,
         "norm_eps": 1e-6,
         "rope_theta": 0.0,
-        "tie_embeddings": False,
+        "tie_embeddings": _LOGITS not in table,
         "relpos_buckets": buckets,
         "relpos_max_distance": relpos_max_distance,
+        "moe": moe,
     }
+
+
+def _ffn_form(table: TensorTable, src, num_layers: int, moe: dict) -> tuple[bool, int]:
+    """(gated, dense FFN width) from the encoder's first dense FFN (`wi_0` gated, `wi`
+    not) and the experts, which must agree: jaxmoe's model.ffn_gated holds for every FFN.
+    With an MoE in every layer the dense width is the experts' (no dense layer uses it)."""
+    prefixes = []
+    dense = next(
+        (i for i in range(num_layers) if not moe["num_experts"] or (i + 1) % moe["every"]), None
+    )
+    if dense is not None:
+        prefixes.append(f"encoder/layers_{dense}/mlp")
+    if moe["num_experts"]:
+        prefixes.append(f"encoder/layers_{moe['every'] - 1}/mlp/expert")
+    forms = {}
+    for prefix in prefixes:
+        if f"{prefix}/wi_0/kernel" in table:
+            forms[prefix] = True
+        elif f"{prefix}/wi/kernel" in table:
+            forms[prefix] = False
+        else:
+            raise CheckpointError(
+                f"{src}: missing parameter {prefix}/wi_0/kernel (or wi/kernel; needed for the "
+                "FFN width)"
+            )
+    if len(set(forms.values())) > 1:
+        form = {True: "gated (wi_0, wi_1)", False: "ungated (wi)"}
+        (a, a_gated), (b, b_gated) = forms.items()
+        raise CheckpointError(
+            f"{src}: {b} is {form[b_gated]} but {a} is {form[a_gated]}; jaxmoe's "
+            "model.ffn_gated applies to every FFN"
+        )
+    gated = next(iter(forms.values()))
+    if dense is None:
+        return gated, moe["ffn_dim"]
+    name = f"{prefixes[0]}/{'wi_0' if gated else 'wi'}/kernel"
+    return gated, _shape(table, name, src, "model.ffn_dim")[1]
 
 
 def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
@@ -209,16 +254,21 @@ def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
 
 
 def build_config(model_values: dict, overrides=(), source_step: int = 0) -> ConfigDict:
-    """The full jaxmoe config of a converted checkpoint: defaults, the inferred model, a
-    dense FFN (T5.1.1 has no experts), T5.1.1's recipe, the T5X step it stopped at
-    (`source.step`), then the user's `--config.*` overrides."""
+    """The full jaxmoe config of a converted checkpoint: defaults, the inferred model (a
+    dense FFN, or MoE layers with Switch's routing options for a Flaxformer MoE checkpoint),
+    T5.1.1's recipe, the T5X step it stopped at (`source.step`), then the user's
+    `--config.*` overrides."""
     from jaxmoe.config.loading import apply_overrides
     from jaxmoe.config.validation import validate
 
     config = t5_1_1_recipe(base_config())
     for key, value in model_values.items():
-        config.model[key] = value
-    config.model.moe.num_experts = 0
+        if key != "moe":
+            config.model[key] = value
+    moe = model_values.get("moe", {"num_experts": 0})
+    config.model.moe.update(moe)
+    if moe["num_experts"]:
+        switch_recipe(config)
     config.source = ConfigDict({"format": "t5x", "step": int(source_step)})
     apply_overrides(config, overrides)
     validate(config)
@@ -232,7 +282,10 @@ def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str,
         path: tuple(leaf.shape)
         for path, leaf in flatten(abstract_params(unrolled_config(model_cfg))).items()
     }
-    plan = [(path, t5x_name(path), shape) for path, shape in expected.items()]
+    plan = [
+        (path, t5x_name(path, expert=len(shape) == 3 and path[2:3] == ("ffn",)), shape)
+        for path, shape in expected.items()
+    ]
     known = {name for _, name, _ in plan}
     problems = [
         f"unknown parameter {name} {list(table.shape(name))} (no counterpart in the "
@@ -260,7 +313,7 @@ def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str,
 def _model_summary(m) -> str:
     return (
         f"d_model={m.d_model}, heads={m.num_heads}x{m.head_dim}, kv_heads={m.num_kv_heads}, "
-        f"ffn_dim={m.ffn_dim}, vocab={m.vocab_size}"
+        f"ffn_dim={m.ffn_dim}, vocab={m.vocab_size}, experts={m.moe.num_experts}"
     )
 
 

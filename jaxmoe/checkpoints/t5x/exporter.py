@@ -63,6 +63,7 @@ def check_exportable(m) -> None:
         (m.moe.num_experts > 0, f"model.moe.num_experts={m.moe.num_experts} (MoE layers)"),
         (m.tie_embeddings, "model.tie_embeddings=True (T5.1.1 has its own logits_dense)"),
         (m.activation != "gelu", f"model.activation={m.activation!r} (T5.1.1: gated gelu)"),
+        (not m.get("ffn_gated", True), "model.ffn_gated=False (T5.1.1: gated gelu)"),
         (not m.relpos_buckets, "model.relpos_buckets=0 (T5 needs a relative-position bias)"),
         (bool(m.get("qkv_bias", False)), "model.qkv_bias=True (T5 has no biases)"),
     ]

@@ -34,6 +34,10 @@ Losses (unweighted; the trainer multiplies by the config coefficients):
   overrides the choice: "top1" counts only each token's top-1 expert for any gate (what
   GShard's implementation does for its top-2 baseline), "chosen" every unmasked choice.
 - `z_loss` (ST-MoE): mean over tokens of logsumexp(logits)^2.
+
+Both losses take an optional `token_mask_T` (bool [T]): padding tokens (mask False) count
+neither in f_e nor in P_e nor in the z-loss mean, so a padded batch has the losses of the
+same batch without its padding (means over real tokens; an all-padding batch gives 0).
 """
 
 import dataclasses
@@ -149,26 +153,42 @@ def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
 BALANCE_FRACTIONS = ("auto", "top1", "chosen")
 
 
+def _token_weights(num_tokens: int, token_mask_T) -> jax.Array:
+    """f32 [T]: 1 for real tokens, 0 for padding (all 1 without a mask)."""
+    if token_mask_T is None:
+        return jnp.ones((num_tokens,), jnp.float32)
+    return token_mask_T.reshape(num_tokens).astype(jnp.float32)
+
+
 def balance_loss(
-    probs_TE: jax.Array, routing: Routing, gating: str, fractions: str = "auto"
+    probs_TE: jax.Array,
+    routing: Routing,
+    gating: str,
+    fractions: str = "auto",
+    token_mask_T: jax.Array | None = None,
 ) -> jax.Array:
-    """E * sum_e f_e * P_e (see the module docstring for f_e per gate); a f32 scalar."""
+    """E * sum_e f_e * P_e over the real tokens (see the module docstring); a f32 scalar."""
     if fractions not in BALANCE_FRACTIONS:
         raise ValueError(f"balance fractions {fractions!r} not one of {BALANCE_FRACTIONS}")
-    num_experts = probs_TE.shape[-1]
-    mean_prob_E = jnp.mean(probs_TE, axis=0)
+    num_tokens, num_experts = probs_TE.shape
+    real_T = _token_weights(num_tokens, token_mask_T)
+    num_real = jnp.maximum(jnp.sum(real_T), 1.0)
+    mean_prob_E = jnp.sum(probs_TE * real_T[:, None], axis=0) / num_real
     top1_only = fractions == "top1" or (fractions == "auto" and gating == "adaptive")
     if top1_only:
         top1_TE = jax.nn.one_hot(routing.indices[:, 0], num_experts, dtype=jnp.float32)
-        fraction_E = jnp.mean(top1_TE, axis=0)
+        fraction_E = jnp.sum(top1_TE * real_T[:, None], axis=0) / num_real
     else:
         chosen_TKE = jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32)
-        counts_E = jnp.sum(chosen_TKE * routing.mask[..., None], axis=(0, 1))
+        chosen_TK = routing.mask * real_T[:, None]
+        counts_E = jnp.sum(chosen_TKE * chosen_TK[..., None], axis=(0, 1))
         fraction_E = counts_E / jnp.maximum(jnp.sum(counts_E), 1.0)
     # The fractions come from hard choices: no gradient flows through them (as in Switch).
     return num_experts * jnp.sum(jax.lax.stop_gradient(fraction_E) * mean_prob_E)
 
 
-def z_loss(logits_TE: jax.Array) -> jax.Array:
-    """Router z-loss: mean_t logsumexp(logits_t)^2 (a f32 scalar)."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))
+def z_loss(logits_TE: jax.Array, token_mask_T: jax.Array | None = None) -> jax.Array:
+    """Router z-loss: mean over real tokens of logsumexp(logits_t)^2 (a f32 scalar)."""
+    real_T = _token_weights(logits_TE.shape[0], token_mask_T)
+    z_T = jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1))
+    return jnp.sum(z_T * real_T) / jnp.maximum(jnp.sum(real_T), 1.0)

@@ -5,17 +5,29 @@ Parameters (logical axis names in parentheses; converters rely on these names):
   wo [E, F, D] ("expert", "expert_mlp", "embed"). Expert e computes
   act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
 
-`MoE(cfg, rngs=...)(x_BLD, train=...)` returns (y_BLD, aux) with aux scalars
-`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`, `balance_loss`,
-`router_z_loss` (losses unweighted) and `top2_per_example` [B]. Dispatch choices are in
-dispatch.py; under a mesh with more than one device the FFN runs in expert_parallel.py.
+With `model.ffn_gated` False the experts are ungated, act(x wi[e]) wo[e]: wi [E, D, F]
+replaces wi_0 / wi_1. They run through the same gated dispatch code as (wi, wi, wo) with the
+gate layers.ungated_gate_fn (exact in value and gradient; one extra matmul per expert).
+
+With `moe.router_bias` the router also has router_bias [E] (None), added to the logits
+(Flaxformer's RouterWeights with use_bias; its default and the released Switch / ST-MoE
+configs have none).
+
+`MoE(cfg, rngs=...)(x_BLD, train=..., token_mask_BL=...)` returns (y_BLD, aux) with aux
+scalars `top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`,
+`balance_loss`,
+`router_z_loss` (losses unweighted) and `top2_per_example` [B]. `token_mask_BL` (bool, None
+= every token) marks the real tokens: padding still goes through the experts (its output is
+unused) but counts in none of the aux values, so they equal those of the batch without its
+padding. Dispatch choices are in dispatch.py; under a mesh with more than one device the FFN
+runs in expert_parallel.py.
 """
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.layers import activation_fn, fan_in_init, make_param
+from jaxmoe.models.layers import activation_fn, fan_in_init, make_param, ungated_gate_fn
 from jaxmoe.models.moe import dispatch, expert_parallel, gates
 
 
@@ -84,7 +96,8 @@ class MoE(nnx.Module):
         moe = cfg.moe
         dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
         self.num_experts = num_experts
-        self.act = activation_fn(cfg.activation)
+        self.gated = bool(cfg.get("ffn_gated", True))
+        self.act = activation_fn(cfg.activation) if self.gated else ungated_gate_fn(cfg.activation)
         self.train_gate = gate_config(moe, moe.gating)
         self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
         self.capacity_factor = float(moe.capacity_factor)
@@ -97,16 +110,22 @@ class MoE(nnx.Module):
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
         self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
+        if moe.get("router_bias", False):
+            self.router_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
         expert_in = ("expert", "embed", "expert_mlp")
-        self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
-        self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        if self.gated:
+            self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+            self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        else:
+            self.wi = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
         expert_out = ("expert", "expert_mlp", "embed")
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
 
     def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
-        """Router logits and probabilities, f32 [B*L, E] each (jitter only in training).
-        Routing analysis calls this too, so its decisions are the layer's to the bit."""
+        """Router logits and probabilities, f32 [B*L, E] each (jitter only in training; the
+        router bias added when there is one). Routing analysis calls this too, so its
+        decisions are the layer's to the bit."""
         router_in = x_BLD.astype(jnp.float32)
         if train and self.jitter > 0:
             noise = jax.random.uniform(
@@ -114,9 +133,13 @@ class MoE(nnx.Module):
             )
             router_in = router_in * noise
         logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
+        if hasattr(self, "router_bias"):
+            logits_TE = logits_TE + self.router_bias[...]
         return logits_TE, jax.nn.softmax(logits_TE, axis=-1)
 
-    def __call__(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
+    def __call__(
+        self, x_BLD: jax.Array, *, train: bool, token_mask_BL: jax.Array | None = None
+    ) -> tuple[jax.Array, dict]:
         batch, length, dim = x_BLD.shape
         if dim != self.router.shape[0]:
             raise ValueError(
@@ -140,7 +163,8 @@ class MoE(nnx.Module):
             keep_BLK = dispatch.capacity_keep(indices_BLK, mask_BLK, self.num_experts, capacity)
 
         dtype = x_BLD.dtype
-        experts = tuple(w[...].astype(dtype) for w in (self.wi_0, self.wi_1, self.wo))
+        kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
+        experts = tuple(w[...].astype(dtype) for w in kernels)
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
@@ -158,30 +182,40 @@ class MoE(nnx.Module):
         if capacity:  # capacity mode: what overflowed the exchange's buffer was dropped
             keep_BLK = keep_BLK & ~overflow_BLK
 
-        aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
+        if token_mask_BL is None:
+            token_mask_BL = jnp.ones((batch, length), bool)
+        token_mask_BL = jnp.asarray(token_mask_BL, bool)
+        aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts, token_mask_BL)
+        token_mask_T = token_mask_BL.reshape(-1)
         # Assignments past the expert-parallel receive buffer: sent in further rounds when
-        # dropless, dropped (and in dropped_fraction) with a capacity.
-        assigned = jnp.maximum(jnp.sum(mask_BLK.astype(jnp.float32)), 1.0)
-        aux["exchange_overflow"] = jnp.sum(overflow_BLK.astype(jnp.float32)) / assigned
+        # dropless, dropped (and in dropped_fraction) with a capacity. Real tokens only.
+        real_BLK = mask_BLK & token_mask_BL[..., None]
+        assigned = jnp.maximum(jnp.sum(real_BLK.astype(jnp.float32)), 1.0)
+        aux["exchange_overflow"] = jnp.sum((overflow_BLK & real_BLK).astype(jnp.float32)) / assigned
         aux["balance_loss"] = gates.balance_loss(
-            probs_TE, routing, gate_cfg.gating, self.balance_fractions
+            probs_TE, routing, gate_cfg.gating, self.balance_fractions, token_mask_T
         )
-        aux["router_z_loss"] = gates.z_loss(logits_TE)
+        aux["router_z_loss"] = gates.z_loss(logits_TE, token_mask_T)
         return y_BLD.astype(dtype), aux
 
 
-def routing_metrics(routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int) -> dict:
-    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32)."""
-    multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32)
+def routing_metrics(
+    routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int, token_mask_BL
+) -> dict:
+    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32), over
+    the real tokens of token_mask_BL (bool [B, L]); an example without any gives 0."""
+    real_BL = token_mask_BL.astype(jnp.float32)
+    multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32) * real_BL
+    chosen_TK = routing.mask * real_BL.reshape(-1, 1)
     load_E = jnp.sum(
-        jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32) * routing.mask[..., None],
+        jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32) * chosen_TK[..., None],
         axis=(0, 1),
     )
-    assigned = jnp.sum(mask_BLK.astype(jnp.float32))
-    kept = jnp.sum(keep_BLK.astype(jnp.float32))
+    assigned = jnp.sum(mask_BLK * real_BL[..., None])
+    kept = jnp.sum(keep_BLK * real_BL[..., None])
     return {
-        "top2_fraction": jnp.mean(multi_BL),
-        "top2_per_example": jnp.mean(multi_BL, axis=1),
+        "top2_fraction": jnp.sum(multi_BL) / jnp.maximum(jnp.sum(real_BL), 1.0),
+        "top2_per_example": jnp.sum(multi_BL, axis=1) / jnp.maximum(jnp.sum(real_BL, axis=1), 1.0),
         # Population std / mean of the per-expert assignment counts (before any drop).
         "expert_load_cv": jnp.std(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
         "dropped_fraction": 1.0 - kept / jnp.maximum(assigned, 1.0),
