@@ -34,7 +34,7 @@ from jaxmoe.parallel.sharding import (
 from jaxmoe.paths import absolute_path
 from jaxmoe.peak_flops import device_peak_flops
 from jaxmoe.profiling import ProfileWindow
-from jaxmoe.steps import eval_step, step_fns, train_step
+from jaxmoe.steps import eval_step, jit_train_step, step_fns
 from jaxmoe.train_state import init_state, model_spec, state_shardings
 from jaxmoe.workdir import WorkdirLock, check_workdir
 
@@ -228,12 +228,7 @@ def _train(
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
     fns = step_fns(config, spec, optimizer, schedule)
-    step_fn = jax.jit(
-        functools.partial(train_step, fns=fns),
-        in_shardings=(shardings, batch_shardings),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    step_fn = jit_train_step(fns, shardings, batch_shardings)
     eval_batches = data.eval_batches
     # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.
     eval_sets = {name: b[: config.train.eval_batches or None] for name, b in data.eval_sets.items()}
