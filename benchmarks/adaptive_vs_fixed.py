@@ -220,8 +220,9 @@ def reach(eval_steps, eval_losses, cumulative_S, target: float):
     return None
 
 
-def run_variant(name: str, args, seed: int, workdir: Path) -> dict:
-    """Train one variant (or reuse its finished run); its curve and totals."""
+def run_variant(name: str, args, seed: int, workdir: Path) -> dict | None:
+    """Train one variant (or reuse its finished run); its curve and totals (None: not run,
+    under --report_only)."""
     from jaxmoe.train import train
 
     config = variant_config(name, args, seed)
@@ -233,6 +234,8 @@ def run_variant(name: str, args, seed: int, workdir: Path) -> dict:
             result["_config"] = config
             return result
         raise ValueError(f"--workdir: {workdir} holds a run with other settings; pass another")
+    if args.report_only:
+        return None
     if (workdir / "metrics.jsonl").exists():
         raise ValueError(f"--workdir: {workdir} holds an unfinished run; remove it or pass another")
     load_before = os.getloadavg()[0]
@@ -324,7 +327,7 @@ SUMMARY_KEYS = (
 def summarize(per_seed: dict) -> dict:
     """{variant: {key: {mean, std, values}}} over seeds (std: sample std, ddof 1; None
     values, e.g. a target never reached, are left out and counted in `reached`)."""
-    names = list(next(iter(per_seed.values()))["variants"])
+    names = list(dict.fromkeys(n for seed in per_seed.values() for n in seed["variants"]))
     out = {}
     for name in names:
         rows = [seed["variants"][name] for seed in per_seed.values() if name in seed["variants"]]
@@ -466,6 +469,11 @@ def parse_args(argv):
         help="JAX persistent compilation cache (default: WORKDIR/jax_cache; 'none': off); "
         "variants that share a program (the parameter init) compile it once",
     )
+    p.add_argument(
+        "--report_only",
+        action="store_true",
+        help="train nothing: report the finished runs under --workdir (others left out)",
+    )
     p.add_argument("--quick", action="store_true", help="tiny model, 4 steps: a smoke test")
     args = p.parse_args(argv)
     setting = SETTINGS[args.setting]
@@ -490,12 +498,17 @@ def parse_args(argv):
     return args
 
 
-def run_seed(args, seed: int, runs: Path) -> dict:
-    """Every variant of one seed, with the seed's target and the ratios to top-2."""
+def run_seed(args, seed: int, runs: Path) -> dict | None:
+    """Every variant of one seed, with the seed's target and the ratios to top-2 (None:
+    nothing finished, under --report_only)."""
     results = {}
     for name in args.variants:
         print(f"== seed {seed}: {name}", flush=True)
-        results[name] = run_variant(name, args, seed, runs / f"seed{seed}" / name)
+        result = run_variant(name, args, seed, runs / f"seed{seed}" / name)
+        if result is not None:
+            results[name] = result
+    if not results:
+        return None
     main_names = SETTINGS[args.setting]["variants"]
     moe_losses = [
         r["final_eval_loss"]
@@ -540,23 +553,27 @@ def main(argv=None) -> dict:
     )
     per_seed = {}
     for seed in args.seeds:
-        per_seed[seed] = run_seed(args, seed, runs)
+        result = run_seed(args, seed, runs)
+        if result is not None:
+            per_seed[seed] = result
+    if not per_seed:
+        raise RuntimeError(f"--report_only: no finished run under {runs}")
     step_times = None
     if args.step_rounds:
-        first = per_seed[args.seeds[0]]["variants"]
+        first = next(iter(per_seed))
         timed = {
-            name: (r["_config"], str(runs / f"seed{args.seeds[0]}" / name))
-            for name, r in first.items()
+            name: (r["_config"], str(runs / f"seed{first}" / name))
+            for name, r in per_seed[first]["variants"].items()
         }
         print(f"== interleaved step times ({args.step_rounds} rounds)", flush=True)
         step_times = interleaved_step_times(timed, REFERENCE, rounds=args.step_rounds)
-        step_times["seed"] = args.seeds[0]
+        step_times["seed"] = first
     for seed in per_seed.values():
         for r in seed["variants"].values():
             for key in ("_config", "cumulative_time_s", "cumulative_flops"):
                 r.pop(key, None)
     report = {
-        "target_rule": per_seed[args.seeds[0]]["target_rule"],
+        "target_rule": next(iter(per_seed.values()))["target_rule"],
         "settings": {
             "setting": args.setting,
             "steps": args.steps,
