@@ -178,6 +178,11 @@ def test_quick_run_shares_targets_and_spread(quick_report):
         for r in moe:
             assert r["time_to_target_s"] <= r["train_time_s"] + 1e-9
             assert r["flops_to_target"] <= r["train_flops"] * (1 + 1e-9)
+        # Evaluated with top-1 as the paper; the training gate's loss is reported beside it.
+        assert v["top1"]["final_eval_loss_train_gate"] == v["top1"]["final_eval_loss"]
+        for name in ("top2", "adaptive_T0.1"):
+            assert v[name]["eval_gating"] == "top1"
+            assert np.isfinite(v[name]["final_eval_loss_train_gate"]), name
         # Adaptive work lies between top-1's and top-2's.
         flops = [v[name]["train_flops"] for name in ("top1", "adaptive_T0.1", "top2")]
         assert flops[0] <= flops[1] <= flops[2] and flops[0] < flops[2]
