@@ -491,6 +491,12 @@ def parse_args(argv):
         "variants that share a program (the parameter init) compile it once",
     )
     p.add_argument(
+        "--step_times",
+        default="",
+        metavar="JSON",
+        help="take the interleaved step times from an earlier run's adaptive_vs_fixed.json",
+    )
+    p.add_argument(
         "--train_gate_eval",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -588,7 +594,9 @@ def main(argv=None) -> dict:
     if not per_seed:
         raise RuntimeError(f"--report_only: no finished run under {runs}")
     step_times = None
-    if args.step_rounds:
+    if args.step_times:  # measured by an earlier invocation (its adaptive_vs_fixed.json)
+        step_times = json.loads(Path(args.step_times).read_text())["step_times"]
+    elif args.step_rounds:
         first = next(iter(per_seed))
         timed = {
             name: (r["_config"], str(runs / f"seed{first}" / name))
