@@ -27,7 +27,7 @@ machine changes least. Writes into --out:
 
 Training time is the sum of the logged per-step wall times (train.log_every = 1), where the
 steps that also carry a compilation (step 1) or an evaluation are counted at the run's median
-step time: evaluation is not training. FLOPs come from jaxmoe.flops (matmuls, forward +
+step time: evaluation is not training. FLOPs come from jaxmoe.models.flops (matmuls, forward +
 backward); for adaptive gating each step is counted with its measured share f of tokens sent
 to two experts: FLOPs(top-1) + f * (FLOPs(top-2) - FLOPs(top-1)). The target loss of a seed
 is the worst final eval loss among its main MoE variants (ablations excluded) unless
@@ -51,9 +51,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a fresh clone without installing
     sys.path.insert(0, str(ROOT))
 
-from jaxmoe.config import load_config  # noqa: E402
-from jaxmoe.flops import ffn_macs_per_token, train_flops_per_step  # noqa: E402
-from jaxmoe.models.transformer import is_moe_layer  # noqa: E402
+from jaxmoe.config.loading import load_config  # noqa: E402
+from jaxmoe.models.ffn import is_moe_layer  # noqa: E402
+from jaxmoe.models.flops import ffn_macs_per_token, train_flops_per_step  # noqa: E402
 
 ADAPTIVE = ["model.moe.gating=adaptive", "model.moe.threshold=0.1"]
 CURRICULUM = ["data.curriculum=paper"]
@@ -223,7 +223,7 @@ def reach(eval_steps, eval_losses, cumulative_S, target: float):
 def run_variant(name: str, args, seed: int, workdir: Path) -> dict | None:
     """Train one variant (or reuse its finished run); its curve and totals (None: not run,
     under --report_only)."""
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     config = variant_config(name, args, seed)
     saved = workdir / "avf_result.json"
@@ -299,7 +299,7 @@ def add_train_gate_loss(result: dict, workdir: Path) -> None:
         result["final_eval_loss_train_gate"] = result["final_eval_loss"]
         return
     if "final_eval_loss_train_gate" not in result:
-        from jaxmoe.evaluate import evaluate
+        from jaxmoe.inference.evaluate import evaluate
 
         gate = [f"model.moe.eval_gating={result['gating']}"]
         result["final_eval_loss_train_gate"] = evaluate(str(workdir), "embedded", overrides=gate)[

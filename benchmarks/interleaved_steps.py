@@ -21,14 +21,16 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jax.sharding import NamedSharding
 
     from jaxmoe.checkpoints.manager import restore_params
-    from jaxmoe.config import resolve_vocab_size
+    from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.data.pipeline import build_data
-    from jaxmoe.distributed import barrier
-    from jaxmoe.optim import make_optimizer
-    from jaxmoe.parallel.sharding import batch_spec, make_mesh
-    from jaxmoe.steps import jit_train_step, step_fns
-    from jaxmoe.train import to_global
-    from jaxmoe.train_state import init_state, model_spec, state_shardings
+    from jaxmoe.models.spec import model_spec
+    from jaxmoe.parallel.distributed import barrier
+    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.parallel.sharding import batch_spec
+    from jaxmoe.training.loop import to_global
+    from jaxmoe.training.optimizer import make_optimizer
+    from jaxmoe.training.state import init_state, state_shardings
+    from jaxmoe.training.steps import jit_train_step, step_fns
 
     mesh = make_mesh(config.mesh)
     config = copy.deepcopy(config)

@@ -6,7 +6,6 @@ per-device bytes from shapes and shardings worked out by hand below, FLOPs from 
 count, HBM capacity from the compiler's error message.
 """
 
-import argparse
 import json
 import re
 
@@ -17,15 +16,16 @@ pytest.importorskip(
     "libtpu", reason="the `tpu` extra is not installed (pip install 'jaxmoe[tpu]'): no libtpu"
 )
 
-from jaxmoe import compile as compile_module
-from jaxmoe.compile import (
-    add_compile_parser,
+from jaxmoe.aot import compile_check as compile_module
+from jaxmoe.aot.compile_check import (
     compile_for_topology,
     count_collectives,
-    run_compile,
 )
-from jaxmoe.parallel.sharding import ConfigError, make_mesh
-from jaxmoe.topologies import GiB, parse_topology, topology_devices
+from jaxmoe.aot.topologies import parse_topology, topology_devices
+from jaxmoe.cli import build_parser
+from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.chips import GiB
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 
 # A dense decoder whose per-device shards all have a minor dim of 128, so the TPU lays them
@@ -197,10 +197,12 @@ def test_slices_must_divide_data_or_fsdp():
 
 
 def _cli(*argv: str):
-    parser = argparse.ArgumentParser(prog="jaxmoe")
-    add_compile_parser(parser.add_subparsers(dest="command", required=True))
-    flags = [a for a in argv if not a.startswith("--config.")]
-    return parser.parse_args(["compile", *flags]), [a for a in argv if a.startswith("--config.")]
+    """Parsed `jaxmoe compile ARGV` (its `run` reports its errors itself)."""
+    args = build_parser().parse_args(
+        ["compile", *(a for a in argv if not a.startswith("--config."))]
+    )
+    args.overrides = [a for a in argv if a.startswith("--config.")]
+    return args
 
 
 # Attention probabilities alone, [B/4, H, L, L] f32 per chip, are 64 GiB here.
@@ -214,15 +216,15 @@ OVERSIZED = (
 
 
 def test_oom_gives_a_verdict_and_exit_code_2(capsys):
-    args, overrides = _cli(*OVERSIZED)
-    assert run_compile(args, overrides) == 2
+    args = _cli(*OVERSIZED)
+    assert args.run(args) == 2
     out, err = capsys.readouterr()
     assert "verdict: OUT OF MEMORY on v5e-4" in out
     assert "15.75 GiB usable" in out
     assert "Traceback" not in out + err
 
-    args, overrides = _cli(*OVERSIZED, "--json")
-    assert run_compile(args, overrides) == 2
+    args = _cli(*OVERSIZED, "--json")
+    assert args.run(args) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "oom"
     assert report["available_bytes"] == pytest.approx(15.75 * GiB, rel=1e-3)
@@ -230,10 +232,8 @@ def test_oom_gives_a_verdict_and_exit_code_2(capsys):
 
 
 def test_config_mistake_is_one_line_and_exit_code_2(capsys):
-    args, overrides = _cli(
-        "--config=configs/default.py", "--topology=v5p-8", "--config.mesh.tensor=3"
-    )
-    assert run_compile(args, overrides) == 2
+    args = _cli("--config=configs/default.py", "--topology=v5p-8", "--config.mesh.tensor=3")
+    assert args.run(args) == 2
     _, err = capsys.readouterr()
     assert err.startswith("jaxmoe compile: error: mesh") and err.count("\n") == 1
 

@@ -21,17 +21,18 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.t5x_convert import convert_t5x
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.config import ConfigError, apply_overrides
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.loading import apply_overrides
+from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout
-from jaxmoe.optim import learning_rate_schedule
-from jaxmoe.parallel.sharding import make_mesh
-from jaxmoe.steps import _loss, forward, step_fns
-from jaxmoe.train import train
-from jaxmoe.train_state import model_params, model_rngs, model_spec
+from jaxmoe.models.spec import model_params, model_rngs, model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.training.loop import train
+from jaxmoe.training.optimizer import learning_rate_schedule
+from jaxmoe.training.steps import _loss, forward, step_fns
 from tests.helpers import synthetic_batches, tiny_config
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))
@@ -327,7 +328,7 @@ def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
 def test_t5_1_1_configs_use_t5x_adafactor_on_the_continued_rsqrt(name):
     """The T5.1.1 GQA configs: the recipe `convert t5x` writes, T5.1.1's 2048 x 512 / 114
     batch, and the rsqrt schedule resumed at step 1M (lr 1e-3 by hand, not a new warmup)."""
-    from jaxmoe.config import load_config
+    from jaxmoe.config.loading import load_config
     from jaxmoe.data.seq2seq import corrupted_lengths, raw_length_for
 
     config = load_config(str(REPO / "configs" / f"{name}.py"))
@@ -357,8 +358,8 @@ def test_t5_1_1_large_optimizer_state_is_factored_like_t5x():
     """T5X factors every kernel of T5.1.1-Large (both 2-D sides >= 128): the second moments
     are row and column vectors, under 1% of the 733M parameters (an unfactored Adafactor or
     Adam would hold one value per parameter)."""
-    from jaxmoe.config import load_config
-    from jaxmoe.optim import make_optimizer
+    from jaxmoe.config.loading import load_config
+    from jaxmoe.training.optimizer import make_optimizer
 
     config = load_config(str(REPO / "configs" / "t5_1_1_large_gqa8.py"))
     spec = model_spec(config.model, make_mesh(config.mesh))
