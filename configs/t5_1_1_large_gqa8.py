@@ -3,7 +3,8 @@
 733M parameters (783M as MHA): d_model 1024, 16 heads of 64, 24 encoder + 24 decoder
 layers, gated-GELU FFN of 2816, vocabulary 32128. Decoder self- and cross-attention have 8
 KV heads (groups of two query heads); the encoder stays multi-head. The recipe (span
-corruption, batch 2048 x 512, Adafactor, 5% of 1M steps) is the XXL config's:
+corruption, batch 2048 x 512, T5X's Adafactor and rsqrt schedule continued from step 1M,
+5% of 1M steps) is the XXL config's:
 configs/t5_1_1_xxl_gqa8.py.
 
 Target: TPU v5p-32 (16 chips), fully sharded data parallel over all 16 chips.

@@ -4,7 +4,8 @@
 layers, gated-GELU FFN of 10240, vocabulary 32128 (T5's 32000 SentencePiece pieces + 100
 sentinels, padded). The decoder's self- and cross-attention have 8 KV heads (GQA-8); the
 encoder stays multi-head. Uptraining continues the T5 pre-training recipe for 5% of its 1M
-steps: span corruption, batch 2048 x 512 encoder tokens (114 decoder tokens), Adafactor.
+steps: span corruption, batch 2048 x 512 encoder tokens (114 decoder tokens), T5X's
+Adafactor and rsqrt schedule continued from step 1M (the recipe `jaxmoe convert t5x` writes).
 
 Target: TPU v5p-128 (64 chips), fully sharded data parallel over all 64 chips.
 
@@ -20,7 +21,10 @@ Variant `:mha` keeps 64 KV heads in the decoder (the paper's MHA-XXL baseline).
 
 from ml_collections import ConfigDict
 
+from jaxmoe.checkpoints.t5x.convert import t5_1_1_recipe
 from jaxmoe.config.defaults import base_config
+
+T5_1_1_STEPS = 1_000_000  # T5.1.1's pre-training steps
 
 
 def t5_1_1(c: ConfigDict) -> ConfigDict:
@@ -41,27 +45,25 @@ def t5_1_1(c: ConfigDict) -> ConfigDict:
     t = c.train
     t.batch_size = 2048  # T5 pre-training: 2048 sequences
     t.seq_len = 512  # encoder tokens; span corruption makes 114 decoder tokens
-    t.steps = 50_000  # uptraining: 5% of T5.1.1's 1M pre-training steps (GQA paper)
+    t.steps = T5_1_1_STEPS // 20  # uptraining: 5% of the pre-training steps (GQA paper)
     t.log_every = 100
     t.eval_every = 5000
     t.checkpoint_every = 5000
 
-    o = c.optimizer
-    o.name = "adafactor"
-    # T5's schedule is 1/sqrt(max(step, 10k)); uptraining resumes it at step 1M, where it is
-    # 1e-3 and falls by under 3% over the 50k uptraining steps: constant 1e-3.
-    o.schedule = "constant"
-    o.learning_rate = 1e-3
-    o.warmup_steps = 0
-    o.grad_clip_norm = 0.0  # T5 does not clip; Adafactor clips its own updates
+    # T5.1.1's pre-training recipe in T5X, as `jaxmoe convert t5x` writes it into converted
+    # checkpoints: T5X's Adafactor (factored second moments on each kernel's 2-D view,
+    # decay 0.8, update clipping 1.0, parameter scaling), lr 1 / sqrt(max(step, 10k)), no
+    # weight decay or global clipping, output-logit z-loss 1e-4, span corruption 15% / 3.
+    t5_1_1_recipe(c)
+    # Uptraining continues that schedule where T5.1.1 stopped (1M steps: lr 1e-3, falling
+    # under 3% over the 50k uptraining steps), instead of restarting its warmup.
+    c.optimizer.start_step = T5_1_1_STEPS
 
     d = c.data
     d.source = "tfds:c4/en:3.1.0"  # T5's pre-training corpus
     d.train_split = "train"
     d.eval_split = "validation"
     d.tokenizer = "t5_spm/sentencepiece.model"  # T5's 32000-piece vocabulary
-    d.noise_density = 0.15  # T5's span corruption
-    d.mean_noise_span = 3.0
     return c
 
 

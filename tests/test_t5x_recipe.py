@@ -322,3 +322,49 @@ def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
     assert full[6] < full[1]
     for step in range(4, 7):
         assert resumed[step] == pytest.approx(full[step], abs=1e-5), step
+
+
+@pytest.mark.parametrize("name", ["t5_1_1_large_gqa8", "t5_1_1_xxl_gqa8"])
+def test_t5_1_1_configs_use_t5x_adafactor_on_the_continued_rsqrt(name):
+    """The T5.1.1 GQA configs: the recipe `convert t5x` writes, T5.1.1's 2048 x 512 / 114
+    batch, and the rsqrt schedule resumed at step 1M (lr 1e-3 by hand, not a new warmup)."""
+    from jaxmoe.config.loading import load_config
+    from jaxmoe.data.seq2seq import corrupted_lengths, raw_length_for
+
+    config = load_config(str(REPO / "configs" / f"{name}.py"))
+    o, t = config.optimizer, config.train
+    assert (o.name, o.schedule, o.learning_rate, o.warmup_steps) == (
+        "t5x_adafactor",
+        "t5x_rsqrt",
+        1.0,
+        10_000,
+    )
+    assert (o.weight_decay, o.grad_clip_norm, o.decay_rate, o.clipping_threshold) == (
+        0.0,
+        0.0,
+        0.8,
+        1.0,
+    )
+    assert (o.momentum, config.train.logits_z_loss, config.model.dropout_rate) == (0.0, 1e-4, 0)
+    assert (t.batch_size, t.seq_len, t.steps, o.start_step) == (2048, 512, 50_000, 1_000_000)
+    d = config.data
+    raw = raw_length_for(t.seq_len, d.noise_density, d.mean_noise_span)
+    assert corrupted_lengths(raw, d.noise_density, d.mean_noise_span) == (512, 114)
+    got = values(learning_rate_schedule(o, t.steps), [0, t.steps])
+    np.testing.assert_allclose(got, [1e-3, 1 / math.sqrt(1_050_000)], rtol=1e-6)
+
+
+def test_t5_1_1_large_optimizer_state_is_factored_like_t5x():
+    """T5X factors every kernel of T5.1.1-Large (both 2-D sides >= 128): the second moments
+    are row and column vectors, under 1% of the 733M parameters (an unfactored Adafactor or
+    Adam would hold one value per parameter)."""
+    from jaxmoe.config.loading import load_config
+    from jaxmoe.training.optimizer import make_optimizer
+
+    config = load_config(str(REPO / "configs" / "t5_1_1_large_gqa8.py"))
+    spec = model_spec(config.model, make_mesh(config.mesh))
+    optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+    state = jax.eval_shape(optimizer.init, spec.abstract_params)
+    count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))
+    assert 700e6 < count(spec.abstract_params) < 760e6
+    assert count(state) < 0.01 * count(spec.abstract_params)

@@ -33,7 +33,7 @@ from jaxmoe.training.metrics import MetricsWriter, wandb_options
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.profiling import ProfileWindow
 from jaxmoe.training.state import init_state, state_shardings
-from jaxmoe.training.steps import eval_metrics, eval_step, step_fns, train_step
+from jaxmoe.training.steps import eval_metrics, eval_step, jit_train_step, step_fns
 from jaxmoe.training.workdir import WorkdirLock, check_workdir
 
 log = logging.getLogger("jaxmoe")
@@ -218,12 +218,7 @@ def _train(
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
     fns = step_fns(config, spec, optimizer, schedule)
-    step_fn = jax.jit(
-        functools.partial(train_step, fns=fns),
-        in_shardings=(shardings, batch_shardings),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    step_fn = jit_train_step(fns, shardings, batch_shardings)
     eval_batches = data.eval_batches
     # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.
     eval_sets = {name: b[: config.train.eval_batches or None] for name, b in data.eval_sets.items()}

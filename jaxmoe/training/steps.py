@@ -6,6 +6,7 @@ The model is rebuilt from (graphdef, params) inside the traced function, which c
 nothing at run time.
 """
 
+import functools
 from dataclasses import dataclass
 
 import jax
@@ -167,6 +168,16 @@ def train_step(state, batch, fns: StepFns):
         **extra,
     }
     return new_state, metrics
+
+
+def jit_train_step(fns: StepFns, state_shardings, batch_shardings):
+    """`train_step` jitted for these shardings; the input state is donated."""
+    return jax.jit(
+        functools.partial(train_step, fns=fns),
+        in_shardings=(state_shardings, batch_shardings),
+        out_shardings=(state_shardings, None),
+        donate_argnums=0,
+    )
 
 
 def eval_step(params, batch, graphdef, rest=None):
