@@ -281,7 +281,15 @@ class Attention(nnx.Module):
         block = 0
         if kv_BSD is None and self.causal_block:
             block = resolve_causal_block(self.causal_block, x_BLD.shape[1])
-        o = grouped_attention(
-            q, k, v, mask=mask, bias_bHLS=bias, scale=self.scale, causal_block=block
-        )
+        if block:
+            o = grouped_attention(q, k, v, mask, bias, self.scale, block)
+        else:
+            o = _dense_attention_rematted(q, k, v, mask, bias, self.scale)
         return self.project_out(o)
+
+
+# The dense path (TPU/GPU) keeps no [B, H, L, S] softmax for the backward pass: it is
+# recomputed from q, k, v there. Inside a rematerialised block this keeps the scores out of
+# memory while the rest of the block's backward (the MoE FFN's buffers) runs; the extra
+# work is two attention matmuls per layer.
+_dense_attention_rematted = jax.checkpoint(grouped_attention, static_argnums=(5,))
