@@ -14,7 +14,7 @@ sent to two experts, and the final eval loss. Writes into --out:
 
 Training time is the sum of the logged per-step wall times (train.log_every = 1), where the
 steps that also carry a compilation (step 1) or an evaluation are counted at the run's median
-step time: evaluation is not training. FLOPs come from jaxmoe.flops (matmuls, forward +
+step time: evaluation is not training. FLOPs come from jaxmoe.models.flops (matmuls, forward +
 backward); for adaptive gating each step is counted with its measured share f of tokens sent
 to two experts: FLOPs(top-1) + f * (FLOPs(top-2) - FLOPs(top-1)). The target loss is the
 worst final eval loss among the MoE variants unless --target_loss is given; a variant that
@@ -36,8 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a fresh clone without installing
     sys.path.insert(0, str(ROOT))
 
-from jaxmoe.config import load_config  # noqa: E402
-from jaxmoe.flops import train_flops_per_step  # noqa: E402
+from jaxmoe.config.loading import load_config  # noqa: E402
+from jaxmoe.models.flops import train_flops_per_step  # noqa: E402
 
 # name -> config overrides on top of configs/default.py
 VARIANTS = {
@@ -139,7 +139,7 @@ def reach(eval_steps, eval_losses, cumulative_S, target: float):
 
 def run_variant(name: str, args, workdir: Path) -> dict:
     """Train one variant; its curve of (step, eval loss, training time, FLOPs) and totals."""
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     config = variant_config(name, args)
     if (workdir / "metrics.jsonl").exists():

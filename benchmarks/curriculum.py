@@ -5,7 +5,7 @@
     python benchmarks/curriculum.py --out DIR --policies magnitude --source scoring_pass
 
 Each policy trains configs/default.py from scratch (same seed, data and number of tokens;
-only `data.curriculum` differs) through `jaxmoe.train.train` with train.log_every=1, so
+only `data.curriculum` differs) through `jaxmoe.training.loop.train` with train.log_every=1, so
 metrics.jsonl holds every step's wall time: the trainer reads step N's metrics after
 dispatching step N+1, so the interval between two logged steps is one step of device time
 plus the host work between them (the curriculum's fetch and, once per epoch, its ordering).
@@ -73,8 +73,8 @@ def summarize(times_s: list[float]) -> dict:
 
 
 def run_policy(policy: str, args, overrides: list[str], counter: CompileCounter) -> dict:
-    from jaxmoe.config import load_config
-    from jaxmoe.train import train
+    from jaxmoe.config.loading import load_config
+    from jaxmoe.training.loop import train
 
     workdir = Path(args.out) / "runs" / policy
     shutil.rmtree(workdir, ignore_errors=True)
@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import jax
 
-    from jaxmoe.config import load_config
+    from jaxmoe.config.loading import load_config
     from jaxmoe.data.pipeline import build_data
 
     counter = CompileCounter()

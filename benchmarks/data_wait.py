@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a fresh clone without installing
     sys.path.insert(0, str(ROOT))
 
-from jaxmoe.config import load_config  # noqa: E402
+from jaxmoe.config.loading import load_config  # noqa: E402
 from jaxmoe.data.pipeline import build_data  # noqa: E402
 
 

@@ -1,7 +1,7 @@
 """Per-token decode time against the number of KV heads (the GQA paper's Fig. 6 analogue).
 
 One decoder-only model, 64 query heads, decoded with jaxmoe's KV-cache loop
-(`jaxmoe.decode.Generator.decode`: a compiled while_loop, cache updated in place) at a
+(`jaxmoe.inference.decode.Generator.decode`: a compiled while_loop, cache updated in place) at a
 context of 2048 tokens: the cache is pre-filled (its contents do not change the time), then
 `--new_tokens` tokens are generated greedily and the loop time is divided by the number of
 forward steps. Variants: MHA (64 KV heads), GQA with 32, 16, 8, 4, 2 groups and MQA (1).
@@ -31,12 +31,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.decode import Generator, Sampling, bucket
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
+from jaxmoe.inference.decode import Generator, Sampling, bucket
 from jaxmoe.models import build_model
 from jaxmoe.models.kv_cache import LayerCache, cache_shapes
-from jaxmoe.parallel.sharding import make_mesh
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
+from jaxmoe.parallel.mesh import make_mesh
 
 KV_HEADS = (64, 32, 16, 8, 4, 2, 1)
 SHORT_CONTEXT = 16

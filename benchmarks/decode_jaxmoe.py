@@ -17,12 +17,12 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxmoe.decode import Generator, Sampling  # noqa: E402
-from jaxmoe.default_config import base_config  # noqa: E402
+from jaxmoe.config.defaults import base_config  # noqa: E402
+from jaxmoe.inference.decode import Generator, Sampling  # noqa: E402
 from jaxmoe.models import build_model  # noqa: E402
-from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
-from jaxmoe.platforms import skip_absent_tpu  # noqa: E402
-from jaxmoe.train_state import model_params  # noqa: E402
+from jaxmoe.models.spec import model_params  # noqa: E402
+from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
+from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
 
 
 def model_config(spec: dict, kv_heads: int, gating: str):

@@ -1,6 +1,6 @@
 """Decode time per token against Hugging Face transformers, each system in its own process.
 
-The same decoder-only model (random weights, f32) in jaxmoe (`jaxmoe.decode.Generator`: a
+The same decoder-only model (random weights, f32) in jaxmoe (`jaxmoe.inference.decode.Generator`: a
 compiled prefill and while_loop with the KV cache updated in place) and in transformers
 (`generate`, greedy, dynamic and static cache, the faster one kept), for MHA, GQA-8 and
 MQA at batch 1 and 8 after a `--prompt_len` prompt, and an MoE variant (Mixtral-style FFNs)

@@ -5,7 +5,7 @@
 #
 # Uses the current python if it already sees a GPU through jax; otherwise makes a venv
 # (.venv-gpu) and installs jax[cuda12] and jaxmoe into it (needs PyPI). MFU is model FLOPs
-# per second (jaxmoe/flops.py: matmuls only, forward + backward, no remat recompute) over
+# per second (jaxmoe/models/flops.py: matmuls only, forward + backward, no remat recompute) over
 # the chip's peak dense bf16 FLOP/s, looked up from nvidia-smi's name (PEAK_FLOPS overrides).
 # The model (override any of these through the environment): a Mixtral-style MoE, d_model
 # 2048, 8 layers, 16 query / 4 KV heads of 128, 8 SwiGLU experts of 5632, top-2, vocab

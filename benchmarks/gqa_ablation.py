@@ -1,8 +1,8 @@
 """The GQA paper's conversion ablation on a small model: mean vs first vs random KV heads.
 
-1. Train a small multi-head (MHA) decoder on the embedded corpus (`jaxmoe.train.train`).
+1. Train a small multi-head (MHA) decoder on the embedded corpus (`jaxmoe.training.loop.train`).
 2. Convert it (`convert_gqa`) to GQA and to MQA with each method: mean / first / random.
-3. Score every variant on the validation split (`jaxmoe.evaluate.evaluate`) as converted
+3. Score every variant on the validation split (`jaxmoe.inference.evaluate.evaluate`) as converted
    (alpha = 0), and after uptraining for alpha x the original steps with the original recipe
    (configs/uptrain_gqa.py). The MHA model continued for the same steps is the control:
    what the extra steps alone buy.
@@ -23,11 +23,12 @@ from pathlib import Path
 
 import jax
 
-from jaxmoe.checkpoints.convert import METHODS, convert_gqa
-from jaxmoe.config import apply_overrides, validate
-from jaxmoe.default_config import base_config
-from jaxmoe.evaluate import evaluate
-from jaxmoe.train import train
+from jaxmoe.checkpoints.surgery import METHODS, convert_gqa
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.validation import validate
+from jaxmoe.inference.evaluate import evaluate
+from jaxmoe.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]
 

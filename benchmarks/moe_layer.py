@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.config import load_config
-from jaxmoe.models.moe import MoE
+from jaxmoe.config.loading import load_config
+from jaxmoe.models.moe.layer import MoE
 
 SHARES = (1.0, 0.8, 0.5, 0.2, 0.0)
 BATCH, LENGTH, D_MODEL, FFN, EXPERTS = 16, 256, 256, 1024, 8
@@ -76,7 +76,7 @@ def make_layer(cfg):
         def loss(params, x):
             y, aux = nnx.merge(graphdef, params)(x, train=True)
             aux_loss = moe.balance_loss_weight * aux["balance_loss"]
-            return jnp.sum(y * cotangent) + aux_loss + moe.z_loss_weight * aux["z_loss"], aux
+            return jnp.sum(y * cotangent) + aux_loss + moe.z_loss_weight * aux["router_z_loss"], aux
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 

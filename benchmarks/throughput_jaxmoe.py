@@ -20,13 +20,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from worker_protocol import serve  # noqa: E402
 
-from jaxmoe.config import apply_overrides, load_config, validate  # noqa: E402
-from jaxmoe.flops import train_flops_per_step  # noqa: E402
-from jaxmoe.optim import make_optimizer  # noqa: E402
-from jaxmoe.parallel.sharding import make_mesh  # noqa: E402
-from jaxmoe.platforms import skip_absent_tpu  # noqa: E402
-from jaxmoe.steps import step_fns, train_step  # noqa: E402
-from jaxmoe.train_state import init_state, model_spec, state_shardings  # noqa: E402
+from jaxmoe.config.loading import apply_overrides, load_config  # noqa: E402
+from jaxmoe.config.validation import validate  # noqa: E402
+from jaxmoe.models.flops import train_flops_per_step  # noqa: E402
+from jaxmoe.models.spec import model_spec  # noqa: E402
+from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
+from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
+from jaxmoe.training.optimizer import make_optimizer  # noqa: E402
+from jaxmoe.training.state import init_state, state_shardings  # noqa: E402
+from jaxmoe.training.steps import step_fns, train_step  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
 

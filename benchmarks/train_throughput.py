@@ -4,12 +4,12 @@ Each system runs in its own worker process (throughput_jaxmoe.py never imports t
 throughput_hf.py never imports JAX), driven from here over stdin/stdout: after a warm-up,
 the workers take turns running short blocks of steps, so a drifting load hits both alike
 while neither shares an interpreter or a thread pool with the other. jaxmoe runs its real
-train step (jaxmoe.steps.train_step, jitted with the state's shardings and donation as in
-jaxmoe/train.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
+train step (jaxmoe.training.steps.train_step, jitted with the state's shardings and donation as in
+jaxmoe/training/loop.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
 (LlamaForCausalLM for :dense) with torch AdamW, same sizes, batch and threads. Steps are
 timed one by one (a sync after each) on fresh random token batches made beforehand.
 
-Reported: median step time, tokens/s, model FLOPs per token (jaxmoe/flops.py; adaptive at
+Reported: median step time, tokens/s, model FLOPs per token (jaxmoe/models/flops.py; adaptive at
 its measured top-2 share), FLOP/s (MFU with --peak_flops), and per variant the ratio of
 jaxmoe's tokens/s to the peer's as the median over blocks with its spread (min, max). The
 1-minute load average is sampled before, after every block and after; a run with more than

@@ -7,11 +7,11 @@ Override any key:  --config.train.steps=100 --config.model.moe.threshold=0.2
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
-    c = base_config()  # every key and its one-line comment live in jaxmoe/default_config.py
+    c = base_config()  # every key and its one-line comment live in jaxmoe/config/defaults.py
     if variant:
         _apply_variant(c, variant)
     return c

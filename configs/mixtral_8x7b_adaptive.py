@@ -20,7 +20,7 @@ Variant `:top2` is Mixtral's own gate (the baseline).
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def get_config(variant: str | None = None) -> ConfigDict:

@@ -24,7 +24,7 @@ evaluation with top-1 routing (`model.moe.eval_gating`).
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def get_config(variant: str | None = None) -> ConfigDict:

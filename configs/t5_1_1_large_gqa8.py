@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def _t5_1_1_recipe():

@@ -20,7 +20,7 @@ Variant `:mha` keeps 64 KV heads in the decoder (the paper's MHA-XXL baseline).
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def t5_1_1(c: ConfigDict) -> ConfigDict:

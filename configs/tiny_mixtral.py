@@ -16,13 +16,13 @@ Variants:  :top1 (one expert, weight 1 as Mixtral with num_experts_per_tok=1)
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 VARIANTS = ("top2", "top1", "adaptive", "dense")
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
-    c = base_config()  # every key and its one-line comment live in jaxmoe/default_config.py
+    c = base_config()  # every key and its one-line comment live in jaxmoe/config/defaults.py
     m = c.model
     m.vocab_size = 8192
     m.num_layers = 4

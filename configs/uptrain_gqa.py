@@ -36,7 +36,7 @@ train.steps, optimizer.start_step and optimizer.schedule_steps are derived from 
 
 from ml_collections import ConfigDict
 
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
 
 
 def source_schedule(config: ConfigDict) -> tuple[int, int]:

@@ -1,8 +1,10 @@
 """Shared tiny configs and synthetic batches for the tests."""
 
+import jax
 import numpy as np
 
-from jaxmoe.config import apply_overrides, load_config, validate
+from jaxmoe.config.loading import apply_overrides, load_config
+from jaxmoe.config.validation import validate
 
 CONFIG = "configs/default.py"
 # A tiny T5 v1.1-style encoder-decoder (dense, relative position buckets): tiny_config(*TINY_T5)
@@ -59,3 +61,16 @@ def synthetic_batches(config, n: int, seed: int = 0) -> list[dict]:
             }
         )
     return batches
+
+
+def unit_scale_params(model_cfg, seed: int) -> dict:
+    """Random parameters at unit scale (kernels ~ N(0, 1/fan_in), norm scales ~ 1 + N(0, 1)
+    / sqrt(d)): peaked predictions, unlike the near-uniform ones of a small init."""
+    from jaxmoe.models.spec import abstract_params
+    from jaxmoe.models.stack import unrolled_config
+
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(
+        lambda a: (a.ndim == 1) + rng.standard_normal(a.shape, np.float32) / a.shape[0] ** 0.5,
+        abstract_params(unrolled_config(model_cfg)),
+    )

@@ -3,7 +3,6 @@ per-token loop on random routing), then `jaxmoe analyze-routing` end to end on a
 random-initialised checkpoint restored onto an expert-parallel mesh, checked against the
 training metric `top2_fraction` that the MoE layer itself reports."""
 
-import argparse
 import contextlib
 import io
 import json
@@ -14,17 +13,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe import analysis, analysis_probe
-from jaxmoe.analysis_counts import (
+from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.cli import build_parser
+from jaxmoe.inference import routing_analysis as analysis
+from jaxmoe.inference import routing_probe as analysis_probe
+from jaxmoe.inference.routing_counts import (
     RoutingCounts,
     frequency_bucket_edges,
     position_bucket_edges,
     summarize,
 )
-from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.models import build_model
-from jaxmoe.steps import forward
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
+from jaxmoe.training.steps import forward
 from tests.helpers import tiny_config
 
 # Two batches of a decoder-only model with two MoE layers (worked through by hand below).
@@ -217,15 +218,14 @@ def analysed(tmp_path_factory):
     data = root / "data.jsonl"
     data.write_text("\n".join(json.dumps({"targets": row.tolist()}) for row in ids))
 
-    parser = argparse.ArgumentParser()
-    analysis.add_parser(parser.add_subparsers(dest="command"))
     flags = ["--checkpoint", str(root / "checkpoint"), "--data", f"jsonl:{data}"]
-    args = parser.parse_args(
+    args = build_parser().parse_args(
         ["analyze-routing", *flags, "--out", str(root / "out"), "--min_count", "3"]
     )
+    args.overrides = []
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
-        assert args.run(args, []) == 0
+        assert args.run(args) == 0
     line = json.loads(stdout.getvalue().strip().splitlines()[-1])
     report = json.loads((root / "out" / "routing.json").read_text())
     return graphdef, params, ids, line, report, root / "out"

@@ -17,14 +17,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxmoe.checkpoints.hf import abstract_params, convert_hf
+from jaxmoe.checkpoints.hf.importer import abstract_params, convert_hf
 from jaxmoe.checkpoints.manager import CheckpointError, restore_params, save_params
-from jaxmoe.checkpoints.t5x import open_t5x
-from jaxmoe.config import validate
-from jaxmoe.evaluate import evaluate, read_jsonl
+from jaxmoe.checkpoints.t5x.reader import open_t5x
+from jaxmoe.config.validation import validate
+from jaxmoe.errors import ConfigError
+from jaxmoe.inference.evaluate import evaluate, read_jsonl
 from jaxmoe.models import build_model
-from jaxmoe.parallel.sharding import ConfigError
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -296,10 +296,11 @@ TRAIN = [
 
 def test_step_memory_lower_bound_matches_a_hand_count():
     """Tiny dense decoder on 8 devices, batch 8 over mesh.data=8: one row per device."""
-    from jaxmoe.memory_check import step_bytes_lower_bound
-    from jaxmoe.optim import make_optimizer
-    from jaxmoe.parallel.sharding import make_mesh
-    from jaxmoe.train_state import model_spec, state_shardings
+    from jaxmoe.models.spec import model_spec
+    from jaxmoe.parallel.device_memory import step_bytes_lower_bound
+    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.training.optimizer import make_optimizer
+    from jaxmoe.training.state import state_shardings
 
     config = tiny_config("model.moe.num_experts=0")
     mesh = make_mesh(config.mesh)
@@ -452,7 +453,7 @@ def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
 
 
 def test_prompt_beyond_the_trained_context_is_refused_or_truncated(caplog):
-    from jaxmoe.decode import fit_context
+    from jaxmoe.inference.decode import fit_context
 
     prompts = [list(range(10)), list(range(3))]
     # Decoder: 10 prompt + 8 new tokens > 16; the 3-token prompt would fit.
@@ -476,8 +477,8 @@ def test_prompt_beyond_the_trained_context_is_refused_or_truncated(caplog):
 
 @pytest.fixture(scope="module")
 def generator(checkpoint):
-    from jaxmoe.decode import Generator
-    from jaxmoe.parallel.sharding import make_mesh
+    from jaxmoe.inference.decode import Generator
+    from jaxmoe.parallel.mesh import make_mesh
 
     config = dense_config(checkpoint.parent)
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))

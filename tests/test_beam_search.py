@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.beam_search import beam_search, brevity_penalty
-from jaxmoe.checkpoints.hf import abstract_params
-from jaxmoe.decode import Generator
+from jaxmoe.checkpoints.hf.importer import abstract_params
+from jaxmoe.inference.beam_search import beam_search, brevity_penalty
+from jaxmoe.inference.decode import Generator
 from jaxmoe.models import build_model
-from jaxmoe.parallel.sharding import make_mesh
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import TINY_T5, tiny_config
 
 VOCAB, EOS, STEPS = 8, 1, 3

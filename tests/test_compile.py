@@ -6,7 +6,6 @@ per-device bytes from shapes and shardings worked out by hand below, FLOPs from 
 count, HBM capacity from the compiler's error message.
 """
 
-import argparse
 import json
 import re
 
@@ -17,15 +16,17 @@ pytest.importorskip(
     "libtpu", reason="the `tpu` extra is not installed (pip install 'jaxmoe[tpu]'): no libtpu"
 )
 
-from jaxmoe import compile as compile_module
-from jaxmoe.compile import (
-    add_compile_parser,
+from jaxmoe.aot import compile_check as compile_module
+from jaxmoe.aot.compile_check import (
+    all_to_all_bytes,
     compile_for_topology,
     count_collectives,
-    run_compile,
 )
-from jaxmoe.parallel.sharding import ConfigError, make_mesh
-from jaxmoe.topologies import GiB, parse_topology, topology_devices
+from jaxmoe.aot.topologies import parse_topology, topology_devices
+from jaxmoe.cli import build_parser
+from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.chips import GiB
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 
 # A dense decoder whose per-device shards all have a minor dim of 128, so the TPU lays them
@@ -97,6 +98,7 @@ ENTRY %main (p: f32[8,128]) -> f32[4,128] {
   %all-gather-done = f32[16,128]{1,0} all-gather-done(%all-gather-start)
   %all-reduce = (f32[8,128]{1,0}, f32[]) all-reduce(%p, %s), to_apply=%add
   %a2a = f32[8,128]{1,0} all-to-all(%p), dimensions={0}
+  %r2a = f32[8,128]{1,0} ragged-all-to-all(%p, %p, %o, %s, %o, %s)
   %cp = f32[8,128]{1,0} collective-permute-start(%p), source_target_pairs={{0,1}}
   %cpd = f32[8,128]{1,0} collective-permute-done(%cp)
   %rs = f32[4,128]{1,0} reduce-scatter(%p), dimensions={0}, to_apply=%add
@@ -108,8 +110,10 @@ ENTRY %main (p: f32[8,128]) -> f32[4,128] {
         "all-gather": 1,
         "reduce-scatter": 2,
         "all-to-all": 1,
+        "ragged-all-to-all": 1,
         "collective-permute": 1,
     }
+    assert all_to_all_bytes(hlo) == 8 * 128 * 4  # the ragged one's shape is only a bound
 
 
 def test_tiny_step_fits_v5p_8(v5p_8):
@@ -197,10 +201,12 @@ def test_slices_must_divide_data_or_fsdp():
 
 
 def _cli(*argv: str):
-    parser = argparse.ArgumentParser(prog="jaxmoe")
-    add_compile_parser(parser.add_subparsers(dest="command", required=True))
-    flags = [a for a in argv if not a.startswith("--config.")]
-    return parser.parse_args(["compile", *flags]), [a for a in argv if a.startswith("--config.")]
+    """Parsed `jaxmoe compile ARGV` (its `run` reports its errors itself)."""
+    args = build_parser().parse_args(
+        ["compile", *(a for a in argv if not a.startswith("--config."))]
+    )
+    args.overrides = [a for a in argv if a.startswith("--config.")]
+    return args
 
 
 # Attention probabilities alone, [B/4, H, L, L] f32 per chip, are 64 GiB here.
@@ -214,15 +220,15 @@ OVERSIZED = (
 
 
 def test_oom_gives_a_verdict_and_exit_code_2(capsys):
-    args, overrides = _cli(*OVERSIZED)
-    assert run_compile(args, overrides) == 2
+    args = _cli(*OVERSIZED)
+    assert args.run(args) == 2
     out, err = capsys.readouterr()
     assert "verdict: OUT OF MEMORY on v5e-4" in out
     assert "15.75 GiB usable" in out
     assert "Traceback" not in out + err
 
-    args, overrides = _cli(*OVERSIZED, "--json")
-    assert run_compile(args, overrides) == 2
+    args = _cli(*OVERSIZED, "--json")
+    assert args.run(args) == 2
     report = json.loads(capsys.readouterr().out)
     assert report["verdict"] == "oom"
     assert report["available_bytes"] == pytest.approx(15.75 * GiB, rel=1e-3)
@@ -230,10 +236,8 @@ def test_oom_gives_a_verdict_and_exit_code_2(capsys):
 
 
 def test_config_mistake_is_one_line_and_exit_code_2(capsys):
-    args, overrides = _cli(
-        "--config=configs/default.py", "--topology=v5p-8", "--config.mesh.tensor=3"
-    )
-    assert run_compile(args, overrides) == 2
+    args = _cli("--config=configs/default.py", "--topology=v5p-8", "--config.mesh.tensor=3")
+    assert args.run(args) == 2
     _, err = capsys.readouterr()
     assert err.startswith("jaxmoe compile: error: mesh") and err.count("\n") == 1
 
@@ -248,6 +252,21 @@ def test_scanned_step_compiles_with_every_remat_policy(v5p_8, remat):
     assert scanned["verdict"] == "fits"
     assert scanned["argument_bytes"] == v5p_8["argument_bytes"]
     assert scanned["model_flops_per_step"] == v5p_8["model_flops_per_step"]
+
+
+def test_expert_parallel_adaptive_step_exchanges_with_ragged_all_to_all():
+    """For TPU the dropless expert-parallel exchange is sized to the routing: ragged
+    all-to-alls carry the tokens; plain all-to-alls carry only the per-(device, expert)
+    counts and offsets, at most ep x E_local int32 = 4 x 2 x 4 bytes each."""
+    config = tiny_config(
+        "model.moe.gating=adaptive", "mesh.data=1", "mesh.fsdp=1", "mesh.tensor=1",
+        "mesh.expert=4",
+    )  # fmt: skip
+    result = compile_for_topology(config, "v5p-8")
+    assert result["verdict"] == "fits" and result["mesh"]["expert"] == 4
+    assert result["moe_dispatch"] == "ragged"  # ragged_dot for the grouped matmuls
+    assert result["collectives"]["ragged-all-to-all"] > 0
+    assert 0 < result["all_to_all_bytes"] <= 32 * result["collectives"]["all-to-all"]
 
 
 def _ici_groups(hlo_text: str) -> list[list[int]]:

@@ -270,7 +270,7 @@ def load(workdir, epoch, kind):
 @pytest.fixture(scope="module")
 def paper_run(text_source, tmp_path_factory):
     """10 steps = 2.5 epochs; checkpoints 6 (mid epoch 1) and 10."""
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     workdir = tmp_path_factory.mktemp("paper")
     config = e2e_config(text_source, 10, "data.curriculum=paper", "train.checkpoint_every=6")
@@ -324,7 +324,7 @@ def test_paper_run_logs_routing_and_orders_each_epoch_by_it(paper_run):
 
 
 def test_paper_run_resumes_mid_epoch_exactly(paper_run, tmp_path):
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     config, full = paper_run
     resumed = tmp_path / "resumed"
@@ -342,7 +342,7 @@ def test_paper_run_resumes_mid_epoch_exactly(paper_run, tmp_path):
 
 
 def test_changing_the_policy_of_a_run_is_refused(paper_run, text_source, tmp_path):
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     _, full = paper_run
     shutil.copytree(full, tmp_path / "w")
@@ -353,7 +353,7 @@ def test_changing_the_policy_of_a_run_is_refused(paper_run, text_source, tmp_pat
 
 
 def test_curriculum_needs_an_moe_model(text_source, tmp_path):
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
 
     config = e2e_config(text_source, 2, "data.curriculum=magnitude", "model.moe.num_experts=0")
     with pytest.raises(ValueError, match=r"model\.moe\.num_experts=0") as err:
@@ -368,10 +368,11 @@ def test_scoring_pass_measures_every_example_at_the_epoch_boundary(text_source, 
     from flax import nnx
     from jax.sharding import NamedSharding
 
-    from jaxmoe.data.curriculum_hooks import make_curriculum
     from jaxmoe.models import build_model
-    from jaxmoe.parallel.sharding import batch_spec, make_mesh
-    from jaxmoe.train_state import model_params
+    from jaxmoe.models.spec import model_params
+    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.parallel.sharding import batch_spec
+    from jaxmoe.training.curriculum_hooks import make_curriculum
 
     # Router jitter on: the pass must measure without it (train=False, training gate).
     config = small_config(

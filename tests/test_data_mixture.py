@@ -11,7 +11,7 @@ import pytest
 
 from jaxmoe.data import pipeline
 from jaxmoe.data.mixture import Component, MixtureBatches, parse_mixture
-from jaxmoe.paths import absolute_mixture
+from jaxmoe.storage.paths import absolute_mixture
 from tests.test_data_sources import CONFIG, build_bpe, documents, write_jsonl
 
 
@@ -109,7 +109,7 @@ def test_resume_and_processes_reproduce_the_uninterrupted_batches():
 
 
 def test_mixture_trains_and_reports_per_source_eval_losses(tmp_path):
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
     from tests.helpers import tiny_config
 
     write_jsonl(tmp_path / "wiki" / "a.jsonl", documents(300, "wiki"))

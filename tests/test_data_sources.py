@@ -163,8 +163,8 @@ def test_record_source_errors_name_the_culprit(tmp_path):
 
 @pytest.mark.slow
 def test_jsonl_source_with_hf_tokenizer_trains_evaluates_and_decodes(tmp_path):
-    from jaxmoe.decode import decode_main
-    from jaxmoe.train import train
+    from jaxmoe.inference.decode import decode_main
+    from jaxmoe.training.loop import train
     from tests.helpers import tiny_config
 
     write_jsonl(tmp_path / "data" / "part.jsonl", documents(400, "t"))
@@ -218,7 +218,7 @@ def test_t5_sentinels_come_from_the_tokenizer(tmp_path):
 
 
 def test_compile_check_takes_the_vocabulary_train_would(tmp_path):
-    from jaxmoe.compile import model_vocab_size
+    from jaxmoe.aot.compile_check import model_vocab_size
     from tests.helpers import tiny_config
 
     config = tiny_config("model.vocab_size=0", "data.vocab_size=512")

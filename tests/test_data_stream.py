@@ -76,7 +76,7 @@ def test_resume_and_processes_reproduce_the_uninterrupted_batches():
 
 
 def test_streaming_run_trains_and_resumes_exactly(tmp_path):
-    from jaxmoe.train import train
+    from jaxmoe.training.loop import train
     from tests.test_train import read_metrics, run_config
 
     def config(steps):

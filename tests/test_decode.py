@@ -1,7 +1,6 @@
 """KV-cache decoding against the full forward pass, greedy decoding against a no-cache loop,
 and top-k / top-p filtering against sets computed by hand in numpy."""
 
-import argparse
 import json
 
 import jax
@@ -11,10 +10,10 @@ import pytest
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import save_params
-from jaxmoe.decode import (
+from jaxmoe.cli import main as cli_main
+from jaxmoe.inference.decode import (
     Generator,
     Sampling,
-    add_decode_parser,
     bucket,
     decode_main,
     filter_logits,
@@ -27,8 +26,8 @@ from jaxmoe.models.kv_cache import (
     encoder_decoder_forward,
     init_caches,
 )
-from jaxmoe.parallel.sharding import make_mesh
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 
 ATOL = 2e-4
@@ -180,6 +179,15 @@ def test_generation_stops_at_eos(sharded_generation):
     stopper = Generator(generator.cfg, generator.params, generator.mesh, eos_id=expected[2])
     first = expected.index(expected[2])
     assert stopper.generate(prompts[:1], 6).tokens[0] == expected[: first + 1]
+    # A further stop id (generation_config.json's EOS list) ends the row too; EOS itself
+    # never comes here.
+    never = next(i for i in range(generator.cfg.vocab_size) if i not in expected)
+    stop = expected[3]
+    several = Generator(
+        generator.cfg, generator.params, generator.mesh, eos_id=never, stop_ids=(stop,)
+    )
+    assert several.stop_ids == (never, stop)
+    assert several.generate(prompts[:1], 6).tokens[0] == expected[: expected.index(stop) + 1]
 
 
 def allowed_by_hand(logits, temperature, top_k, top_p):
@@ -225,7 +233,7 @@ def test_bad_sampling_and_buckets():
 
 
 def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
-    """`jaxmoe decode` as wired by add_decode_parser: text in, text and tokens/s out."""
+    """`jaxmoe decode` as the CLI wires it: text in, text and tokens/s out."""
     config = tiny_config(
         "model.moe.num_experts=0",
         "model.vocab_size=512",
@@ -235,14 +243,10 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
     save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
     (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")
-    parser = argparse.ArgumentParser()
-    add_decode_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(
-        ["decode", "--checkpoint", str(tmp_path / "ckpt"), "--prompts_file",
-         str(tmp_path / "prompts.txt"), "--max_new_tokens", "5", "--temperature", "0.8",
-         "--top_k", "20"]
-    )  # fmt: skip
-    assert args.run(args, ["--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
+    command = ["decode", "--checkpoint", str(tmp_path / "ckpt"), "--prompts_file",
+               str(tmp_path / "prompts.txt"), "--max_new_tokens", "5", "--temperature", "0.8",
+               "--top_k", "20"]  # fmt: skip
+    assert cli_main([*command, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
     lines = capsys.readouterr().out.splitlines()
     summary = json.loads(lines[-1])
     assert summary["prompts"] == 2 and 2 <= summary["new_tokens"] <= 10
@@ -250,7 +254,7 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert "tokens/s" in lines[-2] and "'tensor': 2" in lines[-2]
     # The same checkpoint decoded by the scanned model (its layers stacked on restore).
     scan = ["--config.mesh.data=4", "--config.mesh.tensor=2", "--config.model.scan_layers=true"]
-    assert args.run(args, scan) == 0
+    assert cli_main([*command, *scan]) == 0
     scanned = capsys.readouterr().out.splitlines()
     assert scanned[:-2] == lines[:-2]
     with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):

@@ -13,8 +13,9 @@ from flax import nnx
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxmoe.models.moe import MoE
+from jaxmoe.models.moe.layer import MoE
 from jaxmoe.parallel import sharding
+from jaxmoe.parallel.mesh import MESH_AXES
 from tests.test_moe import moe_config
 
 B, L, D = 8, 8, 16
@@ -32,7 +33,7 @@ MESHES = {
 def make_step(graphdef, r):
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params)(x, train=True)
-        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"], (y, aux)
+        return jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["router_z_loss"], (y, aux)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
 
@@ -73,7 +74,7 @@ def _assert_tree_close(got, want, what):
 def test_mesh_matches_single_device(name, shape, inputs, single_device):
     x, r = inputs
     graphdef, params, ((want_dparams, want_dx), (want_y, want_aux)) = single_device[name]
-    mesh = jax.make_mesh(shape, sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     param_shardings = sharding.named(mesh, sharding.param_specs(params, mesh))
     params = jax.device_put(params, param_shardings)
     x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
@@ -98,7 +99,7 @@ def test_small_batches_fall_back_to_repeated_work(inputs, single_device):
     x, r = (a[:2, :5] for a in inputs)
     graphdef, params, _ = single_device["dropless"]
     want = make_step(graphdef, r)(params, x)
-    mesh = jax.make_mesh((2, 1, 2, 2), sharding.MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((2, 1, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
     with jax.set_mesh(mesh):
         (dparams, dx), (y, aux) = make_step(graphdef, r)(params, x)
     (want_dparams, want_dx), (want_y, want_aux) = want

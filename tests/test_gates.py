@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmoe.models import gates
-from jaxmoe.models.gates import GateConfig
+from jaxmoe.models.moe import gates
+from jaxmoe.models.moe.gates import GateConfig
 
 # ---------------------------------------------------------------------------------------
 # Independent reference: one token at a time, plain Python / numpy, no jax.
@@ -233,7 +233,7 @@ def test_bad_options_name_the_key(field, value):
 
 
 def test_paper_config_says_what_the_paper_did():
-    from jaxmoe.config import load_config
+    from jaxmoe.config.loading import load_config
 
     adaptive = load_config("configs/moe16_gpt2_medium.py")
     moe = adaptive.model.moe

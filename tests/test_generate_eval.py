@@ -18,9 +18,9 @@ pytest.importorskip("sacrebleu")
 from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.cli import main
 from jaxmoe.data.sources import load_tokenizer
-from jaxmoe.generate_eval import text_metrics, token_f1
+from jaxmoe.inference.generate_eval import text_metrics, token_f1
 from jaxmoe.models import build_model
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
 from tests.helpers import TINY_T5, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -11,12 +11,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.convert import convert_gqa, gqa_params, pool_kv_heads
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.surgery import convert_gqa, gqa_params, pool_kv_heads
 from jaxmoe.models import build_model
 from jaxmoe.models.attention import Attention
-from jaxmoe.train import train
-from jaxmoe.train_state import model_params, model_spec
+from jaxmoe.models.spec import model_params, model_spec
+from jaxmoe.training.loop import train
 from tests.helpers import tiny_config
 
 H, D = 4, 32  # query heads and width of the tiny models
@@ -39,7 +39,7 @@ def load(path):
 
 
 def _mesh():
-    from jaxmoe.parallel.sharding import make_mesh
+    from jaxmoe.parallel.mesh import make_mesh
 
     return make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
 
@@ -227,12 +227,12 @@ def test_uptrain_config_takes_model_and_recipe_from_the_converted_checkpoint(sou
 
 
 def test_uptrain_alpha_override_reaches_train_steps(source):
-    import jaxmoe.config
+    from jaxmoe.config.loading import load_config
 
     root, _, _ = source
     if not (root / "mean").exists():
         convert_gqa(str(root / "mha"), str(root / "mean"), num_kv_heads=2)
-    config = jaxmoe.config.load_config(
+    config = load_config(
         f"configs/uptrain_gqa.py:{root / 'mean'}", ["--config.uptrain.alpha=0.5"]
     )
     assert config.train.steps == 2

@@ -6,7 +6,6 @@ give the same logits on fixed ids. Weights are re-drawn at unit scale first: HF'
 init (std 0.02) gives near-zero logits that would hide a wrong layout inside the tolerance.
 """
 
-import argparse
 import json
 import os
 import pickle
@@ -34,14 +33,13 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from jaxmoe.checkpoints.hf import abstract_params, convert_hf
-from jaxmoe.checkpoints.hf import add_parser as add_convert_parser
-from jaxmoe.checkpoints.hf_export import add_parser as add_export_parser
-from jaxmoe.checkpoints.hf_export import export_hf
-from jaxmoe.checkpoints.hf_names import export_plan
+from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.importer import abstract_params, convert_hf
+from jaxmoe.checkpoints.hf.names import export_plan
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.cli import build_parser
 from jaxmoe.models import build_model
-from jaxmoe.train_state import str_keys
+from jaxmoe.models.spec import str_keys
 from tests.helpers import tiny_config
 
 TOL = 1e-4
@@ -134,11 +132,10 @@ def llama(tmp_path_factory):
 
 def test_llama_gqa_converts_to_same_logits(llama, tmp_path, capsys):
     model, src = llama
-    parser = argparse.ArgumentParser()
-    add_convert_parser(parser.add_subparsers())
     dst = tmp_path / "ckpt"
-    args = parser.parse_args(["hf", str(src), str(dst), "--dtype", "float32"])
-    assert args.run(args, ["--config.data.tokenizer=spm.model"]) == 0
+    args = build_parser().parse_args(["convert", "hf", str(src), str(dst), "--dtype", "float32"])
+    args.overrides = ["--config.data.tokenizer=spm.model"]
+    assert args.run(args) == 0
     assert json.loads(capsys.readouterr().out)["heads"] == [4, 2, 8]
     config = read_config(str(dst))
     m = config.model
@@ -305,11 +302,11 @@ def test_export_jaxmoe_llama_loads_in_transformers(tmp_path, capsys):
         abstract_params(config.model),
     )
     save_params(str(tmp_path / "ckpt"), params, config)
-    parser = argparse.ArgumentParser()
-    add_export_parser(parser.add_subparsers())
-    args = parser.parse_args(["hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
-    assert "no --config" in one_line_error(args.run, args, ["--config.model.dtype=bfloat16"])
-    assert args.run(args, []) == 0
+    args = build_parser().parse_args(["export", "hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")])
+    args.overrides = ["--config.model.dtype=bfloat16"]
+    assert "no --config" in one_line_error(args.run, args)
+    args.overrides = []
+    assert args.run(args) == 0
     assert json.loads(capsys.readouterr().out)["architecture"] == "LlamaForCausalLM"
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     assert hf.config.num_key_value_heads == 2
@@ -324,9 +321,8 @@ def test_export_jaxmoe_llama_loads_in_transformers(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("overrides", "reason"),
     [
-        (("model.moe.gating=adaptive",), "model.moe.gating='adaptive'"),
         (("model.moe.gating=top2", "model.moe.every=2"), "model.moe.every=2"),
-        (("model.moe.gating=top2",), "model.moe.renormalize=False"),
+        (("model.moe.capacity_factor=1.25",), "model.moe.capacity_factor=1.25"),
         (("model.moe.num_experts=0", "model.rope_theta=0.0"), "model.rope_theta=0"),
         (("model.arch=encoder_decoder", "model.moe.num_experts=0"), "num_kv_heads=2"),
     ],

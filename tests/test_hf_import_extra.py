@@ -20,13 +20,13 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from jaxmoe.checkpoints.convert import gqa_params
-from jaxmoe.checkpoints.hf import convert_hf
-from jaxmoe.checkpoints.hf_export import export_hf
+from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config
-from jaxmoe.config import ConfigError
-from jaxmoe.decode import Generator
-from jaxmoe.parallel.sharding import make_mesh
+from jaxmoe.checkpoints.surgery import gqa_params
+from jaxmoe.errors import ConfigError
+from jaxmoe.inference.decode import Generator
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 from tests.test_hf import (
     TOL,

@@ -22,13 +22,13 @@ pytest.importorskip("lm_eval")
 import lm_eval
 from lm_eval.tasks import TaskManager
 
-from jaxmoe.checkpoints.hf import abstract_params
-from jaxmoe.checkpoints.hf_export import export_hf
+from jaxmoe.checkpoints.hf.exporter import export_hf
+from jaxmoe.checkpoints.hf.importer import abstract_params
 from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.data.sources import load_tokenizer
-from jaxmoe.lm_eval_backend import JaxmoeLM, mesh_overrides
+from jaxmoe.inference.lm_eval_backend import JaxmoeLM, mesh_overrides
 from jaxmoe.models import build_model
-from jaxmoe.train_state import model_params
+from jaxmoe.models.spec import model_params
 from tests.helpers import TINY_T5, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent

@@ -2,7 +2,7 @@
 
 import json
 
-from jaxmoe.metrics import MetricsWriter
+from jaxmoe.training.metrics import MetricsWriter
 
 
 def test_resume_drops_rows_after_the_restored_step(tmp_path):

@@ -1,9 +1,9 @@
-"""jaxmoe.mirror: what is copied to the remote folder, and when (both folders local here;
+"""jaxmoe.storage.mirror: what is copied to the remote folder, and when (both folders local here;
 tests/test_gcs.py runs it against a GCS API server)."""
 
 import os
 
-from jaxmoe.mirror import Mirror
+from jaxmoe.storage.mirror import Mirror
 
 
 def listing(folder) -> dict[str, bytes]:

@@ -9,8 +9,8 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxmoe.models import dispatch
-from jaxmoe.models.moe import MoE, gate_config
+from jaxmoe.models.moe import dispatch
+from jaxmoe.models.moe.layer import MoE, gate_config
 from tests.test_gates import ref_choose, ref_weights
 
 B, L, D, F, E = 4, 16, 16, 32, 8
@@ -138,7 +138,7 @@ def ref_layer(params, x, r, cfg, capacity=None, balance_coef=0.3, z_coef=0.7):
         "expert_load_cv": load.std() / load.mean(),
         "dropped_fraction": 1 - n_kept / n_assign,
         "balance_loss": balance,
-        "z_loss": z,
+        "router_z_loss": z,
     }
     return ys.reshape(x.shape), aux, grads, dx.reshape(x.shape)
 
@@ -155,7 +155,7 @@ def layer_and_grads(cfg, x, r, *, train=True, seed=0):
     def run(params, x):
         def loss(params, x):
             y, aux = nnx.merge(graphdef, params)(x, train=train)
-            total = jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["z_loss"]
+            total = jnp.sum(y * r) + 0.3 * aux["balance_loss"] + 0.7 * aux["router_z_loss"]
             return total, (y, aux)
 
         return jax.grad(loss, argnums=(0, 1), has_aux=True)(params, x)

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
-from jaxmoe.config import load_config
-from jaxmoe.parallel.sharding import ConfigError
-from jaxmoe.profiling import parse_profile_steps
-from jaxmoe.train import train
+from jaxmoe.config.loading import load_config
+from jaxmoe.errors import ConfigError
+from jaxmoe.training.loop import train
+from jaxmoe.training.profiling import parse_profile_steps
 from tests.helpers import tiny_config
 
 PEAK = 1e11  # FLOP/s per device, as if this CPU had a known peak

@@ -199,8 +199,8 @@ def test_resume_and_process_split_match_train_batches(bundle, cache_dir):
 
 
 def test_tiny_t5_trains_and_evaluates(cache_dir, bundle, tmp_path):
-    from jaxmoe.evaluate import evaluate
-    from jaxmoe.train import train
+    from jaxmoe.inference.evaluate import evaluate
+    from jaxmoe.training.loop import train
 
     config = seq2seq_config(
         cache_dir,

@@ -7,11 +7,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 
-from jaxmoe.optim import make_optimizer
-from jaxmoe.parallel.sharding import batch_spec, make_mesh
-from jaxmoe.steps import StepFns, train_step
-from jaxmoe.train import to_global
-from jaxmoe.train_state import init_state, model_spec, state_shardings
+from jaxmoe.models.spec import model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import batch_spec
+from jaxmoe.training.loop import to_global
+from jaxmoe.training.optimizer import make_optimizer
+from jaxmoe.training.state import init_state, state_shardings
+from jaxmoe.training.steps import StepFns, train_step
 from tests.helpers import synthetic_batches, tiny_config
 
 

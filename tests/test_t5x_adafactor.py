@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.adafactor import matrix_view, t5x_adafactor
-from jaxmoe.checkpoints.t5x import open_t5x
+from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.checkpoints.trees import unflatten
+from jaxmoe.training.adafactor import matrix_view, t5x_adafactor
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))
 TINY = FIXTURES / "test_t5_tiny.checkpoint_0"

@@ -5,7 +5,6 @@ arrays through a T5X -> HF name map written here by hand, independent of the con
 Bad checkpoints are small legacy msgpack files written with flax's serializer in tmp_path.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -19,9 +18,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxmoe.checkpoints.manager import CheckpointError, read_config
-from jaxmoe.checkpoints.t5x import open_t5x
-from jaxmoe.checkpoints.t5x_convert import add_parser, convert_t5x
-from jaxmoe.evaluate import evaluate
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
+from jaxmoe.checkpoints.t5x.reader import open_t5x
+from jaxmoe.cli import build_parser
+from jaxmoe.inference.evaluate import evaluate
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))
 TINY = FIXTURES / "test_t5_tiny.checkpoint_0"
@@ -203,11 +203,10 @@ def test_sharded_eval_matches_one_device_cli(converted, examples_file, hf_losses
 def test_bfloat16_conversion_through_the_command_line(
     tmp_path, t5x_arrays, examples_file, hf_losses, capsys
 ):
-    parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
     dst = tmp_path / "bf16"
-    args = parser.parse_args(["t5x", str(TINY), str(dst), "--dtype", "bfloat16"])
-    assert args.run(args, ["--config.train.batch_size=8"]) == 0
+    args = build_parser().parse_args(["convert", "t5x", str(TINY), str(dst), "--dtype", "bfloat16"])
+    args.overrides = ["--config.train.batch_size=8"]
+    assert args.run(args) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["heads"] == [4, 4, 3] and summary["dtype"] == "bfloat16"
     assert read_config(str(dst)).train.batch_size == 8

@@ -18,11 +18,11 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxmoe.checkpoints.manager import restore_opt_state
-from jaxmoe.checkpoints.t5x import open_t5x
-from jaxmoe.checkpoints.t5x_convert import convert_t5x
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
+from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
-from jaxmoe.optim import make_optimizer
-from jaxmoe.train import train
+from jaxmoe.training.loop import train
+from jaxmoe.training.optimizer import make_optimizer
 from tests.test_t5x_adafactor import jaxmoe_layout, reference_step
 from tests.test_t5x_recipe import TINY, tiny_uptrain, uptrain_module
 
@@ -211,7 +211,7 @@ def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
 def test_init_optimizer_from_a_jaxmoe_run_continues_adam_and_offsets_the_schedule(tmp_path):
     """train.init_optimizer from a jaxmoe run: Adam's moment count continues (4 + 1) while
     the schedule's own count restarts, the schedule being offset by start_step instead."""
-    from jaxmoe.config import apply_overrides
+    from jaxmoe.config.loading import apply_overrides
     from tests.helpers import tiny_config
 
     overrides = [

@@ -21,17 +21,18 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.t5x_convert import convert_t5x
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.config import ConfigError, apply_overrides
-from jaxmoe.default_config import base_config
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.loading import apply_overrides
+from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout
-from jaxmoe.optim import learning_rate_schedule
-from jaxmoe.parallel.sharding import make_mesh
-from jaxmoe.steps import _loss, forward, step_fns
-from jaxmoe.train import train
-from jaxmoe.train_state import model_params, model_rngs, model_spec
+from jaxmoe.models.spec import model_params, model_rngs, model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.training.loop import train
+from jaxmoe.training.optimizer import learning_rate_schedule
+from jaxmoe.training.steps import _loss, forward, step_fns
 from tests.helpers import synthetic_batches, tiny_config
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))

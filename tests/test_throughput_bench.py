@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxmoe.config import load_config
+from jaxmoe.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
@@ -26,8 +26,8 @@ def _bench_module(name: str = "train_throughput"):
 def _param_count(variant: str) -> int:
     import jax
 
-    from jaxmoe.parallel.sharding import make_mesh
-    from jaxmoe.train_state import model_spec
+    from jaxmoe.models.spec import model_spec
+    from jaxmoe.parallel.mesh import make_mesh
 
     config = load_config(f"{CONFIG}:{variant}")
     mesh = make_mesh(config.mesh, devices=jax.devices()[:1])

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from jaxmoe.config import load_config
-from jaxmoe.parallel.sharding import ConfigError
-from jaxmoe.train import train
+from jaxmoe.config.loading import load_config
+from jaxmoe.errors import ConfigError
+from jaxmoe.training.loop import train
 from tests.helpers import tiny_config
 
 

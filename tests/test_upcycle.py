@@ -7,11 +7,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.convert import convert_upcycle, upcycle_config, upcycle_params
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.surgery import convert_upcycle, upcycle_config, upcycle_params
 from jaxmoe.models import build_model
-from jaxmoe.parallel.sharding import make_mesh
-from jaxmoe.train_state import model_params, model_spec
+from jaxmoe.models.spec import model_params, model_spec
+from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 
 E = 4

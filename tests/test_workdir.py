@@ -9,7 +9,7 @@ import time
 import pytest
 from etils import epath
 
-from jaxmoe.workdir import LOCK_NAME, WorkdirInUse, WorkdirLock, check_workdir
+from jaxmoe.training.workdir import LOCK_NAME, WorkdirInUse, WorkdirLock, check_workdir
 
 
 def test_second_run_is_refused_naming_the_first(tmp_path):
@@ -60,7 +60,8 @@ def test_other_hosts_lock_counts_while_its_heartbeat_is_fresh(tmp_path):
 
 def test_live_process_holding_the_lock_is_not_mistaken_for_dead(tmp_path):
     code = (
-        "import sys, time; from etils import epath; from jaxmoe.workdir import WorkdirLock\n"
+        "import sys, time; from etils import epath\n"
+        "from jaxmoe.training.workdir import WorkdirLock\n"
         "lock = WorkdirLock(epath.Path(sys.argv[1])); lock.acquire(); print('held', flush=True)\n"
         "time.sleep(60)\n"
     )

@@ -18,7 +18,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
-from jaxmoe.paths import absolute_path, finished_steps
+from jaxmoe.storage.paths import absolute_path, finished_steps
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def describe_error(error: BaseException) -> str:
 def merge_into_defaults(stored: dict) -> ConfigDict:
     """The stored config on top of today's defaults, so keys added since it was written
     exist (with their defaults) and can be overridden."""
-    from jaxmoe.default_config import base_config
+    from jaxmoe.config.defaults import base_config
 
     def merge(node: ConfigDict, values: dict) -> None:
         for key, value in values.items():
@@ -382,5 +382,10 @@ def save_params(path: str, params, config: ConfigDict) -> None:
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)
+    write_config(root, config)
+
+
+def write_config(root: epath.Path, config: ConfigDict) -> None:
+    """The config file of a converted checkpoint (the last of CONFIG_FILES)."""
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))

@@ -1,7 +1,11 @@
-"""Data: corpora, TFDS, tokenizer, packing and batches. Entry point:
+"""Data: corpora, TFDS, tokenizers, packing and batches. Entry point:
 `jaxmoe.data.pipeline.build_data(config, process_index, process_count) -> DataBundle`.
 
 Modules: corpus (local text sources and their split), tfds_text (TFDS builder and reading),
-tokenizer (SentencePiece), packing (token cache and windows), sources (config -> cached
-artifacts), pipeline (epoch order, train/eval batches). Nothing here imports jax.
+tokenizer (SentencePiece, and `tokenizer.json` through hf_tokenizer), packing (token cache
+and windows), seq2seq (T5 span corruption), sources (config -> cached artifacts), mixture
+(weighted mixtures of sources), stream (tokenize-as-you-read training data), multihost
+(prepare once, trace each process's rows), prefetch (batches on a background thread),
+curriculum and complexity_store (routing-complexity orderings), pipeline (epoch order,
+train/eval batches). Nothing here imports training code.
 """

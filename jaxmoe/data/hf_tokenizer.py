@@ -6,15 +6,18 @@ Special tokens come from the tokenizer's own files, the way `transformers` reads
 BOS, EOS and pad tokens and may say `add_bos_token`. Without that key, the tokenizer's own
 post-processor decides: the single token it puts before a text is the BOS every document and
 prompt starts with (Llama 3's `<|begin_of_text|>`), none for Qwen. Text is encoded without
-the post-processor (documents are packed as [BOS] text EOS by the caller).
+the post-processor (documents are packed as [BOS] text EOS by the caller). Generation stops
+at EOS and at the further ids of a `generation_config.json` next to the tokenizer
+(`eos_token_id`, one id or a list: Llama 3 Instruct's `<|eot_id|>`...).
 """
 
 import hashlib
-import json
 import os
 from collections.abc import Sequence
 
 import tokenizers
+
+from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -39,14 +42,7 @@ def _read_configs(folder: str, culprit: str) -> dict:
         path = os.path.join(folder, name)
         if not os.path.isfile(path):
             continue
-        try:
-            with open(path, encoding="utf-8") as f:
-                values = json.load(f)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"data.tokenizer={culprit!r}: cannot read {path}: {e}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"data.tokenizer={culprit!r}: {path} is not a JSON object")
-        merged.update(values)
+        merged.update(read_json_object(path, culprit))
     return merged
 
 
@@ -96,7 +92,10 @@ class HFTokenizer:
                 raise ValueError(f"data.tokenizer={path!r} says add_bos_token but has no bos_token")
         else:
             self.bos_id = prefix[0] if len(prefix) == 1 else None
-        self.pad_id = self._special(config, "pad_token", path) or 0
+        self.pad_token_id = self._special(config, "pad_token", path)  # None: it has none
+        self.pad_id = self.pad_token_id or 0
+        extra = generation_eos_ids(os.path.dirname(self.path), path)
+        self.eos_ids = tuple(dict.fromkeys([self.eos_id, *extra]))  # EOS first, no repeats
         # The id stream depends on the file and on the special ids resolved from the configs.
         specials = f"|bos={self.bos_id}|eos={self.eos_id}|pad={self.pad_id}".encode()
         self.sha256 = hashlib.sha256(raw + specials).hexdigest()

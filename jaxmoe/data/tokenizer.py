@@ -3,7 +3,10 @@
 
 Trained models round-trip exactly, decode(encode(text)) == text for any string: no
 normalisation (`identity`), whitespace kept as written, no dummy prefix, and unknown
-characters fall back to their UTF-8 bytes. Ids: pad 0, eos 1, unk 2, no bos.
+characters fall back to their UTF-8 bytes. Ids: pad 0, eos 1, unk 2, no bos. A model from
+elsewhere (a converted Llama 2's `tokenizer.model`) starts texts with its BOS when the
+`tokenizer_config.json` beside it says `add_bos_token`, and generation also stops at the
+`eos_token_id`s of a `generation_config.json` there, as transformers does.
 """
 
 import hashlib
@@ -16,7 +19,8 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from jaxmoe.paths import is_remote
+from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
+from jaxmoe.storage.paths import is_remote
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # Changing any training option below must change this, so stale cached models are not used.
@@ -46,6 +50,20 @@ class Tokenizer:
             raise ValueError(f"data.tokenizer={path!r} defines no EOS piece (eos_id < 0)")
         self.path = path if is_remote(path) else os.path.abspath(path)
         self.sha256 = hashlib.sha256(model_bytes).hexdigest()
+        self.bos_id, self.eos_ids = None, (self._sp.eos_id(),)
+        if not is_remote(path):
+            self._read_hf_configs(os.path.dirname(self.path), path)
+
+    def _read_hf_configs(self, folder: str, culprit: str) -> None:
+        """BOS and extra stop ids from Hugging Face files beside the model, if any."""
+        config_path = os.path.join(folder, "tokenizer_config.json")
+        wants_bos = os.path.isfile(config_path) and self._sp.bos_id() >= 0
+        if wants_bos and read_json_object(config_path, culprit).get("add_bos_token", False):
+            self.bos_id = self._sp.bos_id()
+            # The id stream depends on BOS too: cached streams must not be reused.
+            self.sha256 = hashlib.sha256(f"{self.sha256}|bos".encode()).hexdigest()
+        extra = generation_eos_ids(folder, culprit)
+        self.eos_ids = tuple(dict.fromkeys([self._sp.eos_id(), *extra]))
 
     @property
     def vocab_size(self) -> int:
@@ -61,9 +79,9 @@ class Tokenizer:
         return max(self._sp.pad_id(), 0)
 
     @property
-    def bos_id(self) -> int | None:
-        """None: documents and prompts start without BOS (the models trained here have none)."""
-        return None
+    def pad_token_id(self) -> int | None:
+        """The model's own pad id, None if it has none (what a Hugging Face config says)."""
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else None
 
     def token_id(self, piece: str) -> int | None:
         """The id of a piece of the model, or None if it has no such piece."""
@@ -175,7 +193,7 @@ def cached_tokenizer(
 ) -> Tokenizer:
     """Loads the tokenizer trained on these documents, training and caching it if needed.
 
-    `remote`: a jaxmoe.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
+    `remote`: a jaxmoe.storage.mirror.Mirror of CACHE_DIR/tokenizers on remote storage, which is
     asked before training and given the trained file."""
     key = hashlib.sha256(
         f"{_TRAINING_RECIPE}|{train_fingerprint}|{vocab_size}".encode()

@@ -61,14 +61,19 @@ def dropout(module, x, train: bool):
     return module(x, deterministic=False) if module is not None and train else x
 
 
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=True),  # T5.1.1 uses the tanh approximation
+    "relu": jax.nn.relu,
+}
+
+
 def activation_fn(name: str) -> Callable[[jax.Array], jax.Array]:
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu":  # T5.1.1 uses the tanh approximation
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    if name == "relu":
-        return jax.nn.relu
-    raise ValueError(f"model.activation: unknown activation {name!r} (silu | gelu | relu)")
+    if name not in ACTIVATIONS:
+        raise ValueError(
+            f"model.activation: unknown activation {name!r} ({' | '.join(ACTIVATIONS)})"
+        )
+    return ACTIVATIONS[name]
 
 
 class RMSNorm(nnx.Module):
@@ -132,3 +137,8 @@ class GatedMLP(nnx.Module):
         gate_BLF = self.act(matmul_2d(x_BLD, self.wi_0[...].astype(dtype)))
         up_BLF = matmul_2d(x_BLD, self.wi_1[...].astype(dtype))
         return matmul_2d(gate_BLF * up_BLF, self.wo[...].astype(dtype)), {}
+
+
+def compute_dtype(cfg):
+    """The activations' dtype (`model.dtype`); parameters stay float32."""
+    return jnp.dtype(cfg.dtype)

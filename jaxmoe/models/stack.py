@@ -8,7 +8,7 @@ j in a period of k = `model.moe.every` blocks, so dense and MoE layers keep alte
 keeps its parameters in row p of `<stack>/period/<j>/...`, whose leading axis has the logical
 name `layers` (never sharded). The k blocks of one period are one `jax.lax.scan` body, so
 the program holds one period whatever the depth. Layers left over when k does not divide the
-depth (all dense, see transformer.is_moe_layer) are unrolled after the scan at
+depth (all dense, see ffn.is_moe_layer) are unrolled after the scan at
 `<stack>/tail/<t>/...`.
 
 Both run the same block code and create parameters in the same order from the same RNG
@@ -272,3 +272,20 @@ def unstack_layers(params: dict, cfg) -> dict:
             layers[str(periods * k + int(t))] = subtree
         out[name] = layers
     return out
+
+
+def stacked_location(path: tuple[str, ...], cfg) -> tuple[tuple[str, ...], int | None]:
+    """Where per-layer parameter `path` (`<stack>/<i>/...`) lives in the scanned layout of
+    `cfg`: (stacked path, row) for a layer in a period, (tail path, None) for a tail layer,
+    and (`path`, None) for anything outside a layer stack. The inverse of `stack_layers`
+    for one leaf, for converters that read or write one layer at a time."""
+    sizes = stack_sizes(cfg)
+    if len(path) < 2 or path[0] not in sizes:
+        return path, None
+    k = period_of(cfg)
+    periods = sizes[path[0]] // k
+    layer, rest = int(path[1]), path[2:]
+    if layer < periods * k:
+        p, j = divmod(layer, k)
+        return (path[0], PERIOD, str(j), *rest), p
+    return (path[0], TAIL, str(layer - periods * k), *rest), None

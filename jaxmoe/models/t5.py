@@ -12,10 +12,12 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import cross_attention, self_attention
 from jaxmoe.models.layers import (
     Embed,
     RMSNorm,
+    compute_dtype,
     dropout,
     fan_in_init,
     make_dropout,
@@ -24,7 +26,6 @@ from jaxmoe.models.layers import (
     normal_init,
 )
 from jaxmoe.models.stack import build_stack, run_stack
-from jaxmoe.models.transformer import build_ffn, compute_dtype
 from jaxmoe.parallel.sharding import constrain_batch
 
 

@@ -1,15 +1,15 @@
 """Decoder-only transformer LM: pre-norm blocks of GQA attention and a dense or MoE FFN."""
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import AUTO, Attention, RopeScaling
+from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import self_attention
 from jaxmoe.models.layers import (
     Embed,
-    GatedMLP,
     RMSNorm,
+    compute_dtype,
     dropout,
     fan_in_init,
     make_dropout,
@@ -18,25 +18,6 @@ from jaxmoe.models.layers import (
 )
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
-
-
-def is_moe_layer(cfg, layer_index: int) -> bool:
-    """MoE in every `moe.every`-th layer, counting from the last of each group (GShard style)."""
-    moe = cfg.moe
-    return moe.num_experts > 0 and (layer_index + 1) % moe.every == 0
-
-
-def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
-    """The FFN slot: a dense gated MLP, or the MoE layer where `is_moe_layer`."""
-    if is_moe_layer(cfg, layer_index):
-        from jaxmoe.models.moe import MoE  # the MoE module pulls in dispatch code
-
-        return MoE(cfg, rngs=rngs)
-    return GatedMLP(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
-
-
-def compute_dtype(cfg):
-    return jnp.dtype(cfg.dtype)
 
 
 class DecoderBlock(nnx.Module):
@@ -110,7 +91,3 @@ class DecoderLM(nnx.Module):
         else:
             logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
         return logits.astype(jnp.float32)
-
-
-def count_params(state) -> int:
-    return sum(x.size for x in jax.tree.leaves(state))

@@ -1,0 +1,326 @@
+"""`jaxmoe convert hf SRC DST`: Hugging Face safetensors checkpoints -> a jaxmoe checkpoint.
+
+Reads Llama (3.x RoPE scaling too) / Mistral / Mixtral / Qwen2 / T5 v1.1 (`config.json` +
+`model.safetensors`, or shards listed in `model.safetensors.index.json`). Every tensor is
+checked against the model that the translated config builds (names, shapes, nothing missing,
+nothing left over) before anything is written. Tensors are then read, transposed and cast
+one at a time while Orbax writes the checkpoint (leafwise.py: each HF tensor is one piece
+of a jaxmoe array, one expert of [E, ...] or one layer of a scanned [L, ...] stack), so the
+conversion holds about one tensor in RAM; it is written in a staging directory next to DST
+that is renamed to DST at the end, with the tokenizer files (tokenizer_files.py). PyTorch
+pickle files (`*.bin`) are refused: unpickling runs code from the file. Shard names from the
+index pass `safe_paths.resolve_inside`: reading never leaves SRC.
+"""
+
+import json
+import math
+import os
+import shutil
+import struct
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+from ml_collections import ConfigDict
+from safetensors import SafetensorError, safe_open
+
+from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
+from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
+from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.validation import validate
+from jaxmoe.models.spec import abstract_params
+from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+_NUMPY_DTYPES = {
+    "F64": np.dtype("<f8"),
+    "F32": np.dtype("<f4"),
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+}
+
+
+class SafetensorsFolder:
+    """The tensors of an HF checkpoint directory, read lazily one at a time."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        if not self.root.is_dir():
+            raise CheckpointError(f"{root}: no such checkpoint directory")
+        self._headers: dict[Path, dict] = {}  # file -> {tensor name: dtype, shape, offsets}
+        self._data_start: dict[Path, int] = {}
+        self._file_of: dict[str, Path] = {}
+        files, weight_map = self._files()
+        for file in files:
+            self._open(file)
+        for name, file_name in weight_map.items():
+            file = self._file_of.get(name)
+            if file is None or file != resolve_inside(self.root, file_name):
+                raise CheckpointError(f"{INDEX_FILE}: tensor {name} is not in {file_name}")
+
+    def _files(self) -> tuple[list[Path], dict[str, str]]:
+        """(files to read, the index's name -> file map or {} without an index)."""
+        index = self.root / INDEX_FILE
+        if index.is_file():
+            weight_map = _read_index(index)
+            files = []
+            for name in sorted(set(weight_map.values())):
+                try:
+                    file = resolve_inside(self.root, name)
+                except ValueError as error:
+                    raise CheckpointError(f"{index}: shard {error}") from None
+                if not file.is_file():
+                    raise CheckpointError(f"{index}: shard file {name!r} is missing")
+                files.append(file)
+            return files, weight_map
+        if (self.root / SINGLE_FILE).is_file():
+            return [self._inside(SINGLE_FILE)], {}
+        found = sorted(self.root.glob("*.safetensors"))
+        if len(found) == 1:
+            return [self._inside(found[0].name)], {}
+        if found:
+            raise CheckpointError(
+                f"{self.root}: {len(found)} .safetensors files but no {INDEX_FILE} naming them"
+            )
+        pickles = sorted(p.name for p in self.root.iterdir() if p.suffix in _PICKLE_SUFFIXES)
+        if pickles:
+            raise CheckpointError(
+                f"{self.root}: only PyTorch pickle files ({', '.join(pickles[:3])}); jaxmoe "
+                "never unpickles external data: re-save with "
+                "save_pretrained(..., safe_serialization=True)"
+            )
+        raise CheckpointError(f"{self.root}: no model.safetensors or {INDEX_FILE}")
+
+    def _inside(self, name: str) -> Path:
+        """`root/name` resolved; a symlink leading out of the checkpoint is refused, exactly
+        as a shard name from the index is."""
+        try:
+            return resolve_inside(self.root, name)
+        except ValueError as error:
+            raise CheckpointError(f"{self.root}: {error}") from None
+
+    def _open(self, file: Path) -> None:
+        # safe_open validates the file: header, dtypes, and offsets that tile the data
+        # section exactly (a truncated file fails here).
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                names = handle.keys()
+        except (SafetensorError, OSError) as error:
+            raise CheckpointError(f"{file}: not a readable safetensors file: {error}") from None
+        # Tensors are then read through np.memmap at their offsets: safetensors' numpy
+        # reader copies every tensor into RAM and cannot decode bf16.
+        with open(file, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            self._headers[file] = json.loads(f.read(header_size))
+        self._data_start[file] = 8 + header_size
+        for name in names:
+            if name in self._file_of:
+                raise CheckpointError(
+                    f"tensor {name} is in both {self._file_of[name].name} and {file.name}"
+                )
+            self._file_of[name] = file
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._file_of)
+
+    def file(self, name: str) -> Path:
+        return self._file_of[name]
+
+    def _entry(self, name: str) -> dict:
+        return self._headers[self._file_of[name]][name]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(name)["shape"])
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` as float32: a read-only view of the file when it is float32 already
+        (no copy in RAM), else one converted copy."""
+        file, entry = self._file_of[name], self._entry(name)
+        dtype = _NUMPY_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            raise CheckpointError(f"tensor {name} in {file.name} has dtype {entry['dtype']}")
+        shape = tuple(entry["shape"])
+        count = math.prod(shape)
+        if count == 0:
+            return np.zeros(shape, np.float32)
+        offset = self._data_start[file] + entry["data_offsets"][0]
+        view = np.memmap(file, dtype=dtype, mode="r", offset=offset, shape=(count,))
+        return view.reshape(shape).astype(np.float32, copy=False)
+
+
+def _read_index(path: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(path.read_text())["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path}: not a safetensors index ({error})") from None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        raise CheckpointError(f"{path}: weight_map must map tensor names to file names")
+    return weight_map
+
+
+def read_hf_config(root: Path) -> dict:
+    path = root / "config.json"
+    try:
+        resolve_inside(root, "config.json")
+    except ValueError as error:
+        raise CheckpointError(f"{root}: {error}") from None
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"{path}: missing (an HF checkpoint carries its config)") from None
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: expected a JSON object")
+    return config
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    more = f" and {len(names) - limit} more" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def check_plan(plan: ImportPlan, leaves: dict, folder: SafetensorsFolder) -> None:
+    """Every HF tensor used exactly as the model expects; one-line CheckpointErrors."""
+    present = set(folder.names)
+    mapped = {m.hf_name for m in plan.maps}
+    missing = sorted(mapped - present)
+    unknown = sorted(
+        n for n in present - mapped - plan.tied_copies.keys() if not plan.is_ignored(n)
+    )
+    problems = []
+    if missing:
+        problems.append(f"{len(missing)} expected tensor(s) missing: {_listing(missing)}")
+    if unknown:
+        problems.append(f"{len(unknown)} unknown tensor(s): {_listing(unknown)}")
+    if problems:
+        raise CheckpointError(f"{folder.root}: " + "; ".join(problems))
+    for m in plan.maps:
+        if m.path not in leaves:
+            raise CheckpointError(
+                f"tensor {m.hf_name} maps to jaxmoe {'.'.join(m.path)}, which the model "
+                "config does not have (a --config override changed the architecture?)"
+            )
+        leaf_shape = tuple(leaves[m.path].shape)
+        expected, actual = m.hf_shape(leaf_shape), folder.shape(m.hf_name)
+        if expected != actual:
+            raise CheckpointError(
+                f"tensor {m.hf_name} in {folder.file(m.hf_name).name} has shape {actual}, but "
+                f"config.json implies {expected} (jaxmoe {'.'.join(m.path)} {leaf_shape})"
+            )
+    for copy, source in plan.tied_copies.items():
+        if folder.shape(copy) != folder.shape(source):
+            raise CheckpointError(
+                f"tensor {copy} has shape {folder.shape(copy)}, but its source {source} "
+                f"has {folder.shape(source)}"
+            )
+    check_coverage(plan, leaves, what="gets no value from the checkpoint")
+
+
+def check_coverage(plan: ImportPlan, leaves: dict, what: str) -> None:
+    """Every jaxmoe parameter is mapped (whole, or every expert slice), else `... {what}`."""
+    whole = {m.path for m in plan.maps if m.expert is None}
+    experts: dict[tuple[str, ...], set[int]] = {}
+    for m in plan.maps:
+        if m.expert is not None:
+            experts.setdefault(m.path, set()).add(m.expert)
+    for path, leaf in leaves.items():
+        if path in whole or experts.get(path) == set(range(leaf.shape[0])):
+            continue
+        raise CheckpointError(f"jaxmoe parameter {'.'.join(path)} {what}")
+
+
+def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
+    """Tensor `name`, refused if any value is NaN or infinite: such a model would only ever
+    produce NaN losses and garbage tokens, far from the file that caused them."""
+    value = folder.read(name)
+    if not np.isfinite(value).all():
+        bad = np.size(value) - int(np.isfinite(value).sum())
+        raise CheckpointError(
+            f"tensor {name} in {folder.file(name).name} holds {bad} NaN or infinite value(s)"
+        )
+    return value
+
+
+def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> dict:
+    """The checkpoint's parameters in the layout model config `m` restores (stacked for
+    `scan_layers`), each a LazyArray whose pieces are the HF tensors mapped to it."""
+    stacked = bool(m.get("scan_layers", False))
+    pieces: dict[tuple[str, ...], list[tuple[tuple[int, ...], TensorMap]]] = {}
+    for t in plan.maps:
+        path, row = stacked_location(t.path, m) if stacked else (t.path, None)
+        index = tuple(i for i in (row, t.expert) if i is not None)
+        pieces.setdefault(path, []).append((index, t))
+    stored = flatten(stack_layers(unflatten(leaves), m)) if stacked else leaves
+
+    def produce(items):
+        for index, t in sorted(items, key=lambda item: item[0]):
+            # No name keeps the source tensor alive while the next one is read.
+            shape = t.slot_shape(leaves[t.path].shape)
+            yield index, t.layout.to_jaxmoe(_finite(folder, t.hf_name), shape)
+
+    return unflatten(
+        {
+            path: LazyArray(
+                tuple(leaf.shape),
+                dtype,
+                depth=len(pieces[path][0][0]),
+                pieces=lambda items=pieces[path]: produce(items),
+            )
+            for path, leaf in stored.items()
+        }
+    )
+
+
+def _check_tied_copies(plan: ImportPlan, folder) -> None:
+    for copy, source in plan.tied_copies.items():
+        if not np.array_equal(folder.read(copy), folder.read(source)):
+            raise CheckpointError(
+                f"tensor {copy} differs from {source}; jaxmoe shares one embedding table"
+            )
+
+
+def convert_hf(
+    src_dir: str | os.PathLike, dst_dir: str | os.PathLike, dtype: str = "float32", overrides=()
+) -> ConfigDict:
+    """Converts the HF checkpoint in `src_dir` into a new jaxmoe checkpoint directory
+    `dst_dir` (parameters in `dtype` + the full config, with `--config.KEY=VALUE` style
+    `overrides` applied, e.g. data.tokenizer). Returns that config."""
+    out_dtype = output_dtype(dtype)
+    src, dst = Path(src_dir), Path(dst_dir).absolute()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    folder = SafetensorsFolder(src)
+    hf_config = read_hf_config(src)
+    config = base_config()
+    plan = import_plan(hf_config, set(folder.names), config.model)
+    config.data.tokenizer = kept_tokenizer(src, dst)  # the copy made below, if any
+    apply_overrides(config, overrides)
+    validate(config)
+    leaves = flatten(abstract_params(unrolled_config(config.model)))
+    check_plan(plan, leaves, folder)
+    # Written next to DST and renamed at the end: DST never holds half a checkpoint.
+    staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        _check_tied_copies(plan, folder)
+        params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
+        save_params_leafwise(str(staging), params, config)
+        keep_tokenizer_files(src, staging)
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        staging.rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return config

@@ -1,0 +1,595 @@
+"""Hugging Face <-> jaxmoe: the tensor name table and the config translation, both directions.
+
+One table serves import and export. A `TensorMap` pairs one HF tensor with one jaxmoe
+parameter (or one expert's slice of it) and a layout that converts between their shapes.
+HF linear weights are [out, in]; jaxmoe kernels are [in..., out...] (query [D, H, dh],
+out [H, dh, D], wi_0 [D, F], router [D, E], experts wi_0 [E, D, F]), so most maps are a
+transpose plus a reshape. Rotary embeddings use the same rotate-half layout on both sides,
+so query/key need no permutation.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.hf.remote import MODEL_TYPE, import_gate, remote_fields, stock_top_k
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.models.ffn import is_moe_layer
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5", "jaxmoe_moe")
+# HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
+_ACT_FROM_HF = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_new": "gelu",
+    "gelu_pytorch_tanh": "gelu",
+    "relu": "relu",
+}
+_ACT_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
+# Tensors HF itself skips when loading: derived buffers and an unused T5 table.
+_IGNORED = (
+    re.compile(r".*\.rotary_emb\.inv_freq"),
+    re.compile(r"decoder\.block\.0\.layer\.1\.EncDecAttention\.relative_attention_bias\.weight"),
+)
+
+
+@dataclass(frozen=True)
+class Same:
+    """Identical layout on both sides (norm scales, embedding tables)."""
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(shape)
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return hf
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+
+@dataclass(frozen=True)
+class Linear:
+    """HF [out, in] <-> jaxmoe [*in_axes, *out_axes]: the first `in_axes` jaxmoe axes form
+    HF's `in`. `scale` multiplies on import (T5's tied output layer scaled by d**-0.5)."""
+
+    in_axes: int = 1
+    scale: float = 1.0
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(shape[self.in_axes :]), math.prod(shape[: self.in_axes]))
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        x = hf.T.reshape(shape)
+        return x * np.asarray(self.scale, x.dtype) if self.scale != 1.0 else x
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        hf = x.reshape(math.prod(x.shape[: self.in_axes]), -1).T
+        return hf / np.asarray(self.scale, x.dtype) if self.scale != 1.0 else hf
+
+
+@dataclass(frozen=True)
+class FusedGateUp:
+    """transformers 5.x in-memory experts `gate_up_proj` [E, 2F, D] (gate rows first) ->
+    wi_0 (part 0) or wi_1 (part 1) [E, D, F]. Import only: export writes per-expert names."""
+
+    part: int
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        experts, d, f = shape
+        return (experts, 2 * f, d)
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        f = shape[2]
+        return hf[:, self.part * f : (self.part + 1) * f, :].transpose(0, 2, 1)
+
+    to_hf = None
+
+
+@dataclass(frozen=True)
+class StackedDown:
+    """transformers 5.x in-memory experts `down_proj` [E, D, F] -> wo [E, F, D]. Import only."""
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        experts, f, d = shape
+        return (experts, d, f)
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return hf.transpose(0, 2, 1)
+
+    to_hf = None
+
+
+@dataclass(frozen=True)
+class Bias:
+    """HF bias [N * d] <-> jaxmoe [N, d] (query/key/value biases per head)."""
+
+    def hf_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        return (math.prod(shape),)
+
+    def to_jaxmoe(self, hf: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+        return hf.reshape(shape)
+
+    def to_hf(self, x: np.ndarray) -> np.ndarray:
+        return x.reshape(-1)
+
+
+Layout = Same | Linear | Bias | FusedGateUp | StackedDown
+SAME = Same()
+BIAS = Bias()
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """HF tensor `hf_name` <-> jaxmoe parameter `path` (slice `expert` of it when set)."""
+
+    hf_name: str
+    path: tuple[str, ...]
+    layout: Layout
+    expert: int | None = None
+
+    def slot_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape this map fills in a jaxmoe leaf of `leaf_shape` (one expert, or all)."""
+        return tuple(leaf_shape[1:] if self.expert is not None else leaf_shape)
+
+    def hf_shape(self, leaf_shape: tuple[int, ...]) -> tuple[int, ...]:
+        return self.layout.hf_shape(self.slot_shape(leaf_shape))
+
+
+@dataclass
+class ImportPlan:
+    """What a conversion reads: the maps, tied copies that must equal their source, and
+    names HF itself ignores."""
+
+    maps: list[TensorMap]
+    tied_copies: dict[str, str] = field(default_factory=dict)  # copy name -> source name
+
+    @staticmethod
+    def is_ignored(name: str) -> bool:
+        return any(pattern.fullmatch(name) for pattern in _IGNORED)
+
+
+# ----------------------------------------------------------------------------- tables
+
+
+def _attention_maps(
+    hf_prefix: str, path: tuple[str, ...], name_format: str, qkv_bias: bool = False
+) -> list[TensorMap]:
+    """q/k/v [H*dh or K*dh, D] -> [D, heads, dh]; o [D, H*dh] -> [H, dh, D]; with `qkv_bias`
+    also the q/k/v biases [H*dh or K*dh] -> [heads, dh] (a Linear with no input axes)."""
+    pairs = (("q", "query", 1), ("k", "key", 1), ("v", "value", 1), ("o", "out", 2))
+    maps = [
+        TensorMap(hf_prefix + name_format.format(short), (*path, long), Linear(in_axes))
+        for short, long, in_axes in pairs
+    ]
+    if qkv_bias:
+        bias_format = name_format.replace(".weight", ".bias")
+        maps += [
+            TensorMap(hf_prefix + bias_format.format(short), (*path, f"{long}_bias"), BIAS)
+            for short, long, _ in pairs[:3]
+        ]
+    return maps
+
+
+def _gated_ffn_maps(names: tuple[str, str, str], path: tuple[str, ...]) -> list[TensorMap]:
+    """(gate, up, down) HF names -> wi_0 [D, F], wi_1 [D, F], wo [F, D]."""
+    return [
+        TensorMap(hf, (*path, leaf), Linear(1))
+        for hf, leaf in zip(names, ("wi_0", "wi_1", "wo"), strict=True)
+    ]
+
+
+def _moe_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...], style: str):
+    """Mixtral experts. style: `per_expert` (w1 gate, w3 up, w2 down, one tensor per expert;
+    what save_pretrained writes) or `fused` (transformers 5.x in-memory names)."""
+    maps = [TensorMap(hf_prefix + "gate.weight", (*path, "router"), Linear(1))]
+    if style == "fused":
+        fused = hf_prefix + "experts.gate_up_proj"
+        return [
+            *maps,
+            TensorMap(fused, (*path, "wi_0"), FusedGateUp(0)),
+            TensorMap(fused, (*path, "wi_1"), FusedGateUp(1)),
+            TensorMap(hf_prefix + "experts.down_proj", (*path, "wo"), StackedDown()),
+        ]
+    for e in range(m.moe.num_experts):
+        expert = f"{hf_prefix}experts.{e}."
+        for hf, leaf in (("w1", "wi_0"), ("w3", "wi_1"), ("w2", "wo")):
+            maps.append(TensorMap(f"{expert}{hf}.weight", (*path, leaf), Linear(1), expert=e))
+    return maps
+
+
+def decoder_maps(
+    m: ConfigDict, *, moe_prefix: str = "block_sparse_moe", moe_style: str = "per_expert"
+) -> list[TensorMap]:
+    """Llama / Mistral / Mixtral names for a jaxmoe DecoderLM with model config `m`."""
+    maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
+    for i in range(m.num_layers):
+        hf, path = f"model.layers.{i}.", ("layers", str(i))
+        maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
+        maps += _attention_maps(
+            hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.get("qkv_bias", False)
+        )
+        maps.append(
+            TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
+        )
+        if is_moe_layer(m, i):
+            maps += _moe_maps(m, f"{hf}{moe_prefix}.", (*path, "ffn"), moe_style)
+        else:
+            names = tuple(f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
+            maps += _gated_ffn_maps(names, (*path, "ffn"))
+    maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), SAME))
+    if not m.tie_embeddings:
+        maps.append(TensorMap("lm_head.weight", ("lm_head",), Linear(1)))
+    return maps
+
+
+def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scale: float = 1.0):
+    """T5 (v1.1, gated FFN) names for a jaxmoe EncoderDecoderLM with model config `m`."""
+    relpos = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+    maps = [
+        TensorMap("shared.weight", ("token_embed", "embedding"), SAME),
+        TensorMap(f"encoder.{relpos}", ("encoder_relpos", "rel_embedding"), Linear(1)),
+        TensorMap(f"decoder.{relpos}", ("decoder_relpos", "rel_embedding"), Linear(1)),
+        TensorMap("encoder.final_layer_norm.weight", ("encoder_norm", "scale"), SAME),
+        TensorMap("decoder.final_layer_norm.weight", ("decoder_norm", "scale"), SAME),
+        TensorMap(lm_head_name, ("lm_head",), Linear(1, lm_head_scale)),
+    ]
+    sublayers = {
+        "encoder": (("SelfAttention", "attn_norm", "attn"),),
+        "decoder": (
+            ("SelfAttention", "self_attn_norm", "self_attn"),
+            ("EncDecAttention", "cross_attn_norm", "cross_attn"),
+        ),
+    }
+    layer_counts = {"encoder": m.num_encoder_layers or m.num_layers, "decoder": m.num_layers}
+    for stack, attentions in sublayers.items():
+        for i in range(layer_counts[stack]):
+            path = (f"{stack}_layers", str(i))
+            for j, (hf_attn, norm, attn) in enumerate(attentions):
+                hf = f"{stack}.block.{i}.layer.{j}."
+                maps.append(TensorMap(hf + "layer_norm.weight", (*path, norm, "scale"), SAME))
+                maps += _attention_maps(f"{hf}{hf_attn}.", (*path, attn), "{}.weight")
+            hf = f"{stack}.block.{i}.layer.{len(attentions)}."
+            maps.append(TensorMap(hf + "layer_norm.weight", (*path, "ffn_norm", "scale"), SAME))
+            names = tuple(f"{hf}DenseReluDense.{w}.weight" for w in ("wi_0", "wi_1", "wo"))
+            maps += _gated_ffn_maps(names, (*path, "ffn"))
+    return maps
+
+
+# ----------------------------------------------------------------------------- import
+
+
+def _size(hf: dict, key: str, default=None) -> int:
+    """A positive integer size from config.json (`default` when absent or null)."""
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json: missing key {key!r}")
+        return default
+    # JSON true parses as a bool (an int subclass); "4096" and 4096.5 are not sizes either.
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.json: {key}={value!r} is not a positive integer")
+    return value
+
+
+def _number(hf: dict, key: str, default: float | None = None) -> float:
+    value = hf.get(key)
+    if value is None:
+        if default is None:
+            raise CheckpointError(f"config.json: missing key {key!r}")
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise CheckpointError(f"config.json: {key}={value!r} is not a finite number")
+    return float(value)
+
+
+def _check_layer_count(present: set[str], pattern: str, key: str, count: int) -> None:
+    """`count` layers in config.json must be the layers whose tensors the files hold, checked
+    before anything is built per layer (a config claiming 10**6 layers would hang there)."""
+    regex = re.compile(pattern)
+    found = {int(match.group(1)) for name in present if (match := regex.match(name))}
+    if found != set(range(count)):
+        held = f"{len(found)} layers, indices {min(found)}..{max(found)}" if found else "none"
+        raise CheckpointError(
+            f"config.json: {key}={count}, but the checkpoint holds tensors of {held}"
+        )
+
+
+def _activation(hf_name: str, key: str) -> str:
+    if hf_name not in _ACT_FROM_HF:
+        raise CheckpointError(
+            f"config.json: {key}={hf_name!r} is not supported "
+            f"(one of {sorted(_ACT_FROM_HF)}; jaxmoe's gelu is the tanh approximation)"
+        )
+    return _ACT_FROM_HF[hf_name]
+
+
+def _rope(hf: dict, m: ConfigDict) -> None:
+    """The RoPE base and scaling: transformers 5.x's `rope_parameters` or 4.x's
+    `rope_scaling` (+ top-level `rope_theta`); llama3 and linear scaling are implemented,
+    others (dynamic NTK, yarn, longrope...) refused."""
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json: rope_parameters={params!r} is not an object")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "linear", "llama3"):
+        raise CheckpointError(
+            f"config.json: rope_type {rope_type!r} (RoPE scaling) is not supported; "
+            "jaxmoe implements default, linear and llama3"
+        )
+    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported")
+    m.rope_theta = _number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m.rope_type = rope_type
+    if rope_type == "default":
+        return
+    m.rope_factor = _number(params, "factor")
+    if rope_type == "llama3":
+        m.rope_low_freq_factor = _number(params, "low_freq_factor")
+        m.rope_high_freq_factor = _number(params, "high_freq_factor")
+        m.rope_original_max_len = _size(params, "original_max_position_embeddings")
+
+
+def _sliding_window(hf: dict) -> int | None:
+    """The attention window config.json asks for, or None. Qwen2 writes a window that only
+    applies with use_sliding_window (transformers 5.x: layers typed sliding_attention)."""
+    window = hf.get("sliding_window")
+    if hf["model_type"] == "qwen2":
+        sliding = "sliding_attention" in (hf.get("layer_types") or ())
+        if not (sliding or (hf.get("use_sliding_window") and not hf.get("layer_types"))):
+            return None
+    return window
+
+
+def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+    if hf.get("mlp_bias"):
+        raise CheckpointError("config.json: mlp_bias=true: jaxmoe FFN projections have no bias")
+    if hf.get("attention_bias"):  # Llama's flag: a bias on o_proj too
+        raise CheckpointError(
+            "config.json: attention_bias=true: jaxmoe has q/k/v biases (Qwen2) but no "
+            "output-projection bias"
+        )
+    m.qkv_bias = hf["model_type"] == "qwen2"  # Qwen2: q/k/v biases always, none on o_proj
+    heads = _size(hf, "num_attention_heads")
+    m.arch = "decoder"
+    m.vocab_size = _size(hf, "vocab_size")
+    m.num_layers = _size(hf, "num_hidden_layers")
+    _check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m.num_layers)
+    m.d_model = _size(hf, "hidden_size")
+    m.num_heads = heads
+    m.num_kv_heads = _size(hf, "num_key_value_heads", heads)
+    m.head_dim = _size(hf, "head_dim", m.d_model // heads)
+    m.ffn_dim = _size(hf, "intermediate_size")
+    m.activation = _activation(hf.get("hidden_act", "silu"), "hidden_act")
+    m.norm_eps = _number(hf, "rms_norm_eps")
+    _rope(hf, m)
+    m.max_len = _size(hf, "max_position_embeddings", 0)
+    window = _sliding_window(hf)
+    if window is not None and (not m.max_len or window < m.max_len):
+        raise CheckpointError(
+            f"config.json: sliding_window={window} is shorter than max_position_embeddings="
+            f"{m.max_len}; jaxmoe attends to the whole context (no sliding windows)"
+        )
+    # A tied config whose file still holds lm_head.weight converts untied: same logits.
+    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False)) and (
+        "lm_head.weight" not in present
+    )
+    moe_prefix, moe_style = "block_sparse_moe", "per_expert"
+    if hf["model_type"] in ("mixtral", MODEL_TYPE):
+        k = _size(hf, "num_experts_per_tok")
+        moe = m.moe
+        moe.num_experts = _size(hf, "num_local_experts")
+        moe.every = 1
+        moe.ffn_dim = m.ffn_dim
+        moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
+        moe.top_k = k
+        moe.renormalize = True  # softmax over all experts, top-k, weights renormalised
+        moe.single_weight = "one"  # k = 1: the renormalised weight of one expert is 1
+        moe.eval_gating = ""
+        moe.capacity_factor = 0.0  # Mixtral is dropless
+        moe.jitter = _number(hf, "router_jitter_noise", 0.0)
+        moe.balance_loss_weight = _number(hf, "router_aux_loss_coef", 0.0)
+        moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
+        if hf["model_type"] == MODEL_TYPE:  # a jaxmoe export: its gate, from jaxmoe_gate
+            import_gate(hf, moe)
+        if not any(".block_sparse_moe." in n for n in present):
+            moe_prefix = "mlp"  # transformers 5.x module names
+        if any(n.endswith(".experts.gate_up_proj") for n in present):
+            moe_style = "fused"
+    else:
+        m.moe.num_experts = 0
+    return ImportPlan(decoder_maps(m, moe_prefix=moe_prefix, moe_style=moe_style))
+
+
+def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+    ffn = hf.get("feed_forward_proj", "relu")
+    if not ffn.startswith("gated-"):
+        raise CheckpointError(
+            f"config.json: feed_forward_proj={ffn!r} is the original T5's ungated FFN; "
+            "jaxmoe implements T5 v1.1 (gated-gelu)"
+        )
+    act = ffn.removeprefix("gated-")
+    m.arch = "encoder_decoder"
+    m.vocab_size = _size(hf, "vocab_size")
+    m.d_model = _size(hf, "d_model")
+    m.num_heads = m.num_kv_heads = _size(hf, "num_heads")
+    m.encoder_num_kv_heads = 0
+    m.head_dim = _size(hf, "d_kv")
+    m.ffn_dim = _size(hf, "d_ff")
+    m.num_encoder_layers = _size(hf, "num_layers")
+    m.num_layers = _size(hf, "num_decoder_layers", m.num_encoder_layers)
+    _check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m.num_encoder_layers)
+    _check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m.num_layers)
+    m.activation = _activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
+    m.norm_eps = _number(hf, "layer_norm_epsilon", 1e-6)
+    m.rope_theta = 0.0
+    m.relpos_buckets = _size(hf, "relative_attention_num_buckets", 32)
+    m.relpos_max_distance = _size(hf, "relative_attention_max_distance", 128)
+    m.tie_embeddings = False  # jaxmoe's T5 always has its own output layer
+    m.moe.num_experts = 0
+    # transformers: v4 configs scale decoder outputs by d**-0.5 unless tie_word_embeddings is
+    # false (T5 v1.1); v5 writes the flag itself. Folding it into lm_head keeps logits exact.
+    if "scale_decoder_outputs" in hf:
+        scaled = bool(hf["scale_decoder_outputs"])
+    else:
+        scaled = hf.get("tie_word_embeddings", True) is not False
+    lm_head = "lm_head.weight" if "lm_head.weight" in present else "shared.weight"
+    maps = t5_maps(m, lm_head_name=lm_head, lm_head_scale=m.d_model**-0.5 if scaled else 1.0)
+    copies = {
+        name: "shared.weight"
+        for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
+        if name in present
+    }
+    return ImportPlan(maps, copies)
+
+
+def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+    """Sets the jaxmoe model config `m` from HF's config.json `hf` and returns the tensor
+    plan for the tensor names `present` in the checkpoint."""
+    model_type = hf.get("model_type")
+    if model_type in ("llama", "mistral", "mixtral", "qwen2", MODEL_TYPE):
+        return _decoder_plan(hf, present, m)
+    if model_type == "t5":
+        return _t5_plan(hf, present, m)
+    supported = " | ".join(SUPPORTED_MODEL_TYPES)
+    raise CheckpointError(f"config.json: model_type {model_type!r} is not supported ({supported})")
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _refuse(reason: str):
+    raise CheckpointError(f"not expressible as a Hugging Face model: {reason}")
+
+
+def _hf_activation(m: ConfigDict) -> str:
+    if m.activation not in _ACT_TO_HF:
+        _refuse(f"model.activation={m.activation!r}")
+    return _ACT_TO_HF[m.activation]
+
+
+def _mixtral_fields(m: ConfigDict) -> dict:
+    """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
+    (remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
+    moe = m.moe
+    if moe.every != 1:
+        _refuse(f"model.moe.every={moe.every}: Mixtral has an MoE FFN in every layer")
+    if moe.capacity_factor > 0:
+        _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
+    gating = moe.eval_gating or moe.gating
+    fields = {
+        "intermediate_size": moe.ffn_dim,
+        "num_local_experts": moe.num_experts,
+        "router_aux_loss_coef": moe.balance_loss_weight,
+        "router_jitter_noise": moe.jitter,
+        "output_router_logits": False,
+        "sliding_window": None,
+    }
+    k = stock_top_k(moe, gating)
+    if k is None:
+        return fields | remote_fields(moe, gating)
+    return fields | {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_experts_per_tok": k,
+    }
+
+
+def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
+    if not m.rope_theta:
+        _refuse("model.rope_theta=0: Llama/Mixtral need rotary positions")
+    rope = _rope_export(m)
+    hf = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "hidden_act": _hf_activation(m),
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": float(m.rope_theta),  # transformers 4.x
+        "rope_parameters": rope,  # transformers 5.x
+        "rope_scaling": None if rope["rope_type"] == "default" else rope,  # transformers 4.x
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
+    }
+    if m.moe.num_experts:
+        if m.get("qkv_bias", False):
+            _refuse("model.qkv_bias=True with MoE: Mixtral has no attention biases")
+        hf.update(_mixtral_fields(m))
+    elif m.get("qkv_bias", False):
+        hf.update(
+            architectures=["Qwen2ForCausalLM"],
+            model_type="qwen2",
+            use_sliding_window=False,
+            sliding_window=None,
+            max_window_layers=m.num_layers,
+        )
+        del hf["attention_bias"], hf["mlp_bias"]  # not Qwen2 keys: its q/k/v have biases
+    return hf
+
+
+def _rope_export(m: ConfigDict) -> dict:
+    """transformers' rope_parameters for the model's rotary scaling."""
+    rope = {"rope_type": m.get("rope_type", "default"), "rope_theta": float(m.rope_theta)}
+    if rope["rope_type"] in ("linear", "llama3"):
+        rope["factor"] = float(m.rope_factor)
+    if rope["rope_type"] == "llama3":
+        rope["low_freq_factor"] = float(m.rope_low_freq_factor)
+        rope["high_freq_factor"] = float(m.rope_high_freq_factor)
+        rope["original_max_position_embeddings"] = int(m.rope_original_max_len)
+    return rope
+
+
+def _t5_export(m: ConfigDict) -> dict:
+    if m.num_kv_heads != m.num_heads:
+        _refuse(
+            f"HF T5 attention is multi-head, but model.num_kv_heads={m.num_kv_heads} != "
+            f"model.num_heads={m.num_heads} (GQA/MQA decoder)"
+        )
+    if m.get("encoder_num_kv_heads", 0) not in (0, m.num_heads):
+        _refuse(f"model.encoder_num_kv_heads={m.encoder_num_kv_heads}: HF T5 is multi-head")
+    if m.moe.num_experts:
+        _refuse(f"model.moe.num_experts={m.moe.num_experts}: HF T5 has no MoE FFN")
+    if m.activation not in ("gelu", "silu", "relu"):
+        _refuse(f"model.activation={m.activation!r}")
+    return {
+        "architectures": ["T5ForConditionalGeneration"],
+        "model_type": "t5",
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "d_kv": m.head_dim,
+        "d_ff": m.ffn_dim,
+        "num_layers": m.num_encoder_layers or m.num_layers,
+        "num_decoder_layers": m.num_layers,
+        "num_heads": m.num_heads,
+        "relative_attention_num_buckets": m.relpos_buckets,
+        "relative_attention_max_distance": m.relpos_max_distance,
+        "layer_norm_epsilon": m.norm_eps,
+        "feed_forward_proj": f"gated-{m.activation}",
+        "dropout_rate": 0.0,
+        "is_encoder_decoder": True,
+        # Untied and unscaled (T5 v1.1): both spellings, for transformers 4.x and 5.x.
+        "tie_word_embeddings": False,
+        "scale_decoder_outputs": False,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+        "eos_token_id": 1,
+    }
+
+
+def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
+    """(HF config.json dict, tensor maps) for jaxmoe model config `m`; a CheckpointError with
+    the reason when HF cannot express the model."""
+    if m.arch == "encoder_decoder":
+        return _t5_export(m), t5_maps(m)
+    return _decoder_export(m, max_positions), decoder_maps(m)

@@ -1,0 +1,133 @@
+"""The tokenizer travels with the model, both ways (docs/hf_interop.md).
+
+`convert hf`: the source's tokenizer files (KEPT_FILES, those present) are copied into
+DST/tokenizer/, and `data.tokenizer` points there (its tokenizer.json, else its
+tokenizer.model) unless a --config.data.tokenizer override says otherwise, so `eval`,
+`decode` and `train --config.train.init_from=DST` use them.
+
+`export hf`: the checkpoint's tokenizer (`data.tokenizer`, or --tokenizer) is written next
+to the tensors: a Hugging Face tokenizer (a tokenizer.json, or a SentencePiece model with a
+tokenizer_config.json beside it) by copying its files; jaxmoe's own SentencePiece model as
+a tokenizer.json (tokenizer.py). The special-token ids jaxmoe reads from that tokenizer
+(BOS, EOS and the further stop ids, pad) go into config.json and generation_config.json.
+"""
+
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.hf.tokenizer import write_hf_tokenizer
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.data.tokenizer import EOS_ID, PAD_ID, open_tokenizer
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
+GENERATION_CONFIG = "generation_config.json"
+KEPT_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
+TOKENIZER_DIR = "tokenizer"  # inside a converted checkpoint
+
+
+def kept_tokenizer(src: Path, dst: Path) -> str:
+    """What `data.tokenizer` of the checkpoint converted from `src` into `dst` names: its
+    copy of the tokenizer files, or "" when `src` has none."""
+    for name, target in (("tokenizer.json", ""), ("tokenizer.model", "tokenizer.model")):
+        if (src / name).is_file():
+            return str(dst / TOKENIZER_DIR / target).rstrip("/")
+    return ""
+
+
+def _present(folder: Path) -> list[str]:
+    return [name for name in KEPT_FILES if (folder / name).is_file()]
+
+
+def keep_tokenizer_files(src: Path, checkpoint: Path) -> None:
+    """Copies the tokenizer files of HF checkpoint `src` into `checkpoint`/tokenizer/.
+    Reading never leaves `src`: a symlink out of it is refused, as for the tensors."""
+    names = _present(src)
+    if not names:
+        return
+    (checkpoint / TOKENIZER_DIR).mkdir()
+    for name in names:
+        try:
+            source = resolve_inside(src, name)
+        except ValueError as error:
+            raise CheckpointError(f"{src}: {error}") from None
+        shutil.copyfile(source, checkpoint / TOKENIZER_DIR / name)
+
+
+def _special_ids(tokenizer) -> dict:
+    """config.json's special-token ids: those jaxmoe itself uses with `tokenizer`."""
+    eos = list(tokenizer.eos_ids) if tokenizer is not None else [EOS_ID]
+    pad = tokenizer.pad_token_id if tokenizer is not None else PAD_ID
+    return {
+        "bos_token_id": getattr(tokenizer, "bos_id", None),
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "pad_token_id": pad,
+    }
+
+
+def _copy_hf_tokenizer(path: str, dst: Path) -> None:
+    """The files of the HF tokenizer at `path` (a tokenizer.json, a folder, or a
+    SentencePiece model with HF files beside it) copied into `dst`."""
+    folder = Path(path) if os.path.isdir(path) else Path(path).parent
+    for name in _present(folder):
+        shutil.copyfile(folder / name, dst / name)
+    if path.endswith(".json") and not os.path.isdir(path):  # any name: tokenizer.json here
+        shutil.copyfile(path, dst / "tokenizer.json")
+    elif path.endswith(".model"):
+        shutil.copyfile(path, dst / "tokenizer.model")
+
+
+def _is_hf_tokenizer(path: str) -> bool:
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    return (
+        path.endswith(".json")
+        or os.path.isdir(path)
+        or os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
+    )
+
+
+def export_tokenizer(config: ConfigDict, dst: Path, tokenizer: str | None) -> dict:
+    """Writes the tokenizer (`tokenizer`, default the checkpoint's data.tokenizer) and
+    generation_config.json into the export `dst`; returns config.json's special-token ids.
+    Without a tokenizer the ids are those of jaxmoe's own SentencePiece models."""
+    path = tokenizer or config.data.tokenizer
+    encoder_decoder = config.model.arch == "encoder_decoder"
+    opened = None
+    if path:
+        opened = open_tokenizer(path)
+        if _is_hf_tokenizer(path):
+            _copy_hf_tokenizer(path, dst)
+        else:
+            try:
+                write_hf_tokenizer(path, dst, encoder_decoder)
+            except ValueError as error:
+                if tokenizer:  # asked for explicitly: a failure is an error
+                    raise
+                log.warning("no tokenizer.json written: %s", error)  # e.g. T5's SentencePiece
+    else:
+        log.warning(
+            "the checkpoint names no tokenizer (data.tokenizer): none exported (--tokenizer "
+            "FILE adds one); special-token ids are jaxmoe's (eos %d, pad %d)", EOS_ID, PAD_ID
+        )  # fmt: skip
+    ids = _special_ids(opened)
+    generation = {}
+    if (dst / GENERATION_CONFIG).is_file():  # the source's: keep its sampling settings
+        generation = json.loads((dst / GENERATION_CONFIG).read_text())
+    generation |= ids
+    if encoder_decoder:
+        generation["decoder_start_token_id"] = 0  # jaxmoe's T5 decoder starts from id 0
+        ids["decoder_start_token_id"] = 0
+    (dst / GENERATION_CONFIG).write_text(json.dumps(generation, indent=2) + "\n")
+    return ids

@@ -1,0 +1,356 @@
+"""`jaxmoe convert t5x SRC DST`: a T5X T5.1.1 checkpoint -> a jaxmoe checkpoint + its config.
+
+The architecture is read off the tensor shapes:
+vocabulary and width from `token_embedder/embedding [V, D]`, layer counts from the
+`layers_<i>` names, FFN width from `mlp/wi_0 [D, F]`, heads from the relative-bias table
+`relpos_bias/rel_embedding [H, buckets]`, head width = query width / H, key/value heads from
+the key width (GQA-uptrained checkpoints convert too). Flags cover the rest (max distance,
+or heads when no table exists). Every tensor is checked against the model that config
+builds before anything is written, so a bad checkpoint fails in one line naming the tensor.
+
+Arrays are then read, reshaped ([D, H*dh] -> [D, H, dh], out [H*dh, D] -> [H, dh, D]) and
+cast one at a time, and handed to Orbax's partial save in groups of about
+G = max(256 MiB, largest tensor, total / 64). Peak memory is a few G (the group plus Orbax's
+copies while it writes; measured ~200 MiB + 2.5 G), never the whole model; an inline legacy
+msgpack file is also held by the reader. Of the optimizer state only `step` is read: the
+stored config records it (`source.step`) beside T5.1.1's pre-training recipe, so uptraining
+(configs/uptrain_gqa.py) continues T5X's schedule from that step. `--keep_optimizer` also
+converts T5X's Adafactor moments (optimizer.py) into an `opt_state` item.
+"""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import orbax.checkpoint.experimental.v1 as ocp_v1
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.t5x.reader import TensorTable, open_t5x
+from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.defaults import base_config
+from jaxmoe.models.spec import abstract_params
+from jaxmoe.models.stack import unrolled_config
+
+_GROUP_BYTES = 256 << 20
+_MAX_GROUPS = 64  # Orbax's partial save slows down with each call; keep the calls few
+_EMBEDDING = "token_embedder/embedding"
+_LAYER = re.compile(r"(encoder|decoder)/layers_(\d+)/")
+_UNGATED = re.compile(r"(encoder|decoder)/layers_\d+/mlp/wi/kernel")
+
+# jaxmoe parameter path -> T5X name. Top-level parameters:
+_TOP_NAMES = {
+    ("token_embed", "embedding"): _EMBEDDING,
+    ("encoder_relpos", "rel_embedding"): "encoder/relpos_bias/rel_embedding",
+    ("encoder_norm", "scale"): "encoder/encoder_norm/scale",
+    ("decoder_relpos", "rel_embedding"): "decoder/relpos_bias/rel_embedding",
+    ("decoder_norm", "scale"): "decoder/decoder_norm/scale",
+    ("lm_head",): "decoder/logits_dense/kernel",
+}
+# Per-layer modules: jaxmoe name -> T5X name, for each stack.
+_ENCODER_MODULES = {
+    "attn_norm": "pre_attention_layer_norm",
+    "attn": "attention",
+    "ffn_norm": "pre_mlp_layer_norm",
+    "ffn": "mlp",
+}
+_DECODER_MODULES = {
+    "self_attn_norm": "pre_self_attention_layer_norm",
+    "self_attn": "self_attention",
+    "cross_attn_norm": "pre_cross_attention_layer_norm",
+    "cross_attn": "encoder_decoder_attention",
+    "ffn_norm": "pre_mlp_layer_norm",
+    "ffn": "mlp",
+}
+_LAYER_MODULES = {
+    "encoder_layers": ("encoder", _ENCODER_MODULES),
+    "decoder_layers": ("decoder", _DECODER_MODULES),
+}
+_KERNELS = ("query", "key", "value", "out", "wi_0", "wi_1", "wo")
+
+
+def t5x_name(path: tuple[str, ...]) -> str:
+    """The T5X name of the jaxmoe parameter at `path`, e.g. ('decoder_layers', '0',
+    'self_attn', 'key') -> 'decoder/layers_0/self_attention/key/kernel'."""
+    if path in _TOP_NAMES:
+        return _TOP_NAMES[path]
+    if len(path) == 4 and path[0] in _LAYER_MODULES:
+        stack, modules = _LAYER_MODULES[path[0]]
+        index, module, param = path[1:]
+        if module in modules and (param in _KERNELS or param == "scale"):
+            leaf = f"{param}/kernel" if param in _KERNELS else param
+            return f"{stack}/layers_{index}/{modules[module]}/{leaf}"
+    raise CheckpointError(f"jaxmoe parameter {'/'.join(path)} has no T5X counterpart")
+
+
+def t5x_shape(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The T5X shape of a jaxmoe parameter: attention kernels keep heads merged."""
+    if path[-1] in ("query", "key", "value"):  # [D, H, dh] -> [D, H*dh]
+        return (shape[0], shape[1] * shape[2])
+    if path[-1] == "out":  # [H, dh, D] -> [H*dh, D]
+        return (shape[0] * shape[1], shape[2])
+    return tuple(shape)
+
+
+def _shape(table: TensorTable, name: str, src, why: str) -> tuple[int, int]:
+    """The shape of 2-D tensor `name`, which the inference needs."""
+    if name not in table:
+        raise CheckpointError(f"{src}: missing parameter {name} (needed for {why})")
+    shape = table.shape(name)
+    if len(shape) != 2:
+        raise CheckpointError(f"{src}: tensor {name} has shape {list(shape)}, expected 2-D")
+    return shape
+
+
+def _divide(total: int, part: int, what: str) -> int:
+    if part <= 0 or total % part:
+        raise CheckpointError(f"{what}: {total} is not divisible by {part}")
+    return total // part
+
+
+def infer_model(
+    table: TensorTable,
+    src,
+    *,
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+    relpos_max_distance: int = 128,
+) -> dict:
+    """The `model.*` values of a T5.1.1 checkpoint, inferred from its tensor shapes."""
+    names = table.names()
+    ungated = [n for n in names if _UNGATED.fullmatch(n)]
+    if ungated:
+        raise CheckpointError(
+            f"{src}: {ungated[0]} {list(table.shape(ungated[0]))} is a non-gated FFN (T5 v1.0, "
+            "ReLU); jaxmoe converts T5.1.1 checkpoints, whose FFN is gated (mlp/wi_0, mlp/wi_1)"
+        )
+    layers = {"encoder": 0, "decoder": 0}
+    for name in names:
+        if match := _LAYER.match(name):
+            stack, index = match.group(1), int(match.group(2))
+            layers[stack] = max(layers[stack], index + 1)
+    for stack, count in layers.items():
+        if not count:
+            raise CheckpointError(
+                f"{src}: no {stack}/layers_<i>/... tensors: not a T5 encoder-decoder checkpoint"
+            )
+    vocab, d_model = _shape(table, _EMBEDDING, src, "the vocabulary and width")
+    ffn_dim = _shape(table, "encoder/layers_0/mlp/wi_0/kernel", src, "model.ffn_dim")[1]
+
+    tables = [f"{stack}/relpos_bias/rel_embedding" for stack in layers]
+    relpos = next((name for name in tables if name in table), None)
+    if relpos is None:
+        raise CheckpointError(
+            f"{src}: no relpos_bias/rel_embedding table to read the head count and buckets from"
+        )
+    table_heads, buckets = _shape(table, relpos, src, "the head count")
+    if num_heads is not None and num_heads != table_heads:
+        raise CheckpointError(
+            f"{src}: --num_heads={num_heads} but {relpos} {list(table.shape(relpos))} has "
+            f"{table_heads} heads"
+        )
+    heads = table_heads
+    query = "encoder/layers_0/attention/query/kernel"
+    width = _shape(table, query, src, "model.head_dim")[1]
+    if head_dim is None:
+        head_dim = _divide(width, heads, f"{src}: {query} {[d_model, width]} over {heads} heads")
+    elif heads * head_dim != width:
+        raise CheckpointError(
+            f"{src}: {query} is {[d_model, width]} but --head_dim={head_dim} x {heads} heads "
+            f"needs width {heads * head_dim}"
+        )
+
+    def kv_heads(name: str) -> int:
+        key_width = _shape(table, name, src, "the key/value head count")[1]
+        return _divide(key_width, head_dim, f"{src}: {name} width vs head_dim={head_dim}")
+
+    encoder_kv = kv_heads("encoder/layers_0/attention/key/kernel")
+    return {
+        "arch": "encoder_decoder",
+        "vocab_size": vocab,
+        "d_model": d_model,
+        "num_layers": layers["decoder"],
+        "num_encoder_layers": layers["encoder"],
+        "num_heads": heads,
+        "num_kv_heads": kv_heads("decoder/layers_0/self_attention/key/kernel"),
+        "encoder_num_kv_heads": 0 if encoder_kv == heads else encoder_kv,
+        "head_dim": head_dim,
+        "ffn_dim": ffn_dim,
+        "activation": "gelu",
+        "norm_eps": 1e-6,
+        "rope_theta": 0.0,
+        "tie_embeddings": False,
+        "relpos_buckets": buckets,
+        "relpos_max_distance": relpos_max_distance,
+    }
+
+
+def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
+    """T5.1.1's pre-training recipe in T5X (its gin defaults), set on `config` in place:
+    T5X's Adafactor (decay 0.8, update clipping 1.0, parameter scaling, no momentum),
+    lr = 1 / sqrt(max(step, 10k)), no weight decay or global clipping, no dropout, span
+    corruption 15% / mean span 3, output-logit z-loss 1e-4. Batch and lengths stay jaxmoe's
+    (T5.1.1: 2048 sequences of 512 encoder / 114 decoder tokens)."""
+    o = config.optimizer
+    o.name, o.schedule = "t5x_adafactor", "t5x_rsqrt"
+    o.learning_rate, o.warmup_steps = 1.0, 10_000
+    o.weight_decay, o.grad_clip_norm = 0.0, 0.0
+    o.decay_rate, o.clipping_threshold, o.momentum = 0.8, 1.0, 0.0
+    config.model.dropout_rate = 0.0
+    config.train.logits_z_loss = 1e-4
+    config.data.noise_density, config.data.mean_noise_span = 0.15, 3.0
+    return config
+
+
+def build_config(model_values: dict, overrides=(), source_step: int = 0) -> ConfigDict:
+    """The full jaxmoe config of a converted checkpoint: defaults, the inferred model, a
+    dense FFN (T5.1.1 has no experts), T5.1.1's recipe, the T5X step it stopped at
+    (`source.step`), then the user's `--config.*` overrides."""
+    from jaxmoe.config.loading import apply_overrides
+    from jaxmoe.config.validation import validate
+
+    config = t5_1_1_recipe(base_config())
+    for key, value in model_values.items():
+        config.model[key] = value
+    config.model.moe.num_experts = 0
+    config.source = ConfigDict({"format": "t5x", "step": int(source_step)})
+    apply_overrides(config, overrides)
+    validate(config)
+    return config
+
+
+def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str, ...], str, tuple]]:
+    """[(jaxmoe path, T5X name, jaxmoe shape)] for every parameter, after checking that the
+    checkpoint holds exactly these tensors with the shapes the config needs."""
+    expected = {
+        path: tuple(leaf.shape)
+        for path, leaf in flatten(abstract_params(unrolled_config(model_cfg))).items()
+    }
+    plan = [(path, t5x_name(path), shape) for path, shape in expected.items()]
+    known = {name for _, name, _ in plan}
+    problems = [
+        f"unknown parameter {name} {list(table.shape(name))} (no counterpart in the "
+        f"inferred T5.1.1 model)"
+        for name in table.names()
+        if name not in known
+    ]
+    for path, name, shape in plan:
+        want = t5x_shape(path, shape)
+        if name not in table:
+            problems.append(f"missing parameter {name}: jaxmoe {'/'.join(path)} needs {list(want)}")
+        elif table.shape(name) != want:
+            problems.append(
+                f"tensor {name} has shape {list(table.shape(name))} but the model config "
+                f"({_model_summary(model_cfg)}) needs {list(want)}"
+            )
+        elif not _is_float(table.dtype(name)):
+            problems.append(f"tensor {name} has dtype {table.dtype(name)}, not floating point")
+    if problems:
+        more = f" (and {len(problems) - 1} more problems)" if len(problems) > 1 else ""
+        raise CheckpointError(f"{src}: {problems[0]}{more}")
+    return plan
+
+
+def _model_summary(m) -> str:
+    return (
+        f"d_model={m.d_model}, heads={m.num_heads}x{m.head_dim}, kv_heads={m.num_kv_heads}, "
+        f"ffn_dim={m.ffn_dim}, vocab={m.vocab_size}"
+    )
+
+
+def _is_float(dtype: np.dtype) -> bool:
+    return dtype.kind == "f" or dtype == np.dtype(ml_dtypes.bfloat16)
+
+
+def _groups(plan, itemsize: int) -> list[list]:
+    """Consecutive runs of the plan holding about one group budget of bytes each."""
+    sizes = [int(np.prod(shape)) * itemsize for _, _, shape in plan]
+    budget = max(_GROUP_BYTES, max(sizes), -(-sum(sizes) // _MAX_GROUPS))
+    groups, current, used = [], [], 0
+    for item, size in zip(plan, sizes, strict=True):
+        if current and used + size > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append(item)
+        used += size
+    return [*groups, current] if current else groups
+
+
+def convert_t5x(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    dtype: str = "float32",
+    num_heads: int | None = None,
+    head_dim: int | None = None,
+    relpos_max_distance: int = 128,
+    overrides=(),
+    keep_optimizer: bool = False,
+) -> ConfigDict:
+    """Converts T5X checkpoint `src` into a new jaxmoe checkpoint directory `dst`
+    (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads; `opt_state` with
+    `keep_optimizer`, which `train.init_optimizer` restores). Returns the config."""
+    out_dtype = output_dtype(dtype)
+    dst = Path(dst).absolute()
+    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
+        raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    table = open_t5x(src)
+    values = infer_model(
+        table,
+        src,
+        num_heads=num_heads,
+        head_dim=head_dim,
+        relpos_max_distance=relpos_max_distance,
+    )
+    config = build_config(values, overrides, source_step=table.step or 0)
+    plan = plan_conversion(table, config.model, src)
+    opt_state = None
+    if keep_optimizer:
+        from jaxmoe.checkpoints.t5x.optimizer import adafactor_state
+
+        opt_state = adafactor_state(table, config, plan, src)
+        config.train.init_optimizer = True  # uptraining from DST continues these moments
+
+    staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for group in _groups(plan, out_dtype.itemsize):
+            arrays = {
+                path: table.read(name).reshape(shape).astype(out_dtype, copy=False)
+                for path, name, shape in group
+            }
+            ocp_v1.partial.save(staging / "orbax", unflatten(arrays))
+            del arrays  # before the next group is read
+        ocp_v1.partial.finalize(staging / "orbax")
+        _tree_directory(staging / "orbax").rename(staging / "params")
+        shutil.rmtree(staging / "orbax")
+        if opt_state is not None:
+            with ocp.StandardCheckpointer() as checkpointer:
+                checkpointer.save(staging / "opt_state", opt_state)
+        (staging / "config").mkdir()
+        (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        if dst.exists():
+            dst.rmdir()  # empty, checked above
+        staging.rename(dst)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return config
+
+
+def _tree_directory(checkpoint: Path) -> Path:
+    """The saved pytree inside an Orbax v1 checkpoint (named `state` by Orbax 0.12), which
+    jaxmoe checkpoints hold as `params`, where `StandardCheckpointer` restores it from."""
+    trees = [d for d in checkpoint.iterdir() if (d / "_METADATA").is_file()]
+    if len(trees) != 1:
+        raise CheckpointError(
+            f"{checkpoint}: expected one saved tree from Orbax's partial save, found "
+            f"{sorted(d.name for d in trees)} (an Orbax layout this converter does not know)"
+        )
+    return trees[0]

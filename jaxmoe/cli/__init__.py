@@ -1,0 +1,96 @@
+"""`jaxmoe <command>`: parses flags and calls the library. Nothing else lives here.
+
+One module per command, each with `add_parser(subparsers)` (which sets `run`) and
+`run(args) -> exit code`; `--config.KEY=VALUE` overrides arrive as `args.overrides`.
+"""
+
+import argparse
+import logging
+import os
+import sys
+
+from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepare, train
+from jaxmoe.cli import compile as compile_command  # not the builtins
+from jaxmoe.cli import eval as eval_command
+from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.platforms import skip_absent_tpu
+from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
+
+
+def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate `--config.a.b=v` overrides from ordinary flags."""
+    overrides = [a for a in argv if a.startswith("--config.")]
+    rest = [a for a in argv if not a.startswith("--config.")]
+    return rest, overrides
+
+
+COMMANDS = (
+    train,
+    prepare,
+    eval_command,
+    lm_eval,
+    convert,
+    export,
+    decode,
+    compile_command,
+    analyze_routing,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxmoe", description="Train, convert, evaluate and decode MoE and GQA models."
+    )
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["lm-eval"]:  # every later flag is lm-eval's, parsed by lm-eval itself
+        args = build_parser().parse_args(["lm-eval"])
+        args.lm_eval_args, overrides = argv[1:], []
+    else:
+        rest, overrides = _split_overrides(argv)
+        args = build_parser().parse_args(rest)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
+    try:
+        with quiet_disk_full():
+            args.overrides = overrides
+            return args.run(args)
+    except Exception as error:
+        # One line for the user; JAX internals are not their problem.
+        if os.environ.get("JAXMOE_TRACEBACK"):
+            raise
+        if no_space_left(error):  # converters, export: `train` names its workdir itself
+            where = next(
+                (getattr(args, k) for k in ("dst", "out", "workdir") if getattr(args, k, None)),
+                None,
+            )
+            error = f"no space left on {where or 'the device'}"
+        elif not isinstance(error, ConfigError | ValueError | FileNotFoundError | RuntimeError):
+            raise
+        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        _silence_abandoned_reads()
+        return 2
+
+
+def _silence_abandoned_reads() -> None:
+    """After a failed checkpoint read, TensorStore still completes the reads Orbax had
+    started, on its own threads, into an asyncio loop that is already closed; each prints a
+    traceback at exit that would bury the one error line above; asyncio logs the futures
+    nobody awaits any more, and the garbage collector reports their coroutines."""
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if kind is RuntimeError and "Event loop is closed" in str(value):
+            return
+        previous(kind, value, traceback)
+
+    sys.excepthook = hook

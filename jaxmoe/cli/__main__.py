@@ -1,0 +1,5 @@
+import sys
+
+from jaxmoe.cli import main
+
+sys.exit(main())

@@ -1,0 +1,210 @@
+"""`jaxmoe convert t5x|hf|gqa|upcycle SRC DST ...`: into jaxmoe, and checkpoint surgery.
+
+Each prints one JSON line describing DST.
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
+from jaxmoe.checkpoints.hf.importer import convert_hf
+from jaxmoe.checkpoints.surgery import METHODS, convert_gqa, convert_upcycle
+from jaxmoe.checkpoints.t5x.convert import convert_t5x
+from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.models.spec import abstract_params
+from jaxmoe.models.stack import unrolled_config
+from jaxmoe.storage.paths import absolute_path
+
+
+def add_parser(subparsers) -> None:
+    """Registers `jaxmoe convert` and its formats."""
+    convert = subparsers.add_parser(
+        "convert", help="convert checkpoints into jaxmoe (t5x, hf), GQA pooling, upcycling"
+    )
+    formats = convert.add_subparsers(dest="format", required=True)
+    _add_t5x(formats)
+    _add_hf(formats)
+    _add_surgery(formats)
+
+
+def _add_t5x(subparsers) -> argparse.ArgumentParser:
+    """Registers `t5x` under the `jaxmoe convert` subcommands."""
+    parser = subparsers.add_parser(
+        "t5x",
+        help="T5X T5.1.1 checkpoint -> jaxmoe checkpoint",
+        description=(
+            "Convert a T5X checkpoint (legacy msgpack, TensorStore, Orbax or OCDBT) of a T5.1.1 "
+            "encoder-decoder. The architecture is inferred from the tensors; --config.KEY=VALUE "
+            "overrides are stored in DST's config (e.g. --config.data.tokenizer=spm.model)."
+        ),
+    )
+    parser.add_argument(
+        "src", type=absolute_path, help="T5X checkpoint_<step> directory (or its msgpack file)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.add_argument(
+        "--num_heads", type=int, default=None, help="check against the relpos table"
+    )
+    parser.add_argument("--head_dim", type=int, default=None, help="default: query width / heads")
+    parser.add_argument(
+        "--relpos_max_distance",
+        type=int,
+        default=128,
+        help="T5 relative-position max distance (not stored in T5X checkpoints)",
+    )
+    parser.add_argument(
+        "--keep_optimizer",
+        action="store_true",
+        help="also convert T5X's Adafactor state, so uptraining continues it exactly",
+    )
+    parser.set_defaults(run=run_t5x)
+    return parser
+
+
+def run_t5x(args) -> int:
+    """Runs the conversion for parsed `args`; prints one JSON line describing DST."""
+    overrides = args.overrides
+    start = time.perf_counter()
+    config = convert_t5x(
+        args.src,
+        args.dst,
+        dtype=args.dtype,
+        num_heads=args.num_heads,
+        head_dim=args.head_dim,
+        relpos_max_distance=args.relpos_max_distance,
+        overrides=overrides,
+        keep_optimizer=args.keep_optimizer,
+    )
+    m = config.model
+    summary = {
+        "checkpoint": str(Path(args.dst).absolute()),
+        "dtype": args.dtype,
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "layers": [m.num_encoder_layers, m.num_layers],
+        "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
+        "ffn_dim": m.ffn_dim,
+        "source_step": config.source.step,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def convert_hf_summary(src: str, dst: str, dtype: str = "float32", overrides=()) -> int:
+    """`jaxmoe convert hf SRC DST [--dtype] [--config.KEY=VALUE ...]`: prints one JSON line."""
+    start = time.perf_counter()
+    config = convert_hf(src, dst, dtype, overrides)
+    m = config.model
+    summary = {
+        "checkpoint": str(Path(dst).absolute()),
+        "arch": m.arch,
+        "dtype": dtype,
+        "vocab_size": m.vocab_size,
+        "d_model": m.d_model,
+        "layers": m.num_layers,
+        "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
+        "experts": [m.moe.num_experts, m.moe.gating] if m.moe.num_experts else 0,
+        "parameters": sum(
+            math.prod(a.shape) for a in flatten(abstract_params(unrolled_config(m))).values()
+        ),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    if m.arch == "encoder_decoder":
+        summary["layers"] = [m.num_encoder_layers, m.num_layers]
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_hf(subparsers) -> argparse.ArgumentParser:
+    """Registers `hf` under the `jaxmoe convert` subcommands (runs `run_hf(args)`)."""
+    parser = subparsers.add_parser(
+        "hf",
+        help="Hugging Face safetensors checkpoint -> jaxmoe checkpoint",
+        description=(
+            "Convert a Hugging Face checkpoint directory (config.json + model.safetensors or "
+            "an index of shards) of a Llama, Mistral, Mixtral, Qwen2 or T5 v1.1 model (or a "
+            "jaxmoe_moe export); its tokenizer files are kept in DST/tokenizer. "
+            "--config.KEY=VALUE overrides are stored in DST's config."
+        ),
+    )
+    parser.add_argument(
+        "src", type=absolute_path, help="HF checkpoint directory (what save_pretrained writes)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.set_defaults(run=run_hf)
+    return parser
+
+
+def run_hf(args) -> int:
+    return convert_hf_summary(args.src, args.dst, args.dtype, args.overrides)
+
+
+def _add_surgery(subparsers) -> None:
+    """Register `gqa` and `upcycle` under the `jaxmoe convert` subcommands."""
+    gqa = subparsers.add_parser(
+        "gqa", help="multi-head -> grouped-query attention (mean-pooled KV heads)"
+    )
+    gqa.add_argument(
+        "src", type=absolute_path, help="jaxmoe checkpoint: workdir, step dir or converted dir"
+    )
+    gqa.add_argument("dst", type=absolute_path, help="new checkpoint directory")
+    gqa.add_argument("--num_kv_heads", type=int, required=True, help="G; 1 = MQA")
+    gqa.add_argument("--method", default="mean", choices=METHODS)
+    gqa.add_argument(
+        "--include_encoder", action="store_true", help="also pool encoder self-attention"
+    )
+    gqa.add_argument("--seed", type=int, default=0, help="for --method=random")
+    gqa.set_defaults(run=run_gqa)
+
+    upcycle = subparsers.add_parser("upcycle", help="dense -> MoE: FFN copies + fresh routers")
+    upcycle.add_argument("src", type=absolute_path, help="dense jaxmoe checkpoint")
+    upcycle.add_argument("dst", type=absolute_path, help="new checkpoint directory")
+    upcycle.add_argument("--num_experts", type=int, required=True)
+    upcycle.add_argument("--every", type=int, default=1, help="MoE in every K-th layer")
+    upcycle.add_argument("--gating", default=None, help="model.moe.gating of the MoE model")
+    upcycle.add_argument("--seed", type=int, default=0, help="router initialisation")
+    upcycle.set_defaults(run=run_upcycle)
+
+
+def _summary(dst: str, config: ConfigDict, start: float) -> None:
+    m = config.model
+    print(
+        json.dumps(
+            {
+                "checkpoint": str(Path(dst).absolute()),
+                "num_heads": m.num_heads,
+                "num_kv_heads": m.num_kv_heads,
+                "encoder_num_kv_heads": m.get("encoder_num_kv_heads", 0),
+                "num_experts": m.moe.num_experts,
+                "moe_every": m.moe.every,
+                "gating": m.moe.gating,
+                "seconds": round(time.perf_counter() - start, 2),
+            }
+        )
+    )
+
+
+def run_gqa(args) -> int:
+    start = time.perf_counter()
+    config = convert_gqa(
+        args.src, args.dst, args.num_kv_heads, args.method, args.include_encoder, args.seed
+    )
+    _summary(args.dst, config, start)
+    return 0
+
+
+def run_upcycle(args) -> int:
+    start = time.perf_counter()
+    config = convert_upcycle(
+        args.src, args.dst, args.num_experts, args.every, args.gating, args.seed
+    )
+    _summary(args.dst, config, start)
+    return 0

@@ -1,0 +1,49 @@
+"""`jaxmoe decode --checkpoint PATH --prompt TEXT`: generate text with a KV cache, sharded."""
+
+import argparse
+
+from jaxmoe.cli.flags import add_checkpoint_flags, checkpoint_config_override
+from jaxmoe.inference.decode import decode_main
+from jaxmoe.storage.paths import absolute_path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `jaxmoe decode` on the CLI's subparsers; it runs `run`."""
+    parser = subparsers.add_parser("decode", help="generate text with a KV cache, sharded")
+    add_checkpoint_flags(parser, data=False)
+    prompts = parser.add_mutually_exclusive_group(required=True)
+    prompts.add_argument("--prompt", help="one prompt")
+    prompts.add_argument(
+        "--prompts_file", type=absolute_path, help="a text file, one prompt per non-empty line"
+    )
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top_k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top_p", type=float, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut prompts longer than the model's context to their last tokens (logged)",
+    )
+    parser.set_defaults(run=run)
+    return parser
+
+
+def run(args) -> int:
+    overrides = args.overrides
+    config = checkpoint_config_override(args)
+    decode_main(
+        args.checkpoint,
+        prompt=args.prompt,
+        prompts_file=args.prompts_file,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        overrides=overrides,
+        config=config,
+        truncate=args.truncate,
+    )
+    return 0

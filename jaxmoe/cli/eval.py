@@ -1,0 +1,86 @@
+"""`jaxmoe eval --checkpoint C --data D`: score data (loss, perplexity, accuracy) or generate
+and score generations (`--task generate`), sharded on the mesh."""
+
+import json
+
+from jaxmoe.cli.flags import (
+    add_checkpoint_flags,
+    add_distributed_flags,
+    checkpoint_config_override,
+    initialize_from_flags,
+)
+from jaxmoe.storage.paths import absolute_path
+
+
+def add_parser(subparsers) -> None:
+    parser = subparsers.add_parser("eval", help="score data with a checkpoint, sharded on the mesh")
+    add_checkpoint_flags(parser)
+    parser.add_argument("--per_example", action="store_true", help="add per-example losses")
+    parser.add_argument(
+        "--task",
+        choices=["score", "generate"],
+        default="score",
+        help="score: loss/perplexity/accuracy; generate: ROUGE/BLEU/EM/F1 of generations",
+    )
+    add_generate_flags(parser)
+    add_distributed_flags(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from jaxmoe.inference.evaluate import evaluate
+
+    initialize_from_flags(args)
+    config = checkpoint_config_override(args)
+    if args.task == "generate":
+        result = _generate(args, config, args.overrides)
+    else:
+        result = evaluate(
+            args.checkpoint,
+            args.data,
+            config=config,
+            per_example=args.per_example,
+            overrides=args.overrides,
+        )
+    print(json.dumps(result))
+    return 0
+
+
+def add_generate_flags(parser) -> None:
+    """`jaxmoe eval` flags used with --task generate."""
+    group = parser.add_argument_group("--task generate")
+    group.add_argument("--max_new_tokens", type=int, default=64)
+    group.add_argument("--num_beams", type=int, default=1, help="1 = greedy or sampling")
+    group.add_argument("--length_penalty", type=float, default=0.6, help="T5X's beam-search alpha")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top_k", type=int, default=0, help="0 = off")
+    group.add_argument("--top_p", type=float, default=1.0, help="1 = off")
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument(
+        "--batch_size", type=int, default=0, help="prompts per batch (0 = train.batch_size)"
+    )
+    group.add_argument(
+        "--output", type=absolute_path, default=None, help="per-example predictions (jsonl)"
+    )
+
+
+def _generate(args, config, overrides) -> dict:
+    if args.per_example:
+        raise ValueError("--per_example is for --task score; --task generate writes --output")
+    from jaxmoe.inference.generate_eval import generate_eval
+
+    return generate_eval(
+        args.checkpoint,
+        args.data,
+        max_new_tokens=args.max_new_tokens,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        batch_size=args.batch_size,
+        output=args.output,
+        config=config,
+        overrides=overrides,
+    )

@@ -1,0 +1,120 @@
+"""`jaxmoe export hf|t5x CKPT DST`: a jaxmoe checkpoint in another framework's format."""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
+from jaxmoe.checkpoints.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
+from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.t5x.exporter import export_t5x
+from jaxmoe.storage.paths import absolute_path
+
+
+def add_parser(subparsers) -> None:
+    """Registers `jaxmoe export` and its targets."""
+    export = subparsers.add_parser("export", help="export a jaxmoe checkpoint (hf, t5x)")
+    targets = export.add_subparsers(dest="target", required=True)
+    _add_hf(targets)
+    _add_t5x(targets)
+
+
+def export_hf_summary(
+    ckpt: str,
+    dst: str,
+    dtype: str = "float32",
+    tokenizer: str | None = None,
+    max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+) -> int:
+    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
+    JSON line."""
+    start = time.perf_counter()
+    hf_config = export_hf(ckpt, dst, dtype, tokenizer, max_shard_size)
+    summary = {
+        "exported": str(Path(dst).absolute()),
+        "architecture": hf_config["architectures"][0],
+        "dtype": dtype,
+        "tokenizer": any((Path(dst) / name).exists() for name in TOKENIZER_FILES),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_hf(subparsers) -> argparse.ArgumentParser:
+    """Registers `hf` under the `jaxmoe export` subcommands (runs `run_hf(args)`)."""
+    parser = subparsers.add_parser(
+        "hf",
+        help="jaxmoe checkpoint -> Hugging Face config.json + model.safetensors",
+        description=(
+            "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
+            "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
+            "as Mixtral, other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
+            "(trust_remote_code), T5 v1.1 as T5, each with its tokenizer. "
+            "Models HF cannot express (moe.every > 1, capacity_factor > 0, GQA T5) are refused."
+        ),
+    )
+    parser.add_argument(
+        "ckpt", type=absolute_path, help="jaxmoe checkpoint (a step directory or a workdir)"
+    )
+    parser.add_argument("dst", type=absolute_path, help="new Hugging Face model directory")
+    parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.add_argument(
+        "--tokenizer",
+        type=absolute_path,
+        default=None,
+        help="tokenizer to export: a SentencePiece .model (written as tokenizer.json) or a "
+        "Hugging Face tokenizer.json / folder (copied); default: data.tokenizer",
+    )
+    parser.add_argument(
+        "--max_shard_size",
+        default=DEFAULT_MAX_SHARD_SIZE,
+        help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); more tensors: shards + index",
+    )
+    parser.set_defaults(run=run_hf)
+    return parser
+
+
+def run_hf(args) -> int:
+    overrides = args.overrides
+    if overrides:
+        raise CheckpointError(f"export hf takes no --config overrides (got {overrides[0]!r})")
+    return export_hf_summary(args.ckpt, args.dst, args.dtype, args.tokenizer, args.max_shard_size)
+
+
+def _add_t5x(subparsers) -> argparse.ArgumentParser:
+    """Registers `t5x` under the `jaxmoe export` subcommands (runs `run_t5x(args)`)."""
+    parser = subparsers.add_parser(
+        "t5x",
+        help="jaxmoe T5.1.1 checkpoint -> T5X checkpoint (msgpack + TensorStore)",
+        description=(
+            "Write a jaxmoe T5.1.1 encoder-decoder as a T5X checkpoint OUT/checkpoint_<step>/ "
+            "(T5X's names and 2-D kernels; Adafactor state: the checkpoint's own "
+            "t5x_adafactor state if it has one, else T5X's initial state)."
+        ),
+    )
+    parser.add_argument("ckpt", type=absolute_path, help="jaxmoe checkpoint (step dir or workdir)")
+    parser.add_argument("out", type=absolute_path, help="T5X model directory to write into")
+    parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
+    parser.add_argument(
+        "--step", type=int, default=None, help="T5X step (default: the source's, or 0)"
+    )
+    parser.set_defaults(run=run_t5x)
+    return parser
+
+
+def run_t5x(args) -> int:
+    """`jaxmoe export t5x CKPT OUT [--dtype] [--step]`: prints one JSON line."""
+    if args.overrides:
+        raise CheckpointError(f"export t5x takes no --config overrides (got {args.overrides[0]!r})")
+    start = time.perf_counter()
+    written = export_t5x(args.ckpt, args.out, dtype=args.dtype, step=args.step)
+    summary = {
+        "checkpoint": str(written),
+        "dtype": args.dtype,
+        "seconds": round(time.perf_counter() - start, 2),
+    }
+    print(json.dumps(summary))
+    return 0

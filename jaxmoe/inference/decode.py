@@ -1,0 +1,513 @@
+"""Autoregressive decoding with a KV cache: `jaxmoe decode --checkpoint PATH --prompt TEXT`.
+
+Two compiled functions per request shape: `prefill` (the prompt in one pass, or the encoder
+and the cross-attention K/V once for an encoder-decoder) and `decode` (a `lax.while_loop`
+that samples one token per iteration, writes its K/V into the cache in place and stops when
+every row has produced EOS or the budget is spent). The host waits only once per request.
+Prompt and new-token counts are rounded up to power-of-two buckets, so a new request
+recompiles only when it changes bucket. Parameters, the batch (rows padded to the
+data-parallel size) and the caches (sequences over the batch axes, KV heads over `tensor`)
+are sharded on the mesh.
+"""
+
+import dataclasses
+import functools
+import json
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
+from jaxmoe.models.kv_cache import (
+    LayerCache,
+    cache_length,
+    decoder_forward,
+    encode_for_decoding,
+    encoder_decoder_forward,
+    init_caches,
+)
+from jaxmoe.models.spec import merge_model, model_spec
+from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
+
+log = logging.getLogger(__name__)
+
+MIN_BUCKET = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """temperature 0 = greedy; top_k 0 = off; top_p 1 = off. Applied in that order."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ValueError(f"--temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if self.top_k < 0:
+            raise ValueError(f"--top_k={self.top_k} must be >= 0 (0 = off)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"--top_p={self.top_p} must be in (0, 1] (1 = off)")
+
+
+def filter_logits(logits_BV, sampling: Sampling):
+    """Temperature-scaled logits with tokens outside the top-k / top-p set at -inf."""
+    logits_BV = logits_BV.astype(jnp.float32) / sampling.temperature
+    if sampling.top_k and sampling.top_k < logits_BV.shape[-1]:
+        kth_B1 = jax.lax.top_k(logits_BV, sampling.top_k)[0][:, -1:]
+        logits_BV = jnp.where(logits_BV < kth_B1, -jnp.inf, logits_BV)
+    if sampling.top_p < 1.0:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p: a
+        # token is kept when the mass of the tokens ranked before it is still below top_p.
+        sorted_BV = jnp.sort(logits_BV, axis=-1)[:, ::-1]
+        probs_BV = jax.nn.softmax(sorted_BV, axis=-1)
+        mass_before_BV = jnp.cumsum(probs_BV, axis=-1) - probs_BV
+        num_kept_B = jnp.sum(mass_before_BV < sampling.top_p, axis=-1)
+        threshold_B1 = jnp.take_along_axis(sorted_BV, num_kept_B[:, None] - 1, axis=-1)
+        logits_BV = jnp.where(logits_BV < threshold_B1, -jnp.inf, logits_BV)
+    return logits_BV
+
+
+def sample_tokens(logits_BV, key, sampling: Sampling):
+    """Next token ids [B] int32: argmax when greedy, else a draw from the filtered logits."""
+    if sampling.temperature == 0.0:
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, filter_logits(logits_BV, sampling)).astype(jnp.int32)
+
+
+def bucket(n: int) -> int:
+    """Smallest power of two >= n (at least MIN_BUCKET): few distinct compiled shapes."""
+    return max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+
+
+@dataclasses.dataclass
+class Generation:
+    """New tokens per prompt (up to and including EOS) and where the time went."""
+
+    tokens: list[list[int]]
+    prefill_s: float
+    decode_s: float
+    compile_s: float
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of prefill + decode (compilation not counted)."""
+        return self.num_new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+
+def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
+    model = merge_model(graphdef, params, rest)
+    caches = init_caches(cfg, prompt_BP.shape[0], cache_len, constrain)
+    logits, caches = decoder_forward(model, prompt_BP, caches, 0, pad_B, last_only=True)
+    index = jnp.asarray(prompt_BP.shape[1], jnp.int32)
+    return {"logits_BV": logits[:, -1], "caches": caches, "index": index, "pad_B": pad_B}
+
+
+def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, rest, cfg, cache_len, constrain):
+    model = merge_model(graphdef, params, rest)
+    cross, valid_BS = encode_for_decoding(model, encoder_BS)
+    caches = init_caches(cfg, encoder_BS.shape[0], cache_len, constrain)
+    start_B1 = jnp.zeros((encoder_BS.shape[0], 1), jnp.int32)  # T5's decoder start token
+    logits, caches = encoder_decoder_forward(model, start_B1, caches, cross, valid_BS, 0)
+    return {
+        "logits_BV": logits[:, -1],
+        "caches": caches,
+        "index": jnp.asarray(1, jnp.int32),
+        "cross": cross,
+        "encoder_valid_BS": valid_BS,
+    }
+
+
+def _decode_loop(
+    params,
+    caches,
+    state,
+    done_B,
+    max_new,
+    key,
+    *,
+    graphdef,
+    rest,
+    sampling,
+    new_bucket,
+    stop_ids,
+    vocab_limit,
+    constrain,
+):
+    """Sample up to `max_new` tokens [B, new_bucket] (pad after a stop id: EOS...).
+
+    Returns (tokens, number of loop steps, caches). The caches are donated by the caller and
+    returned, so XLA updates one buffer in place from the first step to the last.
+    """
+    model = merge_model(graphdef, params, rest)  # rest: RNG streams, unused at decode
+    stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
+
+    def forward(tokens_B1, caches, index):
+        if "cross" in state:
+            return encoder_decoder_forward(
+                model, tokens_B1, caches, state["cross"], state["encoder_valid_BS"], index
+            )
+        return decoder_forward(model, tokens_B1, caches, index, state["pad_B"])
+
+    b = state["logits_BV"].shape[0]
+    key, sub = jax.random.split(key)
+    # Only ids the tokenizer knows may be drawn (T5 pads its 32100 pieces to 32128 logits).
+    first_B = sample_tokens(state["logits_BV"][:, :vocab_limit], sub, sampling)
+    first_B = jnp.where(done_B, PAD_ID, first_B)
+    tokens_BN = jnp.full((b, new_bucket), PAD_ID, jnp.int32).at[:, 0].set(first_B)
+
+    def cond(carry):
+        t, _, _, _, done_B, _ = carry
+        return (t < max_new) & ~jnp.all(done_B)
+
+    def body(carry):
+        t, prev_B, caches, tokens_BN, done_B, key = carry
+        logits_B1V, caches = forward(prev_B[:, None], caches, state["index"] + t - 1)
+        caches = [constrain(c) for c in caches]
+        key, sub = jax.random.split(key)
+        next_B = sample_tokens(logits_B1V[:, -1, :vocab_limit], sub, sampling)
+        next_B = jnp.where(done_B, PAD_ID, next_B)
+        tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, next_B[:, None], (jnp.int32(0), t))
+        return t + 1, next_B, caches, tokens_BN, done_B | jnp.isin(next_B, stop_S), key
+
+    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B | jnp.isin(first_B, stop_S), key)
+    steps, _, caches, tokens_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+    return tokens_BN, steps, caches
+
+
+class Generator:
+    """Compiled, sharded prefill + decode for one model on one mesh.
+
+    params: the model's parameters (nested str-keyed dict), placed on `mesh` or not.
+    eos_id < 0 disables stopping at EOS (benchmarks); `stop_ids` also end a row (the
+    tokenizer's further EOS ids). vocab_limit: only ids below it are generated (the
+    tokenizer's size; default the model's vocabulary).
+    """
+
+    def __init__(
+        self,
+        model_cfg,
+        params,
+        mesh: Mesh,
+        *,
+        spec=None,
+        eos_id: int = EOS_ID,
+        stop_ids: tuple[int, ...] = (),
+        vocab_limit: int | None = None,
+    ):
+        self.cfg, self.mesh, self.eos_id = model_cfg, mesh, eos_id
+        first = (eos_id,) if eos_id >= 0 else ()
+        self.stop_ids = tuple(dict.fromkeys((*first, *(int(i) for i in stop_ids))))
+        self.vocab_limit = vocab_limit or model_cfg.vocab_size
+        self.spec = spec or model_spec(model_cfg, mesh)
+        self.encoder_decoder = model_cfg.arch == "encoder_decoder"
+        self.params = jax.device_put(params, named(mesh, self.spec.param_specs))
+        self.batch_multiple = data_parallel_size(mesh)
+        self._compiled: dict = {}
+
+    def _batch_sharding(self, shape) -> NamedSharding:
+        return NamedSharding(self.mesh, batch_spec(self.mesh, len(shape), shape[0]))
+
+    def _constrain(self, batch: int, length: int):
+        """LayerCache -> LayerCache placed on the mesh: the N = B * K rows split over the
+        batch axes (sequences) and then `tensor` (KV heads), where those divide B and K."""
+        sizes = dict(self.mesh.shape)
+
+        def axes(entry) -> tuple[str, ...]:
+            return () if entry is None else (entry,) if isinstance(entry, str) else entry
+
+        batch_axes = axes(logical_to_spec(("batch",), (batch,), sizes)[0])
+        head_axes = axes(logical_to_spec(("kv_heads",), (self.cfg.num_kv_heads,), sizes)[0])
+        rows = (*batch_axes, *head_axes)
+        sharding = NamedSharding(self.mesh, PartitionSpec(rows or None, None, None))
+        return lambda cache: LayerCache(
+            *(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
+        )
+
+    def _compile(self, name, fn, *args, donate=()):
+        """AOT-compile `fn` for these argument shapes once; returns (compiled, seconds)."""
+        key = (name, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:])))
+        if key in self._compiled:
+            return self._compiled[key], 0.0
+        start = time.perf_counter()
+        with jax.set_mesh(self.mesh):
+            compiled = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+        self._compiled[key] = compiled
+        return compiled, time.perf_counter() - start
+
+    def prefill(self, prompts: list[list[int]], new_bucket: int):
+        """(state, rows, compile seconds): caches sized prompt bucket + new_bucket."""
+        rows = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
+        length = bucket(max(len(p) for p in prompts))
+        tokens = np.full((rows, length), PAD_ID, np.int32)
+        if self.encoder_decoder:
+            for i, prompt in enumerate(prompts):  # right-padded: T5 masks id 0
+                tokens[i, : len(prompt)] = prompt
+            tokens[len(prompts) :, 0] = EOS_ID  # filler rows: a one-token input
+            cache_len, fn = new_bucket, _prefill_encoder_decoder
+            args = (jax.device_put(tokens, self._batch_sharding(tokens.shape)),)
+        else:
+            pad = np.full((rows,), length - 1, np.int32)  # filler rows: one pad token
+            for i, prompt in enumerate(prompts):  # left-padded: one shared cache slot
+                tokens[i, length - len(prompt) :] = prompt
+                pad[i] = length - len(prompt)
+            cache_len, fn = length + new_bucket, _prefill_decoder
+            args = (
+                jax.device_put(tokens, self._batch_sharding(tokens.shape)),
+                jax.device_put(pad, self._batch_sharding(pad.shape)),
+            )
+        fn = functools.partial(
+            fn,
+            graphdef=self.spec.graphdef,
+            rest=self.spec.rest,
+            cfg=self.cfg,
+            cache_len=cache_len,
+            constrain=self._constrain(rows, cache_len),
+        )
+        compiled, seconds = self._compile(("prefill", cache_len), fn, self.params, *args)
+        return compiled(self.params, *args), rows, seconds
+
+    def decode(self, state, num_prompts: int, max_new_tokens: int, sampling, seed: int = 0):
+        """(tokens [rows, bucket] np.int32, loop steps, compile seconds).
+
+        Consumes `state`: its caches are donated to the loop and updated in place.
+        """
+        rows = state["logits_BV"].shape[0]
+        new_bucket = bucket(max_new_tokens)
+        cache_len = cache_length(state["caches"][0])
+        needed = int(state["index"]) + max_new_tokens - 1  # the last token is never fed back
+        if needed > cache_len:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} needs {needed} cache slots, the cache has "
+                f"{cache_len}"
+            )
+        done = jax.device_put(np.arange(rows) >= num_prompts, self._batch_sharding((rows,)))
+        fn = functools.partial(
+            _decode_loop,
+            graphdef=self.spec.graphdef,
+            rest=self.spec.rest,
+            sampling=sampling,
+            new_bucket=new_bucket,
+            stop_ids=self.stop_ids,
+            vocab_limit=self.vocab_limit,
+            constrain=self._constrain(rows, cache_len),
+        )
+        rest = {k: v for k, v in state.items() if k != "caches"}
+        args = (state["caches"], rest, done, jnp.int32(max_new_tokens), jax.random.key(seed))
+        name = ("decode", new_bucket, sampling)
+        compiled, seconds = self._compile(name, fn, self.params, *args, donate=(1,))
+        tokens, steps, _ = compiled(self.params, *args)
+        return np.asarray(tokens), int(steps), seconds
+
+    def bytes_lower_bound(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> dict:
+        """Per-device bytes a request needs at least: the parameters, the KV caches, and
+        one layer's prefill attention scores (float32 logits plus their probabilities)."""
+        sizes = dict(self.mesh.shape)
+        cfg = self.cfg
+        rows = -(-num_prompts // self.batch_multiple)  # per device: batch axes split rows
+        tensor = sizes.get("tensor", 1)
+        itemsize = jnp.dtype(cfg.dtype).itemsize
+        length, new = bucket(prompt_len), bucket(max_new_tokens)
+        if self.encoder_decoder:
+            queries, keys, cache_len = length, length, new  # encoder self-attention
+        else:
+            queries, keys, cache_len = length, length + new, length + new
+        kv_heads = max(1, cfg.num_kv_heads // tensor)
+        heads = max(1, cfg.num_heads // tensor)
+        params = state_bytes_per_device(
+            self.spec.abstract_params, named(self.mesh, self.spec.param_specs)
+        )
+        return {
+            "parameters": params,
+            "kv_cache": 2.0
+            * cfg.num_layers
+            * rows
+            * kv_heads
+            * cache_len
+            * cfg.head_dim
+            * itemsize,
+            "attention": float(rows) * heads * queries * keys * (4 + itemsize),
+        }
+
+    def check_fits(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> None:
+        """A one-line ValueError when a request cannot fit in one device's memory."""
+        refuse_over_memory(
+            self.bytes_lower_bound(num_prompts, prompt_len, max_new_tokens),
+            f"a {prompt_len}-token prompt (x{num_prompts}) with --max_new_tokens={max_new_tokens}",
+            "shorten the prompt",
+            error=ValueError,
+            device=self.mesh.devices.flat[0],
+        )
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        max_new_tokens: int,
+        sampling: Sampling = Sampling(),
+        seed: int = 0,
+    ) -> Generation:
+        """New tokens for each prompt (token id lists), greedy or sampled."""
+        if not prompts:
+            raise ValueError("no prompts given")
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                raise ValueError(f"prompt {i} is empty (no tokens)")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+        self.check_fits(len(prompts), max(len(p) for p in prompts), max_new_tokens)
+        new_bucket = bucket(max_new_tokens)
+        start = time.perf_counter()
+        state, _, compile_prefill = self.prefill(prompts, new_bucket)
+        jax.block_until_ready(state)
+        prefill_s = time.perf_counter() - start - compile_prefill
+        start = time.perf_counter()
+        tokens, _, compile_decode = self.decode(state, len(prompts), max_new_tokens, sampling, seed)
+        decode_s = time.perf_counter() - start - compile_decode
+        out = []
+        for row in tokens[: len(prompts), :max_new_tokens].tolist():
+            ends = [i for i, token in enumerate(row) if token in self.stop_ids]
+            out.append(row[: ends[0] + 1] if ends else row)
+        return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
+
+
+def fit_context(
+    prompts: list[list[int]], max_len: int, max_new_tokens: int, truncate: bool, encoder_decoder
+) -> list[list[int]]:
+    """Prompts checked against the model's context `max_len` (model.max_len: the longest
+    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
+    prompt and new tokens share the context; an encoder's input has it alone. Too long is
+    refused, or with `truncate` cut to its last tokens and logged."""
+    if not max_len:
+        return prompts
+    room = max_len if encoder_decoder else max_len - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {max_len} tokens (model.max_len)"
+        )
+    out = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > room:
+            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
+            if not truncate:
+                raise ValueError(
+                    f"prompt {i}: {len(prompt)} tokens{what} exceed the model's context of "
+                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
+                    f"on); shorten it, or --truncate keeps its last {room} tokens"
+                )
+            log.warning(
+                "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
+                i, len(prompt), room, max_len, what.replace(" +", ","),
+            )  # fmt: skip
+            prompt = prompt[-room:]
+        out.append(prompt)
+    return out
+
+
+def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
+    """`--prompt TEXT`, or one prompt per non-empty line of `--prompts_file`."""
+    if (prompt is None) == (prompts_file is None):
+        raise ValueError("give exactly one of --prompt and --prompts_file")
+    if prompt is not None:
+        return [prompt]
+    try:
+        with open(prompts_file, encoding="utf-8") as f:
+            prompts = [line.rstrip("\n") for line in f if line.strip()]
+    except OSError as error:
+        raise ValueError(f"--prompts_file {prompts_file!r}: {error.strerror}") from None
+    if not prompts:
+        raise ValueError(f"--prompts_file {prompts_file!r} holds no prompts")
+    return prompts
+
+
+def decode_main(
+    checkpoint: str,
+    *,
+    prompt: str | None = None,
+    prompts_file: str | None = None,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    overrides=(),
+    config=None,
+    print_fn=print,
+    truncate: bool = False,
+) -> dict:
+    """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
+
+    Returns {"texts": [...], "tokens": [new ids per prompt], "new_tokens", "tokens_per_s",
+    "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
+    (then `overrides` are already applied to it).
+    """
+    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
+    from jaxmoe.config.validation import resolve_vocab_size
+    from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.data.tokenizer import with_bos
+
+    sampling = Sampling(temperature, top_k, top_p)
+    texts = read_prompts(prompt, prompts_file)
+    if config is None:
+        config = checkpoint_config(checkpoint, overrides)
+    encoder_decoder = config.model.arch == "encoder_decoder"
+    if not config.data.tokenizer:
+        # What `jaxmoe train` uses too; a checkpoint converted from elsewhere needs its own
+        # tokenizer (--config.data.tokenizer=FILE.model).
+        log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
+    tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
+        resolve_vocab_size(config, tokenizer.vocab_size)
+    mesh = make_mesh(config.mesh)
+    spec = model_spec(config.model, mesh)
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    generator = Generator(
+        config.model,
+        params,
+        mesh,
+        spec=spec,
+        eos_id=tokenizer.eos_id,
+        stop_ids=tokenizer.eos_ids,
+        vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
+    )
+    # The encoder reads the input followed by EOS, as in training and evaluation.
+    # Prompts start like training documents: with BOS when the tokenizer has one.
+    eos = [tokenizer.eos_id] if encoder_decoder else []
+    ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
+    ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
+                      encoder_decoder)  # fmt: skip
+    result = generator.generate(ids, max_new_tokens, sampling, seed)
+    completions = []
+    for text, new in zip(texts, result.tokens, strict=True):
+        ended = bool(new) and new[-1] in generator.stop_ids
+        completion = tokenizer.decode(new[:-1] if ended else new)
+        completions.append(completion)
+        print_fn(f"=== {text!r}{' [EOS]' if ended else ''}")
+        print_fn(completion if encoder_decoder else text + completion)
+    summary = {
+        "prompts": len(texts),
+        "new_tokens": result.num_new_tokens,
+        "tokens_per_s": result.tokens_per_s,
+        "prefill_s": result.prefill_s,
+        "decode_s": result.decode_s,
+        "compile_s": result.compile_s,
+    }
+    print_fn(
+        f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "
+        f"{result.prefill_s + result.decode_s:.2f} s: {result.tokens_per_s:.1f} tokens/s "
+        f"(prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s; "
+        f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}"
+    )
+    print_fn(json.dumps(summary))
+    return {"texts": completions, "tokens": result.tokens, **summary}

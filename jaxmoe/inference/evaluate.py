@@ -1,0 +1,228 @@
+"""`jaxmoe eval`: restore a checkpoint onto any mesh and score data, sharded.
+
+Scoring follows T5X and Hugging Face so numbers compare 1:1: a decoder-only `targets` list
+of n ids is one sequence with n-1 predictions (no BOS added); an encoder-decoder reads
+`inputs` in the encoder and predicts every target id from `targets` shifted right with 0.
+"""
+
+import copy
+import functools
+import json
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from etils import epath
+from jax.sharding import NamedSharding
+
+from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
+from jaxmoe.errors import ConfigError
+from jaxmoe.models.spec import model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, strict_param_check
+from jaxmoe.training.steps import eval_metrics, eval_step
+
+
+@dataclass
+class Example:
+    targets: list[int]
+    inputs: list[int] | None = None
+
+
+def _ids(value, tokenizer, what: str, where: str, add_eos: bool, vocab_size: int) -> list[int]:
+    """Token ids of one field: text (tokenized) or a list of ints in [0, vocab_size)."""
+    if isinstance(value, str):
+        if tokenizer is None:
+            raise ValueError(
+                f"{where}: '{what}' is text but the checkpoint has no tokenizer; "
+                f"pass --config.data.tokenizer=FILE.model or give token ids"
+            )
+        from jaxmoe.data.tokenizer import with_bos
+
+        ids = tokenizer.encode(value)
+        # Encoder-decoder sides end with EOS; LM text starts as training documents do.
+        return [*ids, tokenizer.eos_id] if add_eos else with_bos(tokenizer, ids)
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: '{what}' must be text or a list of token ids, not {value!r}")
+    for i, x in enumerate(value):
+        # JSON true/false parse as bool, a subclass of int; 2.0 is a float: neither is an id.
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ValueError(f"{where}: '{what}'[{i}] = {json.dumps(x)} is not a token id")
+        if not 0 <= x < vocab_size:
+            # An id outside the embedding table is clamped or wrapped by the gather on the
+            # device: a NaN or a finite wrong loss, never an error.
+            raise ValueError(
+                f"{where}: '{what}'[{i}] = {x} is outside the vocabulary [0, {vocab_size})"
+            )
+    return value
+
+
+def jsonl_records(path: str):
+    """(line number, value) for each non-empty line of the JSON-lines file `path`."""
+    file = epath.Path(path)
+    if not file.exists():
+        raise ValueError(f"--data jsonl:{path}: no such file")
+    for line_no, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield line_no, json.loads(line)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
+
+
+def read_jsonl(path: str, tokenizer, encoder_decoder: bool, vocab_size: int) -> list[Example]:
+    """Examples from a JSON-lines file: `text`, or `inputs`/`targets` (strings or id lists).
+
+    Every id must lie in [0, vocab_size) (the model's embedding table)."""
+    examples = []
+    for line_no, record in jsonl_records(path):
+        where = f"{path}:{line_no}"
+        if not isinstance(record, dict):
+            raise ValueError(
+                f"{where}: expected a JSON object with 'text' or 'targets', "
+                f"got {json.dumps(record)[:40]}"
+            )
+
+        def ids(key: str, add_eos: bool, record=record, where=where) -> list[int]:
+            return _ids(record[key], tokenizer, key, where, add_eos, vocab_size)
+
+        if encoder_decoder:
+            if "inputs" not in record or "targets" not in record:
+                raise ValueError(f"{where}: an encoder-decoder needs 'inputs' and 'targets'")
+            examples.append(Example(targets=ids("targets", True), inputs=ids("inputs", True)))
+        elif "targets" in record or "text" in record:
+            key = "targets" if "targets" in record else "text"
+            targets = ids(key, False)
+            if len(targets) < 2:
+                raise ValueError(f"{where}: '{key}' has fewer than 2 tokens")
+            examples.append(Example(targets=targets))
+        else:
+            raise ValueError(f"{where}: expected 'text' or 'targets'")
+    if not examples:
+        raise ValueError(f"--data jsonl:{path}: no examples")
+    return examples
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def batch_examples(examples: list[Example], batch_size: int, encoder_decoder: bool):
+    """Padded global batches (one shape for all, so one compile) and the example count."""
+    if encoder_decoder:
+        dec_len = _round_up(max(len(e.targets) for e in examples), 16)
+        enc_len = _round_up(max(len(e.inputs) for e in examples), 16)
+    else:
+        dec_len = _round_up(max(len(e.targets) - 1 for e in examples), 16)
+    batches = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        inputs = np.zeros((batch_size, dec_len), np.int32)
+        targets = np.zeros((batch_size, dec_len), np.int32)
+        weights = np.zeros((batch_size, dec_len), np.float32)
+        encoder = np.zeros((batch_size, enc_len), np.int32) if encoder_decoder else None
+        for row, example in enumerate(chunk):
+            t = example.targets
+            if encoder_decoder:
+                n = len(t)
+                inputs[row, :n] = [0, *t[:-1]]
+                targets[row, :n] = t
+                encoder[row, : len(example.inputs)] = example.inputs
+            else:
+                n = len(t) - 1
+                inputs[row, :n] = t[:-1]
+                targets[row, :n] = t[1:]
+            weights[row, :n] = 1.0
+        batch = {"inputs": inputs, "targets": targets, "weights": weights}
+        if encoder_decoder:
+            batch["encoder_inputs"] = encoder
+        batches.append(batch)
+    return batches
+
+
+def packed_batches(config, data_spec: str, tokenizer):
+    """Validation-style packed windows of a TFDS split (`NAME/SPLIT`) or `embedded`."""
+    from jaxmoe.data.pipeline import eval_batches
+
+    eval_config = copy.deepcopy(config)
+    with eval_config.unlocked():
+        if data_spec in ("embedded", "embedded/validation"):
+            eval_config.data.source = "embedded"
+            eval_config.data.eval_split = "validation"
+        else:
+            name, _, split = data_spec.rpartition("/")
+            if not name:
+                raise ValueError(
+                    f"--data {data_spec!r}: expected NAME/SPLIT, embedded or jsonl:FILE"
+                )
+            eval_config.data.source = f"tfds:{name}"
+            eval_config.data.eval_split = split
+    return [
+        {k: v for k, v in b.items() if k != "example_ids"}
+        for b in eval_batches(eval_config, tokenizer)
+    ]
+
+
+def evaluate(
+    checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
+) -> dict:
+    """Score `data_spec` with the parameters of `checkpoint`; returns the result dict."""
+    from jaxmoe.config.validation import resolve_vocab_size
+
+    if config is None:
+        config = checkpoint_config(checkpoint, overrides)
+    encoder_decoder = config.model.arch == "encoder_decoder"
+    tokenizer = None
+    if config.data.tokenizer or not encoder_decoder or not data_spec.startswith("jsonl:"):
+        from jaxmoe.data.sources import load_tokenizer
+
+        tokenizer = load_tokenizer(config)
+    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
+        if tokenizer is None:
+            raise ConfigError("model.vocab_size=0 needs a tokenizer: set --config.model.vocab_size")
+        resolve_vocab_size(config, tokenizer.vocab_size)
+    mesh = make_mesh(config.mesh)
+    spec = model_spec(config.model, mesh)
+    strict_param_check(spec, mesh)
+    dp = data_parallel_size(mesh)
+    batch_size = _round_up(config.train.batch_size, dp)
+    if data_spec.startswith("jsonl:"):
+        examples = read_jsonl(
+            data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
+        )
+        batches = batch_examples(examples, batch_size, encoder_decoder)
+        num_examples = len(examples)
+    else:
+        if tokenizer is None:
+            raise ValueError("--data: text data needs a tokenizer (--config.data.tokenizer=FILE)")
+        batches = packed_batches(config, data_spec, tokenizer)
+        num_examples = None
+
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    shardings = {
+        key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
+        for key, value in batches[0].items()
+    }
+    step = jax.jit(functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest))
+    totals = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
+    losses, counts = [], []
+    with jax.set_mesh(mesh):
+        for batch in batches:
+            device_batch = {k: jax.device_put(v, shardings[k]) for k, v in batch.items()}
+            out = jax.device_get(step(params, device_batch))
+            for key in totals:
+                totals[key] += float(out[key])
+            losses.append(out["nll_per_example"])
+            counts.append(out["weight_per_example"])
+    result = eval_metrics(totals)
+    if per_example:
+        if num_examples is None:
+            raise ConfigError("--per_example needs jsonl:FILE data (one example per line)")
+        nll = np.concatenate(losses)[:num_examples]
+        n = np.concatenate(counts)[:num_examples]
+        result["per_example"] = [
+            {"loss": float(a / max(b, 1.0)), "num_tokens": int(b)}
+            for a, b in zip(nll, n, strict=True)
+        ]
+    return result

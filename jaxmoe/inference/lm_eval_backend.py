@@ -1,0 +1,323 @@
+"""jaxmoe checkpoints in EleutherAI's lm-evaluation-harness: `jaxmoe lm-eval ...`.
+
+`JaxmoeLM` is an lm-eval model (registered as `jaxmoe`) that restores a checkpoint (a
+decoder, or an encoder-decoder as lm-eval's `seq2seq` models) onto a device mesh and answers
+lm-eval's three request kinds:
+
+- loglikelihood / loglikelihood_rolling: context + continuation in one forward pass, the
+  continuation's summed log-probabilities read from the logits. Sequences are sorted by
+  length, right-padded to power-of-two lengths and batched in a fixed number of rows, so
+  each (rows, length) bucket compiles once, whatever the number of requests.
+- generate_until: the KV-cache generator of `jaxmoe decode`, batched the same way, cut at
+  the first stop string.
+
+Tokenization follows lm-eval's Hugging Face backend (TemplateLM): context and continuation
+are encoded together and split at the context's length (an encoder-decoder encodes them
+apart, the context ending with EOS), an empty context becomes EOS (the tokenizer has no
+BOS), and rolling windows are lm-eval's own. So an exported checkpoint
+scores the same under `--model hf` and `--model jaxmoe`.
+
+Model args: `checkpoint=PATH` (required), `mesh=data:4/tensor:2` (mesh axis sizes),
+`max_length=N` (default: train.seq_len), `max_gen_toks=N` (default 256) and any config
+override as `section.key=value` (e.g. `model.dtype=float32`).
+"""
+
+import functools
+import logging
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import (
+    handle_stop_sequences,
+    normalize_gen_kwargs,
+    postprocess_generated_text,
+)
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from jaxmoe.errors import ConfigError
+from jaxmoe.inference.decode import Generator, Sampling, bucket
+from jaxmoe.models.spec import model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
+from jaxmoe.training.steps import forward
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BATCH_SIZE = 32
+
+
+def mesh_overrides(mesh: str) -> list[str]:
+    """`data:4/tensor:2` -> ["mesh.data=4", "mesh.tensor=2"]."""
+    overrides = []
+    for part in str(mesh).split("/"):
+        axis, sep, size = part.partition(":")
+        if not sep or not axis or not size.lstrip("-").isdigit():
+            raise ConfigError(f"model_args mesh={mesh!r}: expected AXIS:SIZE[/AXIS:SIZE...]")
+        overrides.append(f"mesh.{axis}={size}")
+    return overrides
+
+
+def _token_logprobs(params, batch, *, graphdef, rest):
+    """Per-position log p(target) [B, L] and whether the target is the argmax [B, L]."""
+    targets_BL = batch["targets"]
+    logits_BLV, _ = forward(graphdef, params, batch, train=False, rest=rest)
+    logp_BLV = jax.nn.log_softmax(logits_BLV.astype(jnp.float32), axis=-1)
+    logp_BL = jnp.take_along_axis(logp_BLV, targets_BL[..., None], axis=-1)[..., 0]
+    return logp_BL, logits_BLV.argmax(-1) == targets_BL
+
+
+def _batch_size(value) -> int:
+    """lm-eval passes --batch_size as int or text (`auto`, `auto:4`): auto means our default."""
+    if value is None or str(value).startswith("auto"):
+        return DEFAULT_BATCH_SIZE
+    size = int(value)
+    if size < 1:
+        raise ValueError(f"--batch_size={value} must be >= 1")
+    return size
+
+
+@register_model("jaxmoe")
+class JaxmoeLM(TemplateLM):
+    """A jaxmoe checkpoint (decoder, dense or MoE with adaptive gating, or encoder-decoder)."""
+
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        mesh: str | None = None,
+        batch_size=None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        device=None,
+        max_batch_size=None,
+        **config_overrides,
+    ):
+        super().__init__()
+        from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
+        from jaxmoe.data.sources import load_tokenizer
+        from jaxmoe.storage.paths import absolute_path
+
+        del device, max_batch_size  # the mesh decides placement; batches have one size
+        if not checkpoint:
+            raise ValueError("--model_args checkpoint=PATH is required")
+        bad = [k for k in config_overrides if "." not in k]
+        if bad:
+            raise ValueError(
+                f"--model_args {bad[0]}: unknown; expected checkpoint, mesh, max_length, "
+                f"max_gen_toks or a config override such as model.dtype=float32"
+            )
+        overrides = [f"{k}={v}" for k, v in config_overrides.items()]
+        overrides += mesh_overrides(mesh) if mesh else []
+        self.checkpoint = absolute_path(checkpoint)
+        config = checkpoint_config(self.checkpoint, overrides)
+        self.config = config
+        # lm-eval's TemplateLM encodes an encoder-decoder's context and continuation apart.
+        self.encoder_decoder = config.model.arch == "encoder_decoder"
+        self.backend = "seq2seq" if self.encoder_decoder else "causal"
+        self.tokenizer = load_tokenizer(config)
+        self.mesh = make_mesh(config.mesh)
+        self.spec = model_spec(config.model, self.mesh)
+        params = restore_on_mesh(self.checkpoint, self.spec, self.mesh, config.model)
+        self.generator = Generator(
+            config.model,
+            params,
+            self.mesh,
+            spec=self.spec,
+            eos_id=self.tokenizer.eos_id,
+            vocab_limit=min(self.tokenizer.vocab_size, config.model.vocab_size),
+        )
+        self.params = self.generator.params
+        dp = data_parallel_size(self.mesh)
+        self.rows = -(-_batch_size(batch_size) // dp) * dp
+        self._max_length = int(max_length or config.train.seq_len)
+        self._max_gen_toks = int(max_gen_toks)
+        self._score = jax.jit(
+            functools.partial(_token_logprobs, graphdef=self.spec.graphdef, rest=self.spec.rest)
+        )
+        self.compiled_shapes: set[tuple[int, int]] = set()
+
+    # ------------------------------------------------------------------ lm-eval interface
+
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.tokenizer.path.replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens=None, **kwargs) -> list[int]:
+        """The text's ids; an encoder-decoder's input ends with EOS (as T5's tokenizer and
+        jaxmoe's training add it) unless lm-eval asks for no special tokens."""
+        del kwargs
+        eos = self.encoder_decoder and add_special_tokens is not False
+        return self.tokenizer.encode(string) + ([self.eot_token_id] if eos else [])
+
+    def tok_decode(self, tokens) -> str:
+        return self.tokenizer.decode(tokens)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+        """[(key, context ids, continuation ids)] -> [(sum log p(continuation), greedy)]."""
+        sequences = []
+        for _, context, continuation in requests:
+            if not continuation:
+                raise ValueError("lm-eval asked to score an empty continuation")
+            if len(continuation) > self.max_length:
+                raise ValueError(
+                    f"a continuation of {len(continuation)} tokens does not fit in "
+                    f"max_length={self.max_length} (--model_args max_length=N)"
+                )
+            if self.encoder_decoder:  # the encoder reads the context's last max_length ids
+                sequences.append((context[-self.max_length :], continuation))
+            else:  # as lm-eval's HF backend: the last max_length + 1 ids, the final one unfed
+                whole = (context + continuation)[-(self.max_length + 1) :]
+                sequences.append((whole, len(continuation)))
+        scores = self._score_sequences(sequences, disable_tqdm)
+        for (key, _, _), score in zip(requests, scores, strict=True):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, score)
+        return scores
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owners = [], []
+        for index, request in enumerate(requests):
+            (text,) = request.args
+            for context, continuation in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
+                windows.append((None, context, continuation))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for owner, (logprob, _) in zip(
+            owners, self._loglikelihood_tokens(windows, disable_tqdm), strict=True
+        ):
+            totals[owner] += logprob
+        for request, total in zip(requests, totals, strict=True):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        eos_text = self.tokenizer.decode([self.eot_token_id])
+        groups: dict[str, list[int]] = {}
+        for index, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(index)
+        results: list[str | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), disable=disable_tqdm, desc="jaxmoe generate_until")
+        for indices in groups.values():
+            kwargs = normalize_gen_kwargs(requests[indices[0]].args[1], self.max_gen_toks)
+            until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+            max_new = int(kwargs.pop("max_gen_toks"))
+            if max_new >= self.max_length:
+                raise ValueError(
+                    f"max_gen_toks={max_new} leaves no room for a context within "
+                    f"max_length={self.max_length}"
+                )
+            sampling = Sampling(
+                temperature=float(kwargs.get("temperature", 0.0)) if kwargs["do_sample"] else 0.0,
+                top_k=int(kwargs.get("top_k") or 0),
+                top_p=float(kwargs.get("top_p") or 1.0),
+            )
+            # A decoder's context and new tokens share max_length; an encoder's input has it.
+            room = self.max_length if self.encoder_decoder else self.max_length - max_new
+            prompts = {
+                i: (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-room:]
+                for i in indices
+            }
+            order = sorted(indices, key=lambda i: -len(prompts[i]))
+            for start in range(0, len(order), self.rows):
+                chunk = order[start : start + self.rows]
+                # Filler rows keep every batch at `rows` rows: one compile per length bucket.
+                batch = [prompts[i] for i in chunk]
+                batch += [[self.eot_token_id]] * (self.rows - len(chunk))
+                generation = self.generator.generate(batch, max_new, sampling, seed=start)
+                for i, new in zip(chunk, generation.tokens, strict=False):
+                    text = postprocess_generated_text(self.tok_decode(new), until, None)
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+                bar.update(len(chunk))
+        bar.close()
+        return results
+
+    # ------------------------------------------------------------------ batched scoring
+
+    def _score_sequences(self, sequences, disable_tqdm: bool) -> list[tuple[float, bool]]:
+        """Decoder: [(token ids, n scored at the end)]; encoder-decoder: [(encoder ids,
+        decoder targets)]. -> [(sum of the scored log p, all of them greedy)]."""
+        length_of = (lambda s: len(s[1])) if self.encoder_decoder else (lambda s: len(s[0]) - 1)
+        order = sorted(range(len(sequences)), key=lambda i: -length_of(sequences[i]))
+        results: list[tuple[float, bool] | None] = [None] * len(sequences)
+        sharding = NamedSharding(self.mesh, batch_spec(self.mesh, 2, self.rows))
+        batches = range(0, len(order), self.rows)
+        for start in tqdm(batches, disable=disable_tqdm, desc="jaxmoe loglikelihood"):
+            chunk = order[start : start + self.rows]
+            batch, scored = self._batch([sequences[i] for i in chunk])
+            self.compiled_shapes.add(tuple(v.shape for v in batch.values()))
+            with jax.set_mesh(self.mesh):
+                logp, greedy = jax.device_get(
+                    self._score(self.params, jax.device_put(batch, sharding))
+                )
+            for row, (i, span) in enumerate(zip(chunk, scored, strict=True)):
+                results[i] = (float(logp[row, span].sum()), bool(greedy[row, span].all()))
+        return results
+
+    def _batch(self, sequences) -> tuple[dict, list[slice]]:
+        """Arrays of `rows` rows right-padded to power-of-two lengths, and each row's span
+        of scored positions. An encoder-decoder's decoder reads its targets shifted right
+        with 0 (T5's start token); its encoder padding (id 0) is masked by the model."""
+        if self.encoder_decoder:
+            enc_len = bucket(max(len(enc) for enc, _ in sequences))
+            dec_len = bucket(max(len(dec) for _, dec in sequences))
+            encoder = np.zeros((self.rows, enc_len), np.int32)
+            inputs = np.zeros((self.rows, dec_len), np.int32)
+            targets = np.zeros((self.rows, dec_len), np.int32)
+            for row, (enc, dec) in enumerate(sequences):
+                encoder[row, : len(enc)] = enc
+                inputs[row, 1 : len(dec)] = dec[:-1]
+                targets[row, : len(dec)] = dec
+            batch = {"encoder_inputs": encoder, "inputs": inputs, "targets": targets}
+            return batch, [slice(0, len(dec)) for _, dec in sequences]
+        length = bucket(max(len(ids) - 1 for ids, _ in sequences))
+        inputs = np.zeros((self.rows, length), np.int32)
+        targets = np.zeros((self.rows, length), np.int32)
+        for row, (ids, _) in enumerate(sequences):
+            inputs[row, : len(ids) - 1] = ids[:-1]
+            targets[row, : len(ids) - 1] = ids[1:]
+        spans = [slice(len(ids) - 1 - n, len(ids) - 1) for ids, n in sequences]
+        return {"inputs": inputs, "targets": targets}, spans
+
+
+def run_lm_eval(argv: list[str]) -> int:
+    """`jaxmoe lm-eval [lm-eval run flags]`: lm-eval's own command line, `--model jaxmoe`."""
+    from lm_eval.__main__ import cli_evaluate
+
+    args = list(argv)
+    if args[:1] == ["run"]:
+        args = args[1:]
+    for flag in ("--model", "-M"):
+        if flag in args or any(a.startswith(f"{flag}=") for a in args):
+            raise ValueError("--model is implied (jaxmoe); pass the checkpoint in --model_args")
+    if args[:1] in (["ls"], ["validate"]):
+        sys.argv = ["jaxmoe lm-eval", *args]
+    else:
+        sys.argv = ["jaxmoe lm-eval", "run", "--model", "jaxmoe", *args]
+    cli_evaluate()
+    return 0

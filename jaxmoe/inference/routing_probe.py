@@ -1,0 +1,152 @@
+"""The device side of `jaxmoe analyze-routing`: per-token gate decisions of every MoE layer.
+
+Each MoE FFN of the restored model is wrapped in a RoutingProbe, whose aux adds
+`top2_mask_BL`: the decision the gate of gates.py makes on the layer's own input. The jitted
+program returns these masks (replicated, so any process can read them) and the host feeds
+them, batch by batch, to the counters of routing_counts.py.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxmoe.inference.routing_counts import RoutingCounts
+from jaxmoe.models.moe import gates
+from jaxmoe.models.moe.layer import MoE
+from jaxmoe.models.stack import stack_modules
+
+GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
+
+
+class RoutingProbe(nnx.Module):
+    """An MoE layer plus `top2_mask_BL` in its aux: bool [B, L], True where `gate_cfg` keeps
+    two or more experts for the token (the layer's own output is unchanged)."""
+
+    def __init__(self, moe: MoE, gate_cfg: gates.GateConfig):
+        self.moe = moe
+        self.gate_cfg = gate_cfg
+
+    def __call__(self, x_BLD, *, train: bool):
+        y_BLD, aux = self.moe(x_BLD, train=train)
+        batch, length, _ = x_BLD.shape
+        # The layer's own router code: borderline gaps fall on the same side of the threshold.
+        _, probs_TE = self.moe.route_probs(x_BLD, train=False)
+        routing = gates.route(probs_TE, self.gate_cfg)
+        top2_BL = (jnp.sum(routing.mask, axis=-1) >= 2).reshape(batch, length)
+        return y_BLD, {**aux, "top2_mask_BL": top2_BL}
+
+
+def attach_probes(model, gate: str) -> None:
+    """Wrap every MoE FFN of a DecoderLM or EncoderDecoderLM in a RoutingProbe (in place)."""
+    if gate not in GATE_CHOICES:
+        raise ValueError(f"gate={gate!r}: expected one of {GATE_CHOICES}")
+    for stack in ("layers", "encoder_layers", "decoder_layers"):
+        # A scanned stack's period blocks hold all periods' MoE layers: one probe each.
+        for block in stack_modules(getattr(model, stack, ())):
+            if isinstance(block.ffn, MoE):
+                gate_cfg = block.ffn.train_gate if gate == "train" else block.ffn.eval_gate
+                block.ffn = RoutingProbe(block.ffn, gate_cfg)
+
+
+def layer_name(aux_key) -> tuple[str, str, int]:
+    """(name, stack, index) of a model aux key: int i (decoder-only) -> "layer_i", as the
+    training metrics name it; "encoder_i" / "decoder_i" (encoder-decoder) as they are."""
+    if isinstance(aux_key, int):
+        return f"layer_{aux_key}", "decoder", aux_key
+    stack, _, index = aux_key.rpartition("_")
+    return aux_key, stack, int(index)
+
+
+def routing_masks(params, batch, graphdef, gate: str, rest=None) -> dict:
+    """{aux key as str: top2_mask_BL} for every MoE layer on one batch."""
+    from jaxmoe.models.spec import merge_model
+
+    model = merge_model(graphdef, params, rest)
+    attach_probes(model, gate)
+    if "encoder_inputs" in batch:
+        _, aux = model(batch["encoder_inputs"], batch["inputs"], train=False)
+    else:
+        _, aux = model(batch["inputs"], train=False)
+    # The logits are unused: XLA drops the output layer from this program.
+    return {layer_name(key)[0]: value["top2_mask_BL"] for key, value in aux.items()}
+
+
+def moe_layers(config) -> list[tuple[str, str]]:
+    """(name, stack) of the model's MoE layers in model order (encoder first)."""
+    from jaxmoe.models.ffn import is_moe_layer
+
+    m = config.model
+    if m.arch == "encoder_decoder":
+        layers = [(f"encoder_{i}", "encoder") for i in range(m.num_encoder_layers or m.num_layers)]
+        layers += [(f"decoder_{i}", "decoder") for i in range(m.num_layers)]
+        return [(name, stack) for name, stack in layers if is_moe_layer(m, layer_name(name)[2])]
+    return [(f"layer_{i}", "decoder") for i in range(m.num_layers) if is_moe_layer(m, i)]
+
+
+def _count_batch(counts: RoutingCounts, batch: dict, masks: dict) -> None:
+    """Feed one batch's host masks to the counters, stack by stack."""
+    for stack in counts.stacks:
+        names = [counts.layers[m] for m in counts.layers_of(stack)]
+        top2_MBL = np.stack([masks[name] for name in names])
+        if stack == "encoder":
+            tokens_BL = batch["encoder_inputs"]
+            valid_BL = tokens_BL != 0  # id 0 pads the encoder (T5)
+        else:
+            tokens_BL, valid_BL = batch["inputs"], batch["weights"] > 0
+        counts.add(stack, tokens_BL, valid_BL, top2_MBL)
+
+
+def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int = 0):
+    """RoutingCounts of `checkpoint` over `batches` (an iterable of global host batches),
+    computed on the mesh of `config.mesh`; returns (counts, number of batches)."""
+    from jaxmoe.checkpoints.restore import restore_on_mesh
+    from jaxmoe.models.spec import model_spec
+    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.parallel.sharding import batch_spec, strict_param_check
+
+    layers = moe_layers(config)
+    if not layers:
+        raise ValueError(
+            f"model.moe.num_experts={config.model.moe.num_experts}: the checkpoint's model "
+            f"has no MoE layer to analyse"
+        )
+    if int(config.model.vocab_size) < 1:
+        raise ValueError(
+            f"model.vocab_size={config.model.vocab_size}: the analysis needs the trained size "
+            f"(use the config stored with the checkpoint, or set --config.model.vocab_size)"
+        )
+    mesh = make_mesh(config.mesh)
+    spec = model_spec(config.model, mesh)
+    strict_param_check(spec, mesh)
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    # Replicated outputs: every process can read the whole batch's masks.
+    step = jax.jit(
+        lambda p, b: routing_masks(p, b, spec.graphdef, gate, spec.rest),
+        out_shardings=NamedSharding(mesh, PartitionSpec()),
+    )
+    counts = RoutingCounts(
+        [name for name, _ in layers], [stack for _, stack in layers], int(config.model.vocab_size)
+    )
+    pending, num_batches = None, 0
+    with jax.set_mesh(mesh):
+        for batch in batches:
+            if max_batches and num_batches >= max_batches:
+                break
+            device_batch = {
+                key: jax.device_put(value, NamedSharding(mesh, batch_spec(mesh, *_dims(value))))
+                for key, value in batch.items()
+            }
+            masks = step(params, device_batch)
+            # Count the previous batch while this one runs on the devices.
+            if pending is not None:
+                _count_batch(counts, pending[0], jax.device_get(pending[1]))
+            pending, num_batches = (batch, masks), num_batches + 1
+        if pending is not None:
+            _count_batch(counts, pending[0], jax.device_get(pending[1]))
+    return counts, num_batches
+
+
+def _dims(value) -> tuple[int, int]:
+    return np.ndim(value), np.shape(value)[0]

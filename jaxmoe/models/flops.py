@@ -1,0 +1,82 @@
+"""Model FLOPs of one training step, from the config: the numerator of MFU.
+
+Counted as PaLM's MFU does: matmul FLOPs only (2 per multiply-add), forward plus backward
+(3x forward): attention projections, attention scores (QK^T and PV over the full key
+length, not halved by the causal mask), dense FFNs, router and experts, the output layer.
+Embedding lookups, norms, softmax and remat recomputation are not model FLOPs.
+
+Why not XLA's cost analysis: it counts a while loop's body once (a `scan` over micro-batches
+or the MoE block loops with their traced trip counts), so it undercounts such programs.
+"""
+
+from jaxmoe.models.ffn import is_moe_layer
+
+
+def experts_per_token(moe_cfg) -> float:
+    """Experts each token runs. Adaptive and top-p gates send a data-dependent share of tokens
+    to a second (or k-th) expert; they are counted at their maximum, an upper bound."""
+    gating = moe_cfg.gating
+    if gating == "top1":
+        return 1.0
+    if gating == "topk":
+        return float(moe_cfg.top_k)
+    if gating == "top_p":
+        return float(moe_cfg.max_k)
+    return 2.0  # top2, adaptive (at most two experts)
+
+
+def ffn_macs_per_token(cfg, layer_index: int) -> float:
+    """Multiply-adds per token of the FFN slot of layer `layer_index` (gated: 3 matrices)."""
+    if is_moe_layer(cfg, layer_index):
+        moe = cfg.moe
+        router = cfg.d_model * moe.num_experts
+        return router + experts_per_token(moe) * 3 * cfg.d_model * moe.ffn_dim
+    return 3 * cfg.d_model * cfg.ffn_dim
+
+
+def _projection_macs(cfg, kv_heads: int) -> float:
+    """q and out ([D, H*d]) plus k and v ([D, K*d]) multiply-adds per token."""
+    return (
+        2 * cfg.d_model * cfg.num_heads * cfg.head_dim + 2 * cfg.d_model * kv_heads * cfg.head_dim
+    )
+
+
+def _score_macs(cfg, query_len: int, key_len: int) -> float:
+    """QK^T and PV multiply-adds of one sequence: 2 * H * d * L * S."""
+    return 2 * cfg.num_heads * cfg.head_dim * query_len * key_len
+
+
+def forward_macs_per_sequence(cfg, seq_len: int, encoder_seq_len: int | None = None) -> float:
+    """Forward multiply-adds of one sequence (decoder tokens `seq_len`, encoder tokens
+    `encoder_seq_len` for model.arch = encoder_decoder)."""
+    length = seq_len
+    output_layer = length * cfg.d_model * cfg.vocab_size
+    if cfg.arch != "encoder_decoder":
+        macs = output_layer
+        for i in range(cfg.num_layers):
+            per_token = _projection_macs(cfg, cfg.num_kv_heads) + ffn_macs_per_token(cfg, i)
+            macs += length * per_token + _score_macs(cfg, length, length)
+        return macs
+    source = encoder_seq_len or seq_len
+    encoder_kv_heads = cfg.get("encoder_num_kv_heads", 0) or cfg.num_heads
+    macs = output_layer
+    for i in range(cfg.num_encoder_layers or cfg.num_layers):
+        per_token = _projection_macs(cfg, encoder_kv_heads) + ffn_macs_per_token(cfg, i)
+        macs += source * per_token + _score_macs(cfg, source, source)
+    q_and_out = 2 * cfg.d_model * cfg.num_heads * cfg.head_dim
+    k_and_v = 2 * cfg.d_model * cfg.num_kv_heads * cfg.head_dim
+    for i in range(cfg.num_layers):
+        self_attention = length * _projection_macs(cfg, cfg.num_kv_heads)
+        self_attention += _score_macs(cfg, length, length)
+        # Cross-attention: queries from decoder tokens, keys/values from encoder tokens.
+        cross = length * q_and_out + source * k_and_v + _score_macs(cfg, length, source)
+        macs += self_attention + cross + length * ffn_macs_per_token(cfg, i)
+    return macs
+
+
+def train_flops_per_step(
+    model_cfg, batch_size: int, seq_len: int, encoder_seq_len: int | None = None
+) -> float:
+    """Model FLOPs of one optimizer step over `batch_size` sequences (forward + backward)."""
+    forward = forward_macs_per_sequence(model_cfg, seq_len, encoder_seq_len)
+    return 3 * 2 * forward * batch_size

@@ -1,0 +1,245 @@
+"""Dispatch of tokens to experts and combination of their outputs, on one device or shard.
+
+Implementations, chosen by `model.moe.dispatch`:
+- "blocks": assignments laid out by expert, block loops whose cost follows the number of
+  assignments (grouped_ffn.py). The CPU default.
+- "ragged": the same expert-sorted layout fed to `jax.lax.ragged_dot` (a grouped matmul
+  kernel on GPU/TPU; on CPU it is lowered to a masked dense matmul over every group, so its
+  cost does not fall with fewer assignments). The GPU/TPU default when dropless.
+- "dense": every expert on every token, masked. A reference for tests and tiny models.
+- "capacity": GShard-style fixed buffers [E, B * C, D]; needs capacity_factor > 0. The
+  GPU/TPU default with a capacity (static shapes suit their matmul units).
+
+The first three share one signature over "assignments": y_ND[n] = sum over valid a with
+src_A[a] = n of weight_A[a] * FFN_{expert_A[a]}(x_ND[n]), FFN_e(x) = act(x wi_0[e]) *
+(x wi_1[e]) wo[e]. The expert-parallel code reuses it on the rows it receives.
+
+Capacity (GShard): per sequence (the "group"), each expert takes at most
+C = ceil(capacity_factor * L * K / E) assignments; all first choices of the sequence are
+served before any second choice, and within a slot earlier tokens first. The rest are
+dropped (their combine weight becomes 0; the residual connection carries the token).
+"""
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.models.moe.grouped_ffn import expert_ranks, grouped_ffn_blocks
+
+Activation = Callable[[jax.Array], jax.Array]
+Experts = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, D, F], wi_1 [E, D, F], wo [E, F, D]
+DISPATCHES = ("auto", "blocks", "ragged", "dense", "capacity")
+
+
+def resolve_dispatch(name: str, capacity_factor: float, backend: str | None = None) -> str:
+    """The implementation to run: `name`, or for "auto" the best measured for the backend."""
+    if name not in DISPATCHES:
+        raise ValueError(f"model.moe.dispatch: got {name!r}, expected {' | '.join(DISPATCHES)}")
+    if name == "capacity" and capacity_factor <= 0:
+        raise ValueError("model.moe.dispatch='capacity' needs model.moe.capacity_factor > 0")
+    if name != "auto":
+        return name
+    on_cpu = (backend or jax.default_backend()) == "cpu"
+    if on_cpu:
+        return "blocks"  # with a capacity, blocks skip dropped assignments for free
+    return "capacity" if capacity_factor > 0 else "ragged"
+
+
+def expert_capacity(capacity_factor: float, group_size: int, slots: int, num_experts: int) -> int:
+    """C = ceil(capacity_factor * group_size * slots / num_experts), at least 1."""
+    return max(1, math.ceil(capacity_factor * group_size * slots / num_experts))
+
+
+def slot_ranks(indices_BLK: jax.Array, mask_BLK: jax.Array, num_experts: int) -> jax.Array:
+    """rank_BLK: position of each assignment in its (sequence, expert) queue, -1 if masked.
+
+    The queue is slot-major: every first choice of the sequence, then every second, ...
+    """
+    batch, length, slots = indices_BLK.shape
+
+    def slot_major(a_BLK):
+        return a_BLK.transpose(0, 2, 1).reshape(batch, slots * length)
+
+    ranks = jax.vmap(lambda e, m: expert_ranks(e, m, num_experts)[0])
+    rank_BA = ranks(slot_major(indices_BLK), slot_major(mask_BLK))
+    return rank_BA.reshape(batch, slots, length).transpose(0, 2, 1)
+
+
+def capacity_keep(indices_BLK, mask_BLK, num_experts: int, capacity: int) -> jax.Array:
+    """keep_BLK: the assignments that fit in their expert's capacity (see module doc)."""
+    return mask_BLK & (slot_ranks(indices_BLK, mask_BLK, num_experts) < capacity)
+
+
+def expert_ffn_ERD(x_ERD: jax.Array, experts: Experts, act: Activation) -> jax.Array:
+    """Each expert on its own rows: x [E, R, D] -> [E, R, D] (one batched matmul each).
+
+    Expert-major on purpose: with the expert dim first XLA runs plain batched matmuls;
+    a [B, E, C, D] layout measured 2x slower on CPU (transposes around every product).
+    """
+    wi_0, wi_1, wo = experts
+    gate = jnp.einsum("erd,edf->erf", x_ERD, wi_0)
+    up = jnp.einsum("erd,edf->erf", x_ERD, wi_1)
+    return jnp.einsum("erf,efd->erd", act(gate) * up, wo)
+
+
+def dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
+    """Every expert on every row, combined with a [N, E] weight matrix."""
+    wi_0, wi_1, wo = experts
+    num_rows, num_experts = x_ND.shape[0], wi_0.shape[0]
+    hidden_ENF = act(jnp.einsum("nd,edf->enf", x_ND, wi_0)) * jnp.einsum("nd,edf->enf", x_ND, wi_1)
+    out_END = jnp.einsum("enf,efd->end", hidden_ENF, wo)
+    weight_A = jnp.where(valid_A, weight_A, 0).astype(jnp.float32)
+    combine_NE = jnp.zeros((num_rows, num_experts), jnp.float32)
+    combine_NE = combine_NE.at[src_A, expert_A].add(weight_A)
+    y_ND = jnp.einsum("end,ne->nd", out_END.astype(jnp.float32), combine_NE)
+    return y_ND.astype(x_ND.dtype)
+
+
+# Largest [rows, F / n] hidden buffer the ragged dispatch makes at once (bytes), and the
+# granularity of its F chunks (a TPU vector lane is 128 wide).
+RAGGED_CHUNK_BYTES = 128 * 2**20
+RAGGED_CHUNK_LANES = 128
+
+
+def ffn_chunks(rows: int, ffn: int, itemsize: int) -> int:
+    """How many slices of the expert width F the ragged dispatch runs one after another.
+
+    The smallest n dividing F into multiples of RAGGED_CHUNK_LANES with a [rows, F / n]
+    hidden buffer of at most RAGGED_CHUNK_BYTES; 1 when F cannot be split so.
+    """
+    valid = [n for n in range(1, ffn + 1) if ffn % n == 0 and (ffn // n) % RAGGED_CHUNK_LANES == 0]
+    for n in valid:
+        if rows * (ffn // n) * itemsize <= RAGGED_CHUNK_BYTES:
+            return n
+    return valid[-1] if valid else 1
+
+
+def _ragged_chunk(x_RD, wi_0, wi_1, wo, counts_E, act):
+    """One slice of the expert width: act(x wi_0) * (x wi_1) wo, per group, [R, D].
+
+    In the compute dtype: f32 [R, D] partial sums would cost more memory than the hidden
+    slice saved.
+    """
+    hidden_RF = act(jax.lax.ragged_dot(x_RD, wi_0, counts_E)) * jax.lax.ragged_dot(
+        x_RD, wi_1, counts_E
+    )
+    return jax.lax.ragged_dot(hidden_RF, wo, counts_E)
+
+
+def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
+    """Assignments sorted by expert (one-hot cumsum ranks) through `jax.lax.ragged_dot`.
+
+    The expert width F runs in `ffn_chunks` slices, each under `jax.checkpoint`: the
+    backward pass recomputes one slice's [R, F / n] hidden activations at a time instead of
+    keeping all of them (with the block rematerialised, the slice's forward is not
+    recomputed twice: its output is not needed to rebuild the block's residuals).
+    """
+    wi_0, wi_1, wo = experts
+    num_rows, num_assign = x_ND.shape[0], src_A.shape[0]
+    rank_A, counts_E = expert_ranks(expert_A, valid_A, wi_0.shape[0])
+    offset_E = jnp.cumsum(counts_E) - counts_E
+    row_A = jnp.where(valid_A, offset_E[expert_A] + rank_A, num_assign)
+    row_src_R = jnp.full((num_assign,), num_rows, jnp.int32)
+    row_src_R = row_src_R.at[row_A].set(src_A.astype(jnp.int32), mode="drop")
+    x_RD = x_ND.at[row_src_R].get(mode="fill", fill_value=0)
+    # Rows past sum(counts_E) belong to no group: ragged_dot leaves them zero.
+    ffn = wi_0.shape[-1]
+    chunks = ffn_chunks(num_assign, ffn, x_ND.dtype.itemsize)
+    width = ffn // chunks
+    chunk = _ragged_chunk if chunks == 1 else jax.checkpoint(_ragged_chunk, static_argnums=5)
+    out_RD = sum(
+        chunk(
+            x_RD,
+            wi_0[..., c * width : (c + 1) * width],
+            wi_1[..., c * width : (c + 1) * width],
+            wo[:, c * width : (c + 1) * width],
+            counts_E,
+            act,
+        )
+        for c in range(chunks)
+    )
+    # Combined in the compute dtype, like the output: under expert parallelism every
+    # received row is one assignment, and f32 copies of [rows, D] would double the largest
+    # buffers of the layer for one rounding step.
+    out_AD = out_RD.at[row_A].get(mode="fill", fill_value=0)
+    weight_A = jnp.where(valid_A, weight_A, 0).astype(x_ND.dtype)
+    return jnp.zeros_like(x_ND).at[src_A].add(out_AD * weight_A[:, None])
+
+
+def grouped_ffn(
+    x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act, impl, block_size
+):
+    """Dispatches to the "blocks", "ragged" or "dense" implementation (same result)."""
+    if impl == "blocks":
+        return grouped_ffn_blocks(
+            x_ND, src_A, expert_A, weight_A, valid_A, *experts, act=act, block_size=block_size
+        )
+    if impl == "ragged":
+        return ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
+    if impl == "dense":
+        return dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
+    raise ValueError(f"model.moe.dispatch: {impl!r} is not an assignment dispatch")
+
+
+def capacity_buffers(x_BLD, indices_BLK, keep_BLK, num_experts: int, capacity: int):
+    """(x_ERD, slot_BLK): kept assignments gathered into expert buffers, R = B * C rows.
+
+    Expert e's buffer holds C rows per sequence. slot_BLK indexes the flattened
+    [E * B * C] buffer (E * B * C where not kept).
+    """
+    batch, length, dim = x_BLD.shape
+    rank_BLK = slot_ranks(indices_BLK, keep_BLK, num_experts)
+    seq_B11 = jnp.arange(batch)[:, None, None]
+    slot_BLK = (indices_BLK * batch + seq_B11) * capacity + rank_BLK
+    buffer_rows = num_experts * batch * capacity
+    slot_BLK = jnp.where(keep_BLK & (rank_BLK < capacity), slot_BLK, buffer_rows)
+    token_BLK = jnp.broadcast_to(
+        jnp.arange(batch * length).reshape(batch, length, 1), indices_BLK.shape
+    )
+    slot_src = jnp.full((buffer_rows,), batch * length, jnp.int32)
+    slot_src = slot_src.at[slot_BLK.reshape(-1)].set(token_BLK.reshape(-1), mode="drop")
+    x_SD = x_BLD.reshape(batch * length, dim).at[slot_src].get(mode="fill", fill_value=0)
+    return x_SD.reshape(num_experts, batch * capacity, dim), slot_BLK
+
+
+def capacity_combine(out_ERD, slot_BLK, weights_BLK) -> jax.Array:
+    """y_BLD = sum_k weight * expert output at the assignment's slot (0 if dropped)."""
+    out_SD = out_ERD.reshape(-1, out_ERD.shape[-1])
+    out_BLKD = out_SD.at[slot_BLK].get(mode="fill", fill_value=0).astype(jnp.float32)
+    return jnp.einsum("blkd,blk->bld", out_BLKD, weights_BLK.astype(jnp.float32))
+
+
+def capacity_ffn(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts: Experts, *, act, capacity):
+    """GShard-style fixed-capacity layer on one device."""
+    num_experts = experts[0].shape[0]
+    x_ERD, slot_BLK = capacity_buffers(x_BLD, indices_BLK, keep_BLK, num_experts, capacity)
+    out_ERD = expert_ffn_ERD(x_ERD, experts, act)
+    return capacity_combine(out_ERD, slot_BLK, weights_BLK).astype(x_BLD.dtype)
+
+
+def local_moe_ffn(
+    x_BLD, indices_BLK, weights_BLK, keep_BLK, experts: Experts, *, act, impl, block_size, capacity
+):
+    """The MoE FFN on tokens and experts that are all on this device: y_BLD."""
+    x_BLD = jnp.asarray(x_BLD)
+    if impl == "capacity":
+        return capacity_ffn(
+            x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, act=act, capacity=capacity
+        )
+    batch, length, dim = x_BLD.shape
+    slots = indices_BLK.shape[-1]
+    src_A = jnp.repeat(jnp.arange(batch * length, dtype=jnp.int32), slots)
+    y_TD = grouped_ffn(
+        x_BLD.reshape(batch * length, dim),
+        src_A,
+        indices_BLK.reshape(-1),
+        weights_BLK.reshape(-1),
+        keep_BLK.reshape(-1),
+        experts,
+        act=act,
+        impl=impl,
+        block_size=block_size,
+    )
+    return y_TD.reshape(batch, length, dim)

@@ -1,0 +1,174 @@
+"""Gates: pure functions from router probabilities to (expert indices, combine weights, mask).
+
+Every gate maps probs_TE [T, E] (softmax of the router logits, f32) to a `Routing` of
+indices_TK (int32), weights_TK (f32) and mask_TK (bool) with a static number K of slots per
+token; slot 0 is the top-1 expert, later slots are lower ranked. Masked slots carry weight 0
+and must be ignored by the dispatch.
+
+- `top1` (Switch): K = 1. `top2` (GShard): K = 2. `topk`: K = top_k.
+- `adaptive` (Li et al. 2023): K = 2; the second expert is used when gap < threshold
+  (strict, as in the paper), where with `gap_normalization`
+    "top2" (default): gap = (p1 - p2) / (p1 + p2), the top-2 probabilities renormalised to
+      sum to one (the paper "normalizes the expert probability"; this is its most likely
+      reading). The gap lies in [0, 1]: threshold 0 is top-1, threshold 1 is top-2 (for
+      every token whose second probability is not exactly 0);
+    "none": gap = p1 - p2 on the raw softmax probabilities.
+- `top_p` (Huang et al. 2024): the smallest set of experts, by descending probability,
+  whose probabilities sum to at least top_p, capped at K = max_k experts (static shapes).
+
+Combine weights, for every gate (the paper: "weighted by the router probabilities of the
+chosen experts"; it leaves the two details below open):
+- `renormalize` (default False): a token with two or more experts gets their raw router
+  probabilities (False) or those probabilities divided by their sum (True, as in GShard
+  and Mixtral).
+- `single_weight` (default "prob"): a token with one expert gets its probability ("prob",
+  as in Switch) or 1 ("one").
+
+Losses (unweighted; the trainer multiplies by the config coefficients):
+- `balance_loss`: E * sum_e f_e * P_e with P_e the mean router probability of expert e.
+  For `adaptive`, f_e is the share of tokens whose top-1 expert is e (the paper's Eq. 4:
+  second choices carry no balancing term). For the other gates, f_e is expert e's share of
+  all chosen (unmasked) assignments; for top1 this is the Switch loss, for top2 / topk the
+  GShard form counting every choice. Both equal 1 under perfect balance. Counts are taken
+  before any capacity drop (they measure the router, not the dispatch). `fractions`
+  overrides the choice: "top1" counts only each token's top-1 expert for any gate (what
+  GShard's implementation does for its top-2 baseline), "chosen" every unmasked choice.
+- `z_loss` (ST-MoE): mean over tokens of logsumexp(logits)^2.
+"""
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+GATES = ("top1", "top2", "topk", "adaptive", "top_p")
+GAP_NORMALIZATIONS = ("top2", "none")
+SINGLE_WEIGHTS = ("prob", "one")
+
+
+class Routing(NamedTuple):
+    """indices_TK int32, weights_TK f32 (0 where masked), mask_TK bool."""
+
+    indices: jax.Array
+    weights: jax.Array
+    mask: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class GateConfig:
+    """Static gate options (hashable: safe to close over in jitted code)."""
+
+    gating: str = "adaptive"
+    threshold: float = 0.1
+    top_k: int = 2
+    top_p: float = 0.4
+    max_k: int = 2
+    gap_normalization: str = "top2"
+    renormalize: bool = False
+    single_weight: str = "prob"
+
+    def __post_init__(self):
+        def bad(key, value, allowed):
+            return ValueError(f"model.moe.{key}: got {value!r}, expected {allowed}")
+
+        if self.gating not in GATES:
+            raise bad("gating", self.gating, " | ".join(GATES))
+        if self.gap_normalization not in GAP_NORMALIZATIONS:
+            raise bad("gap_normalization", self.gap_normalization, " | ".join(GAP_NORMALIZATIONS))
+        if self.single_weight not in SINGLE_WEIGHTS:
+            raise bad("single_weight", self.single_weight, " | ".join(SINGLE_WEIGHTS))
+        if self.top_k < 1:
+            raise bad("top_k", self.top_k, "an integer >= 1")
+        if self.max_k < 1:
+            raise bad("max_k", self.max_k, "an integer >= 1")
+        if not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", self.top_p, "a probability in (0, 1]")
+        if not 0.0 <= self.threshold <= 1.0:
+            raise bad("threshold", self.threshold, "a number in [0, 1]")
+
+
+def num_slots(cfg: GateConfig) -> int:
+    """K, the static number of expert slots per token."""
+    return {"top1": 1, "top2": 2, "topk": cfg.top_k, "adaptive": 2, "top_p": cfg.max_k}[cfg.gating]
+
+
+def combine_weights(chosen_TK, mask_TK, cfg: GateConfig):
+    """Weights of the chosen experts from their probabilities chosen_TK (see module doc)."""
+    chosen_TK = jnp.where(mask_TK, chosen_TK, 0.0)
+    # Softmax probabilities can underflow to 0; keep the division finite.
+    total_T1 = jnp.maximum(jnp.sum(chosen_TK, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+    multi_TK = chosen_TK / total_T1 if cfg.renormalize else chosen_TK
+    single_TK = chosen_TK if cfg.single_weight == "prob" else mask_TK.astype(chosen_TK.dtype)
+    is_single_T1 = jnp.sum(mask_TK, axis=-1, keepdims=True) == 1
+    return jnp.where(is_single_T1, single_TK, multi_TK)
+
+
+def _first_k(probs_TE, k: int):
+    k = min(k, probs_TE.shape[-1])
+    chosen_TK, indices_TK = jax.lax.top_k(probs_TE, k)  # ties: lower index first
+    return chosen_TK, indices_TK.astype(jnp.int32)
+
+
+def topk_gate(probs_TE, cfg: GateConfig, k: int) -> Routing:
+    """The k most probable experts for every token (top1: k = 1, top2: k = 2)."""
+    chosen_TK, indices_TK = _first_k(probs_TE, k)
+    mask_TK = jnp.ones(indices_TK.shape, bool)
+    return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
+
+
+def adaptive_gate(probs_TE, cfg: GateConfig) -> Routing:
+    """Top-2 where the (normalised) gap p1 - p2 is below the threshold, else top-1."""
+    chosen_T2, indices_T2 = _first_k(probs_TE, 2)
+    p1_T, p2_T = chosen_T2[:, 0], chosen_T2[:, 1]
+    gap_T = p1_T - p2_T
+    if cfg.gap_normalization == "top2":
+        gap_T = gap_T / (p1_T + p2_T)
+    mask_T2 = jnp.stack([jnp.ones_like(p1_T, bool), gap_T < cfg.threshold], axis=1)
+    return Routing(indices_T2, combine_weights(chosen_T2, mask_T2, cfg), mask_T2)
+
+
+def top_p_gate(probs_TE, cfg: GateConfig) -> Routing:
+    """The smallest descending set of experts whose probabilities reach top_p (<= max_k)."""
+    chosen_TK, indices_TK = _first_k(probs_TE, cfg.max_k)
+    # An expert joins while the experts ranked above it sum to less than p (the first always).
+    before_TK = jnp.cumsum(chosen_TK, axis=-1) - chosen_TK
+    mask_TK = before_TK < cfg.top_p
+    return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
+
+
+def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
+    """Applies the gate named by cfg.gating to probs_TE [T, E]."""
+    if cfg.gating == "adaptive":
+        return adaptive_gate(probs_TE, cfg)
+    if cfg.gating == "top_p":
+        return top_p_gate(probs_TE, cfg)
+    return topk_gate(probs_TE, cfg, num_slots(cfg))
+
+
+BALANCE_FRACTIONS = ("auto", "top1", "chosen")
+
+
+def balance_loss(
+    probs_TE: jax.Array, routing: Routing, gating: str, fractions: str = "auto"
+) -> jax.Array:
+    """E * sum_e f_e * P_e (see the module docstring for f_e per gate); a f32 scalar."""
+    if fractions not in BALANCE_FRACTIONS:
+        raise ValueError(f"balance fractions {fractions!r} not one of {BALANCE_FRACTIONS}")
+    num_experts = probs_TE.shape[-1]
+    mean_prob_E = jnp.mean(probs_TE, axis=0)
+    top1_only = fractions == "top1" or (fractions == "auto" and gating == "adaptive")
+    if top1_only:
+        top1_TE = jax.nn.one_hot(routing.indices[:, 0], num_experts, dtype=jnp.float32)
+        fraction_E = jnp.mean(top1_TE, axis=0)
+    else:
+        chosen_TKE = jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32)
+        counts_E = jnp.sum(chosen_TKE * routing.mask[..., None], axis=(0, 1))
+        fraction_E = counts_E / jnp.maximum(jnp.sum(counts_E), 1.0)
+    # The fractions come from hard choices: no gradient flows through them (as in Switch).
+    return num_experts * jnp.sum(jax.lax.stop_gradient(fraction_E) * mean_prob_E)
+
+
+def z_loss(logits_TE: jax.Array) -> jax.Array:
+    """Router z-loss: mean_t logsumexp(logits_t)^2 (a f32 scalar)."""
+    return jnp.mean(jnp.square(jax.nn.logsumexp(logits_TE.astype(jnp.float32), axis=-1)))

@@ -1,0 +1,188 @@
+"""The mixture-of-experts FFN layer: f32 router, a gate from gates.py, gated-FFN experts.
+
+Parameters (logical axis names in parentheses; converters rely on these names):
+  router [D, E] ("embed", None), wi_0 / wi_1 [E, D, F] ("expert", "embed", "expert_mlp"),
+  wo [E, F, D] ("expert", "expert_mlp", "embed"). Expert e computes
+  act(x wi_0[e]) * (x wi_1[e]) wo[e], like layers.GatedMLP.
+
+`MoE(cfg, rngs=...)(x_BLD, train=...)` returns (y_BLD, aux) with aux scalars
+`top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`, `balance_loss`,
+`router_z_loss` (losses unweighted) and `top2_per_example` [B]. Dispatch choices are in
+dispatch.py; under a mesh with more than one device the FFN runs in expert_parallel.py.
+"""
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmoe.models.layers import activation_fn, fan_in_init, make_param
+from jaxmoe.models.moe import dispatch, expert_parallel, gates
+
+
+def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
+    """The GateConfig for `gating` with the options of the model.moe ConfigDict."""
+    return gates.GateConfig(
+        gating=gating,
+        threshold=float(moe_cfg.threshold),
+        top_k=int(moe_cfg.top_k),
+        top_p=float(moe_cfg.top_p),
+        max_k=int(moe_cfg.max_k),
+        gap_normalization=moe_cfg.gap_normalization,
+        renormalize=bool(moe_cfg.renormalize),
+        single_weight=moe_cfg.single_weight,
+    )
+
+
+def check_moe_config(cfg) -> None:
+    """The MoE options' ranges, checked once: config validation calls this (as ConfigError)
+    and so does the layer, for callers that build models without validating. ValueError."""
+    moe = cfg.moe
+    num_experts = int(moe.num_experts)
+    if num_experts < 2:
+        raise ValueError(
+            f"model.moe.num_experts={num_experts}: an MoE layer needs >= 2 experts "
+            "(model.moe.num_experts=0 is the dense model)"
+        )
+    for key in ("ffn_dim", "block_size"):
+        if int(moe[key]) < 1:
+            raise ValueError(f"model.moe.{key}: expected a positive integer, got {moe[key]!r}")
+    for key in ("top_k", "max_k"):
+        if int(moe[key]) > num_experts:
+            raise ValueError(
+                f"model.moe.{key}={moe[key]} exceeds model.moe.num_experts={num_experts}"
+            )
+    for key in ("capacity_factor", "jitter"):
+        if float(moe[key]) < 0:
+            raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
+    if float(moe.get("ep_buffer_factor", 2.0)) <= 0:
+        raise ValueError(
+            f"model.moe.ep_buffer_factor: expected a number > 0, got {moe.ep_buffer_factor!r}"
+        )
+    exchange = moe.get("ep_exchange", "auto")
+    if exchange not in expert_parallel.EXCHANGES:
+        raise ValueError(
+            f"model.moe.ep_exchange: got {exchange!r}, expected "
+            + " | ".join(expert_parallel.EXCHANGES)
+        )
+    if float(moe.jitter) >= 1:
+        raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
+    dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
+    if moe.eval_gating and moe.eval_gating not in gates.GATES:
+        raise ValueError(
+            f"model.moe.eval_gating: got {moe.eval_gating!r}, expected '' or "
+            + " | ".join(gates.GATES)
+        )
+    for gating in {moe.gating, moe.eval_gating or moe.gating}:
+        gate_config(moe, gating)  # the gate's own checks (names, top_k, top_p, threshold)
+
+
+class MoE(nnx.Module):
+    """Router + gate + experts; see the module docstring for shapes and outputs."""
+
+    def __init__(self, cfg, *, rngs: nnx.Rngs):
+        check_moe_config(cfg)
+        moe = cfg.moe
+        dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
+        self.num_experts = num_experts
+        self.act = activation_fn(cfg.activation)
+        self.train_gate = gate_config(moe, moe.gating)
+        self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
+        self.capacity_factor = float(moe.capacity_factor)
+        self.impl = dispatch.resolve_dispatch(moe.dispatch, self.capacity_factor)
+        self.block_size = int(moe.block_size)
+        self.jitter = float(moe.jitter)
+        self.balance_fractions = str(moe.get("balance_fractions", "auto"))
+        self.ep_exchange = str(moe.get("ep_exchange", "auto"))
+        self.ep_buffer_factor = float(moe.get("ep_buffer_factor", 2.0))
+        # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
+        # are neither uniform (every adaptive token would take two experts) nor one-hot.
+        self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
+        expert_in = ("expert", "embed", "expert_mlp")
+        self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+        expert_out = ("expert", "expert_mlp", "embed")
+        self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
+        self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
+
+    def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
+        """Router logits and probabilities, f32 [B*L, E] each (jitter only in training).
+        Routing analysis calls this too, so its decisions are the layer's to the bit."""
+        router_in = x_BLD.astype(jnp.float32)
+        if train and self.jitter > 0:
+            noise = jax.random.uniform(
+                self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
+            )
+            router_in = router_in * noise
+        logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
+        return logits_TE, jax.nn.softmax(logits_TE, axis=-1)
+
+    def __call__(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, dict]:
+        batch, length, dim = x_BLD.shape
+        if dim != self.router.shape[0]:
+            raise ValueError(
+                f"MoE: x has shape {x_BLD.shape}, expected last dim {self.router.shape[0]}"
+            )
+        gate_cfg = self.train_gate if train else self.eval_gate
+        logits_TE, probs_TE = self.route_probs(x_BLD, train=train)
+        routing = gates.route(probs_TE, gate_cfg)
+        slots = routing.indices.shape[-1]
+
+        def per_seq(a_TK):
+            return a_TK.reshape(batch, length, slots)
+
+        indices_BLK, weights_BLK, mask_BLK = map(per_seq, routing)
+        capacity = 0
+        keep_BLK = mask_BLK
+        if self.capacity_factor > 0:
+            capacity = dispatch.expert_capacity(
+                self.capacity_factor, length, slots, self.num_experts
+            )
+            keep_BLK = dispatch.capacity_keep(indices_BLK, mask_BLK, self.num_experts, capacity)
+
+        dtype = x_BLD.dtype
+        experts = tuple(w[...].astype(dtype) for w in (self.wi_0, self.wi_1, self.wo))
+        options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
+        args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
+        mesh = expert_parallel.current_mesh()
+        overflow_BLK = jnp.zeros(keep_BLK.shape, bool)
+        if mesh is None:
+            y_BLD = dispatch.local_moe_ffn(*args, **options)
+        else:
+            y_BLD, overflow_BLK = expert_parallel.sharded_moe_ffn(
+                mesh,
+                *args,
+                **options,
+                exchange=self.ep_exchange,
+                buffer_factor=self.ep_buffer_factor,
+            )
+        if capacity:  # capacity mode: what overflowed the exchange's buffer was dropped
+            keep_BLK = keep_BLK & ~overflow_BLK
+
+        aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts)
+        # Assignments past the expert-parallel receive buffer: sent in further rounds when
+        # dropless, dropped (and in dropped_fraction) with a capacity.
+        assigned = jnp.maximum(jnp.sum(mask_BLK.astype(jnp.float32)), 1.0)
+        aux["exchange_overflow"] = jnp.sum(overflow_BLK.astype(jnp.float32)) / assigned
+        aux["balance_loss"] = gates.balance_loss(
+            probs_TE, routing, gate_cfg.gating, self.balance_fractions
+        )
+        aux["router_z_loss"] = gates.z_loss(logits_TE)
+        return y_BLD.astype(dtype), aux
+
+
+def routing_metrics(routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int) -> dict:
+    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32)."""
+    multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32)
+    load_E = jnp.sum(
+        jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32) * routing.mask[..., None],
+        axis=(0, 1),
+    )
+    assigned = jnp.sum(mask_BLK.astype(jnp.float32))
+    kept = jnp.sum(keep_BLK.astype(jnp.float32))
+    return {
+        "top2_fraction": jnp.mean(multi_BL),
+        "top2_per_example": jnp.mean(multi_BL, axis=1),
+        # Population std / mean of the per-expert assignment counts (before any drop).
+        "expert_load_cv": jnp.std(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
+        "dropped_fraction": 1.0 - kept / jnp.maximum(assigned, 1.0),
+    }

@@ -1,0 +1,2 @@
+"""Where files live: paths as users type them (local, `~`, gs://), local mirrors of remote
+folders, and a full disk reported in one line."""

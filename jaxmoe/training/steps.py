@@ -1,0 +1,189 @@
+"""The pure train and eval steps: `(state, batch) -> (state, metrics)`.
+
+`state` is a dict {"step", "params", "opt_state"} of arrays; `params` is the model's
+parameters as a nested dict with string keys (what Orbax saves and converters write).
+The model is rebuilt from (graphdef, params) inside the traced function, which costs
+nothing at run time.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxmoe.models.spec import merge_model
+
+SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction", "exchange_overflow")
+
+
+@dataclass(frozen=True)
+class StepFns:
+    """What the pure steps need besides (state, batch); static under jit."""
+
+    graphdef: nnx.GraphDef
+    optimizer: optax.GradientTransformation
+    schedule: optax.Schedule
+    balance_loss_weight: float
+    z_loss_weight: float
+    grad_accum: int
+    skip_nonfinite: bool
+    rest: nnx.State | None = None  # non-parameter model state (ModelSpec.rest)
+    seed: int = 0  # base of the per-step router-jitter and dropout keys
+    logits_z_loss: float = 0.0  # T5X's output z-loss coefficient (train.logits_z_loss)
+
+
+def step_fns(config, spec, optimizer, schedule) -> StepFns:
+    """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer."""
+    return StepFns(
+        graphdef=spec.graphdef,
+        optimizer=optimizer,
+        schedule=schedule,
+        balance_loss_weight=config.model.moe.balance_loss_weight,
+        z_loss_weight=config.model.moe.z_loss_weight,
+        grad_accum=config.train.grad_accum,
+        skip_nonfinite=config.train.nonfinite == "skip",
+        rest=spec.rest,
+        seed=config.train.seed,
+        logits_z_loss=config.train.get("logits_z_loss", 0.0),
+    )
+
+
+def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
+    """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch."""
+    model = merge_model(graphdef, params, rest, rng)
+    if "encoder_inputs" in batch:
+        return model(batch["encoder_inputs"], batch["inputs"], train=train)
+    return model(batch["inputs"], train=train)
+
+
+def token_nll(logits_BLV, targets_BL):
+    return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
+
+
+def logits_z_loss_sum(logits_BLV, weights_BL):
+    """Sum over target tokens of logsumexp(logits)^2 (T5X's z-loss, before its coefficient):
+    it pulls the softmax normaliser towards 1, which keeps bf16 logits well scaled."""
+    log_z = jax.nn.logsumexp(logits_BLV, axis=-1)
+    return jnp.sum(jnp.square(log_z) * weights_BL)
+
+
+def moe_summary(aux: dict) -> dict:
+    """Scalar MoE metrics: means over MoE layers plus per-layer top-2 fractions."""
+    if not aux:
+        return {}
+    layers = list(aux)  # models give aux in layer order (sorted() put decoder_10 first)
+    out = {key: jnp.mean(jnp.stack([aux[i][key] for i in layers])) for key in SCALAR_MOE_KEYS}
+    out["balance_loss"] = jnp.mean(jnp.stack([aux[i]["balance_loss"] for i in layers]))
+    out["router_z_loss"] = jnp.mean(jnp.stack([aux[i]["router_z_loss"] for i in layers]))
+    for i in layers:
+        out[f"top2_fraction/layer_{i}"] = aux[i]["top2_fraction"]
+    return out
+
+
+def _loss(params, batch, total_weight, rng, fns: StepFns):
+    logits, aux = forward(fns.graphdef, params, batch, train=True, rest=fns.rest, rng=rng)
+    nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
+    loss = nll_sum / total_weight
+    extra = {"nll_sum": nll_sum}
+    if fns.logits_z_loss:
+        # Divided by the whole batch's target count, so micro-batch terms add up to the mean.
+        z = fns.logits_z_loss * logits_z_loss_sum(logits, batch["weights"]) / total_weight
+        loss = loss + z
+        extra["logits_z_loss"] = z
+    if aux:
+        layers = list(aux)
+        balance = sum(aux[i]["balance_loss"] for i in layers) * fns.balance_loss_weight
+        z = sum(aux[i]["router_z_loss"] for i in layers) * fns.z_loss_weight
+        loss = loss + (balance + z) / fns.grad_accum
+        # Weighted sums (what the loss adds); balance_loss / router_z_loss are unweighted means.
+        extra |= {"weighted_balance_loss": balance, "weighted_router_z_loss": z}
+        extra |= moe_summary(aux)
+        extra["routing_BM"] = jnp.stack([aux[i]["top2_per_example"] for i in layers], axis=1)
+    return loss, extra
+
+
+def train_step(state, batch, fns: StepFns):
+    """One optimizer step (with `grad_accum` micro-batches scanned in sequence)."""
+    params = state["params"]
+    total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    rng = jax.random.fold_in(jax.random.key(fns.seed), state["step"])
+    if fns.grad_accum == 1:
+        (_, extra), grads = grad_fn(params, batch, total_weight, rng, fns)
+    else:
+        micro = jax.tree.map(
+            lambda x: x.reshape(fns.grad_accum, x.shape[0] // fns.grad_accum, *x.shape[1:]),
+            batch,
+        )
+
+        def body(grads_sum, micro_and_index):
+            micro_batch, index = micro_and_index
+            micro_rng = jax.random.fold_in(rng, index)
+            (_, extra), grads = grad_fn(params, micro_batch, total_weight, micro_rng, fns)
+            return jax.tree.map(jnp.add, grads_sum, grads), extra
+
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        grads, extras = jax.lax.scan(body, zeros, (micro, jnp.arange(fns.grad_accum)))
+        extra = {
+            key: (
+                jnp.sum(value, 0)
+                if key
+                in ("nll_sum", "weighted_balance_loss", "weighted_router_z_loss", "logits_z_loss")
+                else value.reshape(-1, *value.shape[2:])
+                if key == "routing_BM"
+                else jnp.mean(value, 0)
+            )
+            for key, value in extras.items()
+        }
+        if "weighted_balance_loss" in extra:  # each micro-batch's term was already divided
+            extra["weighted_balance_loss"] /= fns.grad_accum
+            extra["weighted_router_z_loss"] /= fns.grad_accum
+
+    updates, opt_state = fns.optimizer.update(grads, state["opt_state"], params)
+    new_params = optax.apply_updates(params, updates)
+    nll = extra.pop("nll_sum") / total_weight
+    finite = jnp.isfinite(nll) & jnp.isfinite(optax.tree.norm(grads))
+    new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
+    if fns.skip_nonfinite:
+        # Keep the old parameters and optimizer state, but count the step.
+        kept = {"step": new_state["step"], "params": params, "opt_state": state["opt_state"]}
+        new_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state, kept)
+    metrics = {
+        "loss": nll,
+        "learning_rate": fns.schedule(state["step"]),
+        "grad_norm": optax.tree.norm(grads),
+        "finite": finite,
+        **extra,
+    }
+    return new_state, metrics
+
+
+def eval_step(params, batch, graphdef, rest=None):
+    """Sums over the batch: weighted NLL, correct argmax predictions, target weight."""
+    logits, _ = forward(graphdef, params, batch, train=False, rest=rest)
+    weights = batch["weights"]
+    nll = token_nll(logits, batch["targets"])
+    correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
+    return {
+        "nll_sum": jnp.sum(nll * weights),
+        "correct_sum": jnp.sum(correct * weights),
+        "weight_sum": jnp.sum(weights),
+        "nll_per_example": jnp.sum(nll * weights, -1),
+        "weight_per_example": jnp.sum(weights, -1),
+    }
+
+
+def eval_metrics(totals) -> dict:
+    """loss (mean NLL per target token), perplexity, accuracy and token count from the sums
+    of `eval_step` added over batches (host numbers)."""
+    weight = max(float(totals["weight_sum"]), 1.0)
+    loss = float(totals["nll_sum"]) / weight
+    return {
+        "loss": loss,
+        "perplexity": float(np.exp(min(loss, 50.0))),  # capped: a diverged model stays finite
+        "accuracy": float(totals["correct_sum"]) / weight,
+        "num_tokens": int(totals["weight_sum"]),
+    }

@@ -1,0 +1,98 @@
+"""The package's dependency order: no import cycles, and imports only point down the layers
+commands -> training / inference / aot -> models, data, checkpoints -> parallel, storage,
+config defaults -> errors (config validation sits above models: it checks their options)."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "jaxmoe"
+
+# Packages a package must never import (directly), by the order above.
+FORBIDDEN = {
+    "jaxmoe.models": ("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+    "jaxmoe.data": ("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+    "jaxmoe.checkpoints": ("jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+    "jaxmoe.parallel": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
+    "jaxmoe.storage": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
+    "jaxmoe.training": ("jaxmoe.cli", "jaxmoe.inference"),
+    "jaxmoe.inference": ("jaxmoe.cli",),
+    "jaxmoe.aot": ("jaxmoe.cli", "jaxmoe.inference"),
+    "jaxmoe.errors": ("jaxmoe.",),
+}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts).removesuffix(".__init__")
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """jaxmoe modules `name` imports anywhere in its body (function-level imports too)."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                base = f"{base}.{node.module}" if node.module else base
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state, stack, cycles = {}, [], []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(graph[node]):
+            if node.startswith(nxt + "."):  # a module importing its own package's __init__
+                continue
+            if state.get(nxt) == "open":
+                cycles.append([*stack[stack.index(nxt) :], nxt])
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node)
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_imports_point_down_the_layers():
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        for package, banned in FORBIDDEN.items()
+        if name == package or name.startswith(package + ".")
+        for target in targets
+        if any(target == b or target.startswith(b if b.endswith(".") else b + ".") for b in banned)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_top_level_holds_only_the_entry_points_and_errors():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert top == ["__init__.py", "__main__.py", "errors.py"]
