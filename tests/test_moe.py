@@ -287,10 +287,14 @@ def test_eval_gating_and_jitter(data):
     np.testing.assert_array_equal(np.asarray(e1), np.asarray(e2))
 
 
-def test_bfloat16_compute(data):
-    """bf16 activations and expert matmuls, f32 router: close to the float64 reference."""
+@pytest.mark.parametrize("impl", ["blocks", "ragged"])
+def test_bfloat16_compute(impl, data, monkeypatch):
+    """bf16 activations and expert matmuls, f32 router: close to the float64 reference
+    (the ragged dispatch in 4 slices of the expert width, combined in bf16)."""
+    monkeypatch.setattr(dispatch, "RAGGED_CHUNK_BYTES", 1)
+    monkeypatch.setattr(dispatch, "RAGGED_CHUNK_LANES", 8)
     x, r = data
-    cfg = moe_config(threshold=0.3)
+    cfg = moe_config(threshold=0.3, dispatch=impl)
     params, y, aux, dparams, dx = layer_and_grads(cfg, x.astype(jnp.bfloat16), r)
     assert y.dtype == dx.dtype == jnp.bfloat16
     assert aux["balance_loss"].dtype == jnp.float32
@@ -341,3 +345,20 @@ def test_few_tokens_with_large_blocks_match_dense():
     dense = MoE(cfg, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense(x, train=False)[0]), atol=1e-5)
     assert jnp.isfinite(got).all()
+
+
+def test_ragged_chunk_count_by_hand():
+    # Mixtral's expert width on 16384 received rows of bf16: halves (7168 columns) would be
+    # 224 MiB each, quarters (3584 = 28 lanes of 128) 112 MiB, under the 128 MiB budget.
+    assert dispatch.ffn_chunks(16384, 14336, 2) == 4
+    assert dispatch.ffn_chunks(1024, 14336, 2) == 1  # 28 MiB in one piece
+    assert dispatch.ffn_chunks(10**9, 384, 2) == 3  # as small as the lanes allow
+    assert dispatch.ffn_chunks(10**9, 100, 4) == 1  # no split into whole lanes
+
+
+def test_ragged_in_width_chunks_matches_reference(monkeypatch, data):
+    """The ragged dispatch run in 4 slices of the expert width (each rematerialised)."""
+    monkeypatch.setattr(dispatch, "RAGGED_CHUNK_BYTES", 1)
+    monkeypatch.setattr(dispatch, "RAGGED_CHUNK_LANES", 8)
+    assert dispatch.ffn_chunks(B * L * 2, F, 4) == 4
+    check_against_reference(moe_config(dispatch="ragged", gating="top2"), data)

@@ -281,7 +281,41 @@ class Attention(nnx.Module):
         block = 0
         if kv_BSD is None and self.causal_block:
             block = resolve_causal_block(self.causal_block, x_BLD.shape[1])
-        o = grouped_attention(
-            q, k, v, mask=mask, bias_bHLS=bias, scale=self.scale, causal_block=block
-        )
+        if block:
+            o = grouped_attention(q, k, v, mask, bias, self.scale, block)
+        else:
+            o = query_chunked_attention(q, k, v, mask, bias, self.scale)
         return self.project_out(o)
+
+
+QUERY_CHUNK = 256  # queries per rematerialised piece of the dense path
+
+
+def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None):
+    """`grouped_attention` (dense path) in pieces of QUERY_CHUNK queries, each rematerialised.
+
+    The same arithmetic per query row. No [B, H, L, S] scores are kept for the backward
+    pass: each piece recomputes its own [B, H, chunk, S] there, so at most one piece's
+    scores are alive at a time (the dense path on TPU/GPU held 1.25 GiB of f32 scores and
+    probabilities per chip for one 2048-token Mixtral sequence); the extra work is the
+    attention's two matmuls once more per layer.
+    """
+    length = q_BLHd.shape[1]
+    chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
+
+    def rows(a, start):  # the piece's query rows of a mask/bias broadcastable over them
+        if a is None or a.shape[-2] == 1:
+            return a
+        return a[..., start : start + chunk, :]
+
+    outs = [
+        _dense_rematted(
+            q_BLHd[:, start : start + chunk], k_BSKd, v_BSKd,
+            rows(mask, start), rows(bias_bHLS, start), scale,
+        )
+        for start in range(0, length, chunk)
+    ]  # fmt: skip
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+
+
+_dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5,))

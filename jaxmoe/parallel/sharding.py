@@ -20,7 +20,10 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
     "length": (),
     "vocab": ("tensor",),
-    "embed": ("fsdp",),
+    # The expert axis splits the batch too, so it also shards dense weights (ZeRO-3 over
+    # fsdp x expert): each chip stores 1 / (fsdp * expert) of them, not 1 / fsdp. Expert
+    # weights already use it for their expert dim, so their embed dim stays on fsdp.
+    "embed": ("fsdp", "expert"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),

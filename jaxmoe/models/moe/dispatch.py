@@ -97,8 +97,45 @@ def dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act
     return y_ND.astype(x_ND.dtype)
 
 
+# Largest [rows, F / n] hidden buffer the ragged dispatch makes at once (bytes), and the
+# granularity of its F chunks (a TPU vector lane is 128 wide).
+RAGGED_CHUNK_BYTES = 128 * 2**20
+RAGGED_CHUNK_LANES = 128
+
+
+def ffn_chunks(rows: int, ffn: int, itemsize: int) -> int:
+    """How many slices of the expert width F the ragged dispatch runs one after another.
+
+    The smallest n dividing F into multiples of RAGGED_CHUNK_LANES with a [rows, F / n]
+    hidden buffer of at most RAGGED_CHUNK_BYTES; 1 when F cannot be split so.
+    """
+    valid = [n for n in range(1, ffn + 1) if ffn % n == 0 and (ffn // n) % RAGGED_CHUNK_LANES == 0]
+    for n in valid:
+        if rows * (ffn // n) * itemsize <= RAGGED_CHUNK_BYTES:
+            return n
+    return valid[-1] if valid else 1
+
+
+def _ragged_chunk(x_RD, wi_0, wi_1, wo, counts_E, act):
+    """One slice of the expert width: act(x wi_0) * (x wi_1) wo, per group, [R, D].
+
+    In the compute dtype: f32 [R, D] partial sums would cost more memory than the hidden
+    slice saved.
+    """
+    hidden_RF = act(jax.lax.ragged_dot(x_RD, wi_0, counts_E)) * jax.lax.ragged_dot(
+        x_RD, wi_1, counts_E
+    )
+    return jax.lax.ragged_dot(hidden_RF, wo, counts_E)
+
+
 def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
-    """Assignments sorted by expert (one-hot cumsum ranks) through `jax.lax.ragged_dot`."""
+    """Assignments sorted by expert (one-hot cumsum ranks) through `jax.lax.ragged_dot`.
+
+    The expert width F runs in `ffn_chunks` slices, each under `jax.checkpoint`: the
+    backward pass recomputes one slice's [R, F / n] hidden activations at a time instead of
+    keeping all of them (with the block rematerialised, the slice's forward is not
+    recomputed twice: its output is not needed to rebuild the block's residuals).
+    """
     wi_0, wi_1, wo = experts
     num_rows, num_assign = x_ND.shape[0], src_A.shape[0]
     rank_A, counts_E = expert_ranks(expert_A, valid_A, wi_0.shape[0])
@@ -108,14 +145,27 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
     row_src_R = row_src_R.at[row_A].set(src_A.astype(jnp.int32), mode="drop")
     x_RD = x_ND.at[row_src_R].get(mode="fill", fill_value=0)
     # Rows past sum(counts_E) belong to no group: ragged_dot leaves them zero.
-    hidden_RF = act(jax.lax.ragged_dot(x_RD, wi_0, counts_E)) * jax.lax.ragged_dot(
-        x_RD, wi_1, counts_E
+    ffn = wi_0.shape[-1]
+    chunks = ffn_chunks(num_assign, ffn, x_ND.dtype.itemsize)
+    width = ffn // chunks
+    chunk = _ragged_chunk if chunks == 1 else jax.checkpoint(_ragged_chunk, static_argnums=5)
+    out_RD = sum(
+        chunk(
+            x_RD,
+            wi_0[..., c * width : (c + 1) * width],
+            wi_1[..., c * width : (c + 1) * width],
+            wo[:, c * width : (c + 1) * width],
+            counts_E,
+            act,
+        )
+        for c in range(chunks)
     )
-    out_RD = jax.lax.ragged_dot(hidden_RF, wo, counts_E)
-    out_AD = out_RD.at[row_A].get(mode="fill", fill_value=0).astype(jnp.float32)
-    weight_A = jnp.where(valid_A, weight_A, 0).astype(jnp.float32)
-    y_ND = jnp.zeros(x_ND.shape, jnp.float32).at[src_A].add(out_AD * weight_A[:, None])
-    return y_ND.astype(x_ND.dtype)
+    # Combined in the compute dtype, like the output: under expert parallelism every
+    # received row is one assignment, and f32 copies of [rows, D] would double the largest
+    # buffers of the layer for one rounding step.
+    out_AD = out_RD.at[row_A].get(mode="fill", fill_value=0)
+    weight_A = jnp.where(valid_A, weight_A, 0).astype(x_ND.dtype)
+    return jnp.zeros_like(x_ND).at[src_A].add(out_AD * weight_A[:, None])
 
 
 def grouped_ffn(

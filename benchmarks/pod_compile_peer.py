@@ -1,0 +1,276 @@
+"""Peak HBM per chip and compile time of a pod train step against MaxText, ahead of time.
+
+Both systems compile the same training step for a TPU topology on this host (libtpu's
+compile-only devices, no TPU needed), each in its own process, one after the other (never
+two compiles at once): `jaxmoe compile --json` and MaxText's
+`maxtext.trainers.pre_train.train_compile`, whose "Memory analysis" line gives the same
+per-chip sum jaxmoe reports as peak_hbm_bytes (arguments + outputs - aliases + temporaries +
+generated code). Cases:
+
+- mixtral_8x7b: Mixtral-8x7B on v5p-256 (128 chips), 128 sequences of 2048 tokens per step
+  (one per chip, no micro-batches), bf16 compute, f32 weights, AdamW, fsdp 16 x expert 8,
+  full remat. jaxmoe runs its adaptive gate (configs/mixtral_8x7b_adaptive.py), MaxText
+  Mixtral's top-2; both size their expert buffers for two experts per token.
+- moe16_gpt2_medium: the 16-expert GPT-2-medium MoE (configs/moe16_gpt2_medium.py) on v5p-8
+  (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
+  GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
+  positions, as jaxmoe).
+
+Compile time is the wall time of each whole process (start-up, tracing, lowering and the
+XLA compile), and its CPU time; on a loaded host wall times stretch, so the 1-minute load
+average is recorded around every compile and a run with more than half the cores of load
+from elsewhere is flagged `"quiet": false`. MaxText needs Python >= 3.12 in its own
+virtual environment (`--maxtext_venv`, default ~/.cache/maxtext_venv):
+
+    python3.12 -m venv ~/.cache/maxtext_venv
+    ~/.cache/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.5"
+    python benchmarks/pod_compile_peer.py [--cases mixtral_8x7b]   # a table, then one JSON line
+
+Without that venv the MaxText column is skipped with one line and jaxmoe is still measured.
+"""
+
+import argparse
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+
+from worker_protocol import is_quiet, report  # noqa: E402
+
+GiB = 2**30
+DEFAULT_VENV = Path("~/.cache/maxtext_venv").expanduser()
+
+# Each case: the jaxmoe config, topology and overrides, and MaxText's key=value settings for
+# the same step.
+CASES = {
+    "mixtral_8x7b": {
+        "topology": "v5p-256",
+        "jaxmoe": [
+            "configs/mixtral_8x7b_adaptive.py",
+            "--config.train.batch_size=128",
+            "--config.train.grad_accum=1",
+            "--config.train.seq_len=2048",
+        ],
+        "maxtext": [
+            "model_name=mixtral-8x7b",
+            "per_device_batch_size=1",
+            "max_target_length=2048",
+            "ici_fsdp_parallelism=16",
+            "ici_expert_parallelism=8",
+            "remat_policy=full",
+            "sparse_matmul=true",
+            "megablox=true",
+            "dtype=bfloat16",
+            "weight_dtype=float32",
+        ],
+    },
+    "moe16_gpt2_medium": {
+        "topology": "v5p-8",
+        "jaxmoe": ["configs/moe16_gpt2_medium.py"],  # 256 x 1024 tokens, 8 micro-batches
+        "maxtext": [
+            "decoder_block=mixtral",
+            "base_num_decoder_layers=24",
+            "base_emb_dim=1024",
+            "base_num_query_heads=16",
+            "base_num_kv_heads=16",
+            "head_dim=64",
+            "base_mlp_dim=2816",
+            "base_moe_mlp_dim=2816",
+            "num_experts=16",
+            "num_experts_per_tok=2",
+            "mlp_activations=[gelu,linear]",
+            "vocab_size=32768",
+            "logits_via_embedding=true",
+            "per_device_batch_size=8",  # 8 x 4 chips x 8 micro-batches = 256 sequences
+            "gradient_accumulation_steps=8",
+            "max_target_length=1024",
+            "ici_fsdp_parallelism=1",
+            "ici_expert_parallelism=4",
+            "remat_policy=full",
+            "sparse_matmul=true",
+            "megablox=true",
+            "dtype=bfloat16",
+            "weight_dtype=float32",
+        ],
+    },
+}
+
+MEMORY_FIELDS = (
+    "generated_code_size_in_bytes",
+    "argument_size_in_bytes",
+    "output_size_in_bytes",
+    "alias_size_in_bytes",
+    "temp_size_in_bytes",
+)
+
+
+def parse_memory_analysis(log: str) -> dict:
+    """Bytes from MaxText's `Memory analysis: CompiledMemoryStats(...)` line, with the peak."""
+    line = re.search(r"Memory analysis: CompiledMemoryStats\((.*?)\)", log)
+    if not line:
+        raise RuntimeError("MaxText printed no 'Memory analysis' line")
+    fields = dict(re.findall(r"(\w+)=(\d+)", line.group(1)))
+    stats = {name: int(fields[name]) for name in MEMORY_FIELDS}
+    peak = (
+        stats["argument_size_in_bytes"]
+        + stats["output_size_in_bytes"]
+        - stats["alias_size_in_bytes"]
+        + stats["temp_size_in_bytes"]
+        + stats["generated_code_size_in_bytes"]
+    )
+    return {
+        "peak_hbm_bytes": peak,
+        "argument_bytes": stats["argument_size_in_bytes"],
+        "temp_bytes": stats["temp_size_in_bytes"],
+    }
+
+
+def maxtext_command(venv: Path, case: dict, output_dir: str) -> list[str]:
+    """MaxText's train_compile for a case (its base.yml comes from the installed package)."""
+    base = venv / "lib"
+    configs = sorted(base.glob("python3*/site-packages/maxtext/configs/base.yml"))
+    if not configs:
+        raise RuntimeError(f"no maxtext/configs/base.yml under {base}")
+    return [
+        str(venv / "bin" / "python"),
+        "-m",
+        "maxtext.trainers.pre_train.train_compile",
+        str(configs[-1]),
+        f"compile_topology={case['topology']}",
+        "compile_topology_num_slices=1",
+        *case["maxtext"],
+        "run_name=aot",
+        f"base_output_directory={output_dir}",
+        "dataset_type=synthetic",
+    ]
+
+
+def jaxmoe_command(case: dict) -> list[str]:
+    config, *overrides = case["jaxmoe"]
+    return [sys.executable, "-m", "jaxmoe.cli", "compile", "--config", config,
+            "--topology", case["topology"], "--json", *overrides]  # fmt: skip
+
+
+def timed(command: list[str], env: dict) -> tuple[subprocess.CompletedProcess, dict]:
+    """Run one compile process; its wall and CPU seconds and the load average around it."""
+    load_before = os.getloadavg()[0]
+    cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
+    wall = time.perf_counter() - started
+    cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (cpu_after.ru_utime - cpu_before.ru_utime) + (cpu_after.ru_stime - cpu_before.ru_stime)
+    timing = {
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+    }
+    return result, timing
+
+
+def compile_env() -> dict:
+    # Compiling never touches TPU hardware; a process holding libtpu's lock must not stop it.
+    return {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
+
+
+def run_maxtext(venv: Path, case: dict) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        result, timing = timed(maxtext_command(venv, case, out), compile_env())
+    log = result.stdout + result.stderr
+    if result.returncode:
+        tail = [line for line in log.strip().splitlines() if line.strip()][-1:]
+        return {"error": f"MaxText exited {result.returncode}: {tail}", **timing}
+    return {**parse_memory_analysis(log), **timing}
+
+
+def run_jaxmoe(case: dict) -> dict:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**compile_env(), "PYTHONPATH": path}  # this checkout's jaxmoe
+    result, timing = timed(jaxmoe_command(case), env)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
+    if not lines:
+        tail = result.stderr.strip().splitlines()[-1:]
+        return {"error": f"jaxmoe compile exited {result.returncode}: {tail}", **timing}
+    report_ = json.loads(lines[-1])
+    if "peak_hbm_bytes" not in report_:
+        return {"error": report_.get("error", report_.get("verdict")), **timing}
+    keys = ("peak_hbm_bytes", "argument_bytes", "temp_bytes", "compile_s", "lower_s", "verdict")
+    return {**{k: report_[k] for k in keys}, **timing}
+
+
+def run(args) -> dict:
+    venv = Path(args.maxtext_venv).expanduser()
+    have_maxtext = (venv / "bin" / "python").exists()
+    if not have_maxtext:
+        print(f"MaxText is not installed in {venv}: its column is skipped", file=sys.stderr)
+    rows, loads = [], []
+    for name in args.cases:
+        case = CASES[name]
+        row = {"case": name, "topology": case["topology"]}
+        if have_maxtext:
+            row["maxtext"] = run_maxtext(venv, case)
+        row["jaxmoe"] = run_jaxmoe(case)
+        for system in ("maxtext", "jaxmoe"):
+            if system in row:
+                loads += [row[system]["load_before"], row[system]["load_after"]]
+        mt, jm = row.get("maxtext", {}), row["jaxmoe"]
+        if "peak_hbm_bytes" in mt and "peak_hbm_bytes" in jm:
+            row["jaxmoe_over_maxtext_peak"] = round(jm["peak_hbm_bytes"] / mt["peak_hbm_bytes"], 3)
+            row["jaxmoe_over_maxtext_wall"] = round(jm["wall_s"] / mt["wall_s"], 2)
+            row["jaxmoe_over_maxtext_cpu"] = round(jm["cpu_s"] / mt["cpu_s"], 2)
+        rows.append(row)
+    # A compile keeps about one core busy.
+    return {"rows": rows, "maxtext_venv": str(venv), "quiet": is_quiet(loads or [0.0], 1)}
+
+
+def _gib(system: dict) -> str:
+    if "peak_hbm_bytes" not in system:
+        return system.get("error", "-")
+    return f"{system['peak_hbm_bytes'] / GiB:.2f} GiB"
+
+
+def print_table(result: dict) -> None:
+    print("| case | topology | system | peak HBM / chip | compile wall (CPU) | load |")
+    print("|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        for system in ("maxtext", "jaxmoe"):
+            if system not in row:
+                continue
+            s = row[system]
+            timing = f"{s['wall_s']:.0f} s ({s['cpu_s']:.0f} s)"
+            load = f"{s['load_before']:.1f}-{s['load_after']:.1f}"
+            print(
+                f"| {row['case']} | {row['topology']} | {system} | {_gib(s)} | {timing} | {load} |"
+            )
+        if "jaxmoe_over_maxtext_peak" in row:
+            peak = f"{row['jaxmoe_over_maxtext_peak']:.2f}x"
+            wall, cpu = row["jaxmoe_over_maxtext_wall"], row["jaxmoe_over_maxtext_cpu"]
+            timing = f"{wall:.2f}x ({cpu:.2f}x)"
+            print(f"| {row['case']} | | jaxmoe / MaxText | {peak} | {timing} | |")
+    if not result["quiet"]:
+        print("NOT A QUIET RUN: other processes loaded the host; compile times are stretched")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--maxtext_venv", default=os.environ.get("MAXTEXT_VENV", DEFAULT_VENV))
+    args = parser.parse_args(argv)
+    result = run(args)
+    print_table(result)
+    report(result, True, print_table)  # then the same as one JSON object, the last line
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

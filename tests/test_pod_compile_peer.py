@@ -1,0 +1,80 @@
+"""benchmarks/pod_compile_peer.py: MaxText's memory line read right, its command built from
+the installed package, and a run without MaxText still measuring jaxmoe."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "pod_compile_peer", ROOT / "benchmarks/pod_compile_peer.py"
+    )
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    return bench
+
+
+def test_memory_analysis_line_gives_the_peak():
+    # The line MaxText 0.2.5 printed for Mixtral-8x7B on v5p-256 (bytes per chip).
+    log = (
+        "Jitting and compilation complete!\nMemory analysis: CompiledMemoryStats("
+        "generated_code_size_in_bytes=59003904, argument_size_in_bytes=4381904896, "
+        "output_size_in_bytes=4381869856, alias_size_in_bytes=4381863936, "
+        "temp_size_in_bytes=5322735616, host_generated_code_size_in_bytes=0, "
+        "host_argument_size_in_bytes=0, host_output_size_in_bytes=0, "
+        "host_alias_size_in_bytes=0, host_temp_size_in_bytes=0)\n"
+    )
+    stats = load_bench().parse_memory_analysis(log)
+    # 4381904896 + 4381869856 - 4381863936 + 5322735616 + 59003904, worked out by hand:
+    assert stats["peak_hbm_bytes"] == 9_763_650_336
+    assert stats["argument_bytes"] == 4_381_904_896
+    assert stats["temp_bytes"] == 5_322_735_616
+    with pytest.raises(RuntimeError, match="Memory analysis"):
+        load_bench().parse_memory_analysis("Traceback ...")
+
+
+def test_maxtext_command_uses_the_installed_base_config(tmp_path):
+    bench = load_bench()
+    base = tmp_path / "lib/python3.12/site-packages/maxtext/configs/base.yml"
+    base.parent.mkdir(parents=True)
+    base.write_text("")
+    command = bench.maxtext_command(tmp_path, bench.CASES["mixtral_8x7b"], "/out")
+    assert command[:4] == [
+        str(tmp_path / "bin/python"),
+        "-m",
+        "maxtext.trainers.pre_train.train_compile",
+        str(base),
+    ]
+    for setting in ("compile_topology=v5p-256", "model_name=mixtral-8x7b",
+                    "ici_fsdp_parallelism=16", "ici_expert_parallelism=8",
+                    "per_device_batch_size=1", "max_target_length=2048",
+                    "base_output_directory=/out"):  # fmt: skip
+        assert setting in command
+    with pytest.raises(RuntimeError, match=r"base\.yml"):
+        bench.maxtext_command(tmp_path / "elsewhere", bench.CASES["mixtral_8x7b"], "/out")
+
+
+def test_without_maxtext_jaxmoe_is_still_measured(tmp_path, capsys):
+    pytest.importorskip("libtpu", reason="the `tpu` extra is not installed: no libtpu")
+    bench = load_bench()
+    tiny = ["configs/default.py", "--config.model.num_layers=1", "--config.model.d_model=128",
+            "--config.model.num_heads=2", "--config.model.num_kv_heads=1",
+            "--config.model.head_dim=64", "--config.model.moe.ffn_dim=128",
+            "--config.model.vocab_size=256", "--config.train.batch_size=8",
+            "--config.train.seq_len=128", "--config.mesh.data=1",
+            "--config.mesh.expert=4"]  # fmt: skip
+    bench.CASES = {"tiny": {"topology": "v5p-8", "jaxmoe": tiny, "maxtext": []}}
+    assert bench.main(["--cases", "tiny", "--maxtext_venv", str(tmp_path / "none")]) == 0
+    captured = capsys.readouterr()
+    assert "MaxText is not installed" in captured.err
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    (row,) = result["rows"]
+    assert "maxtext" not in row and row["jaxmoe"]["verdict"] == "fits"
+    assert 0 < row["jaxmoe"]["peak_hbm_bytes"] < 95.74 * 2**30
+    assert row["jaxmoe"]["wall_s"] > 0 and isinstance(result["quiet"], bool)
+    assert "| tiny | v5p-8 | jaxmoe |" in captured.out
