@@ -67,18 +67,16 @@ def _drop(hook, error_of):
     return filtered
 
 
+_LOG_FILTER = _DropNoSpace()
+
+
 @contextlib.contextmanager
 def quiet_disk_full():
-    """Within: background loggers drop ENOSPC records. The hooks stay installed afterwards,
-    since TensorBoard's exit hook and abandoned callbacks report at interpreter exit."""
-    loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
-    log_filter = _DropNoSpace()
-    for logger in loggers:
-        logger.addFilter(log_filter)
+    """Within and after: background loggers drop ENOSPC records, and the hooks drop their
+    aftermath. Both stay installed on exit: Orbax's save threads, TensorBoard's exit hook and
+    abandoned callbacks report after the failed call has returned (seen under load)."""
+    for name in ("absl", "asyncio"):
+        logging.getLogger(name).addFilter(_LOG_FILTER)  # once: addFilter skips a repeat
     sys.unraisablehook = _drop(sys.unraisablehook, lambda u: u.exc_value)
     threading.excepthook = _drop(threading.excepthook, lambda a: a.exc_value)
-    try:
-        yield
-    finally:
-        for logger in loggers:
-            logger.removeFilter(log_filter)
+    yield
