@@ -56,8 +56,8 @@ def get_config(variant: str | None = None) -> ConfigDict:
     t = c.train
     # 2M tokens per step as 1024 x 2048, in 8 micro-batches: one 2048-token sequence per chip
     # at a time. One sequence per chip without micro-batches (batch_size=128, grad_accum=1)
-    # compiles for v5p-256 at 13.96 GiB per chip (11.05 with the padded exchange), and at
-    # 15.36 GiB with 4096-token sequences (README, "Side by side with MaxText").
+    # compiles for v5p-256 at 12.33 GiB per chip (11.05 with the padded exchange), and at
+    # 15.22 GiB with 4096-token sequences (README, "Side by side with MaxText").
     t.batch_size = 1024
     t.seq_len = 2048
     t.grad_accum = 8
