@@ -19,6 +19,7 @@ XLA:CPU has no ragged-all-to-all, so there `ragged_all_to_all` runs `reference`,
 semantics from a dense all_to_all and masks (tests compare the two exchange paths on CPU).
 """
 
+import functools
 import math
 
 import jax
@@ -139,6 +140,52 @@ def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs):
     )
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest):
+    """`_round` when first < longest, else acc_AD unchanged (a round past every stream).
+
+    Its own VJP so that the backward pass recomputes the round inside the same condition:
+    the residuals are the inputs, loop invariants but for `first`. Differentiating a cond
+    makes the branch's residuals (the expert weights, the received rows) outputs of the
+    cond, which a scan over rounds stacks and keeps from the forward to the backward pass:
+    more HBM than the padded exchange (issue 17).
+    """
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+    return jax.lax.cond(
+        first < longest,
+        lambda a: _round(a, send_x, c, experts, first, **options),
+        lambda a: a,
+        acc_AD,
+    )
+
+
+def _round_if_fwd(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest):
+    out = _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest)
+    return out, (send_x, experts, c, first, longest)
+
+
+def _round_if_bwd(rows, axis, act, impl, bs, residuals, ct_AD):
+    send_x, experts, c, first, longest = residuals
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+
+    def recompute(ct_AD):
+        # The round is linear in acc_AD, so its VJP does not depend on acc_AD's value.
+        def round_of(acc_AD, send_x, experts):
+            return _round(acc_AD, send_x, c, experts, first, **options)
+
+        _, vjp = jax.vjp(round_of, jnp.zeros_like(ct_AD), send_x, experts)
+        return vjp(ct_AD)
+
+    def skipped(ct_AD):
+        return ct_AD, jnp.zeros_like(send_x), jax.tree.map(jnp.zeros_like, experts)
+
+    ct_acc, ct_send, ct_experts = jax.lax.cond(first < longest, recompute, skipped, ct_AD)
+    return ct_acc, ct_send, ct_experts, None, None, None
+
+
+_round_if.defvjp(_round_if_fwd, _round_if_bwd)
+
+
 def ragged_ep(
     x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, axis, act, impl, bs, factor, dropless
 ):
@@ -177,18 +224,12 @@ def ragged_ep(
         fits_A = valid_A & ~overflow_A
     else:
         # Dropless: the longest receive stream of the group in rounds of `rows` rows, all
-        # devices together; rounds past it are skipped (no traffic, no compute). Each round
-        # is rematerialised, so the backward pass keeps one [A, D] carry per round rather
-        # than every round's expert activations: memory stays that of one bounded buffer.
+        # devices together; rounds past it are skipped (no traffic, no compute).
         longest = jax.lax.pmax(c["recv_count"].sum(), axis)
 
         def step(acc_AD, first):
-            def exchange(acc_AD):
-                return _round(acc_AD, send_x, c, experts, first, **options)
-
-            return jax.lax.cond(
-                first < longest, jax.checkpoint(exchange), lambda a: a, acc_AD
-            ), None
+            args = (acc_AD, send_x, experts, c, first, longest)
+            return _round_if(rows, axis, act, impl, bs, *args), None
 
         starts = jnp.arange(0, worst, rows, dtype=jnp.int32)
         back_AD, _ = jax.lax.scan(step, acc_AD, starts)
