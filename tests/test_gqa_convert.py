@@ -232,7 +232,5 @@ def test_uptrain_alpha_override_reaches_train_steps(source):
     root, _, _ = source
     if not (root / "mean").exists():
         convert_gqa(str(root / "mha"), str(root / "mean"), num_kv_heads=2)
-    config = load_config(
-        f"configs/uptrain_gqa.py:{root / 'mean'}", ["--config.uptrain.alpha=0.5"]
-    )
+    config = load_config(f"configs/uptrain_gqa.py:{root / 'mean'}", ["--config.uptrain.alpha=0.5"])
     assert config.train.steps == 2
