@@ -27,6 +27,11 @@ class CheckpointError(ValueError):
     pass
 
 
+class CheckpointMismatch(CheckpointError):
+    """A readable checkpoint of another model (tensor names or shapes differ): never treated
+    as damage, since setting it aside would silently restart the run from step 0."""
+
+
 def _args_save(state, meta: dict, config: ConfigDict):
     return ocp.args.Composite(
         params=ocp.args.StandardSave(state["params"]),
@@ -105,6 +110,11 @@ class TrainCheckpoints:
         for step in sorted(set(self.manager.all_steps()) & complete, reverse=True):
             try:
                 state, meta = self.restore(step, abstract_state)
+            except CheckpointMismatch as error:
+                raise CheckpointMismatch(
+                    f"{error}; resume with the config this run was started with, or start "
+                    f"a new --workdir (train.init_from=<checkpoint> loads its weights)"
+                ) from None
             except Exception as error:  # any reader failure means this step is unusable
                 log.warning(
                     "checkpoint step %d is damaged (%s); moved to %s and trying the one before",
@@ -236,10 +246,18 @@ def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
         with _quiet_orbax():
             metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
     except (OSError, ValueError, KeyError) as error:
-        raise CheckpointError(f"{params_dir}: unreadable parameter metadata ({error})") from None
+        raise CheckpointError(
+            f"checkpoint {str(params_dir)!r} is damaged: unreadable parameter metadata ({error})"
+        ) from None
     tree = getattr(metadata, "item_metadata", metadata)
     tree = getattr(tree, "tree", tree)
-    return {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(tree)}
+    shapes = {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(tree)}
+    if not shapes:  # Orbax logs and returns None when the OCDBT index cannot be read
+        raise CheckpointError(
+            f"checkpoint {str(params_dir)!r} is damaged: Orbax finds no arrays in it "
+            f"(its OCDBT index or _METADATA file is truncated or missing)"
+        )
+    return shapes
 
 
 def _leaves(tree):
@@ -259,7 +277,7 @@ def check_params_match(step_dir: epath.Path, abstract_params) -> None:
     where = f"checkpoint {str(step_dir)!r}"
     for name, shape in expected.items():
         if name in stored and stored[name] != shape:
-            raise CheckpointError(
+            raise CheckpointMismatch(
                 f"{where}: tensor {name} has shape {stored[name]}, the model config expects "
                 f"{shape} (a checkpoint of another architecture or width?)"
             )
@@ -279,7 +297,7 @@ def check_params_match(step_dir: epath.Path, abstract_params) -> None:
                 f"the checkpoint's tensor {name} {stored[name]} is not in the model "
                 f"({len(extra)} extra)"
             )
-        raise CheckpointError(
+        raise CheckpointMismatch(
             f"{where}: " + "; ".join(parts) + " (a checkpoint of another architecture?)"
         )
 
