@@ -24,6 +24,7 @@ from jaxmoe.config.loading import apply_overrides, load_config  # noqa: E402
 from jaxmoe.config.validation import validate  # noqa: E402
 from jaxmoe.models.flops import train_flops_per_step  # noqa: E402
 from jaxmoe.models.spec import model_spec  # noqa: E402
+from jaxmoe.parallel.host_memory import retain_freed_host_memory  # noqa: E402
 from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
 from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
 from jaxmoe.training.optimizer import make_optimizer  # noqa: E402
@@ -152,6 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", type=int, default=8, help="distinct batches to cycle")
     args = parser.parse_args(argv)
     skip_absent_tpu()  # libtpu's probe on a host without a TPU only prints noise
+    retain_freed_host_memory()  # as `jaxmoe train` does on the CPU
     config = variant_config(args.variant, args.set)
     runner = JaxRunner(config, args.batches)
     t = config.train

@@ -13,6 +13,7 @@ from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepar
 from jaxmoe.cli import compile as compile_command  # not the builtins
 from jaxmoe.cli import eval as eval_command
 from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.host_memory import retain_freed_host_memory
 from jaxmoe.parallel.platforms import skip_absent_tpu
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
 
@@ -23,6 +24,10 @@ def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     rest = [a for a in argv if not a.startswith("--config.")]
     return rest, overrides
 
+
+# Commands whose time goes into XLA computations: on the CPU they keep freed host memory
+# (parallel/host_memory.py). Converters stream tensor by tensor and want it returned.
+COMPUTING = {"train", "eval", "lm-eval", "decode", "analyze-routing"}
 
 COMMANDS = (
     train,
@@ -58,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
+    if args.command in COMPUTING:
+        retain_freed_host_memory()  # before any backend starts its threads
     try:
         with quiet_disk_full():
             args.overrides = overrides

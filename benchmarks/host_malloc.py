@@ -1,0 +1,148 @@
+"""What glibc's handling of freed memory costs a CPU training step, in jaxmoe and in PyTorch.
+
+Each case runs in its own process: jaxmoe's top-2 step of configs/tiny_mixtral.py with
+jaxmoe's allocator settings (jaxmoe/parallel/host_memory.py, what `jaxmoe train` applies on
+the CPU) and with glibc's defaults (JAXMOE_HOST_MALLOC=default), and Hugging Face's Mixtral
+step with glibc's defaults and with the same four settings given as MALLOC_* environment
+variables. Per step: wall time, user and kernel CPU time and minor page faults
+(getrusage), medians over rounds that alternate the cases.
+
+    python benchmarks/host_malloc.py [--steps 10] [--rounds 2] [--json]
+"""
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from worker_protocol import is_quiet, report  # noqa: E402
+
+# glibc's environment names for the settings jaxmoe applies with mallopt.
+GLIBC_ENV = {
+    "MALLOC_ARENA_MAX": "1",
+    "MALLOC_MMAP_MAX_": "0",
+    "MALLOC_TRIM_THRESHOLD_": str(2**31 - 1),
+    "MALLOC_TOP_PAD_": str(64 * 2**20),
+}
+CASES = {
+    "jaxmoe, retained (its default)": ("jaxmoe", {}),
+    "jaxmoe, glibc defaults": ("jaxmoe", {"JAXMOE_HOST_MALLOC": "default"}),
+    "hf, glibc defaults": ("hf", {}),
+    "hf, retained (MALLOC_* env)": ("hf", GLIBC_ENV),
+}
+
+
+def _runner(system: str):
+    if system == "jaxmoe":
+        from jaxmoe.parallel.host_memory import retain_freed_host_memory
+        from jaxmoe.parallel.platforms import skip_absent_tpu
+
+        skip_absent_tpu()
+        applied = retain_freed_host_memory()  # before the backend starts, as the CLI does
+        from throughput_jaxmoe import JaxRunner, variant_config
+
+        return JaxRunner(variant_config("top2", []), 4), applied
+    from throughput_hf import HFRunner
+
+    spec = json.loads(os.environ["HOST_MALLOC_SPEC"])
+    return HFRunner(spec, "top2", 4, threads=os.cpu_count() or 1), None
+
+
+def worker(system: str, steps: int) -> None:
+    runner, applied = _runner(system)
+    for _ in range(3):  # compile, warm caches, grow the heap to its size
+        runner.step()
+    before = resource.getrusage(resource.RUSAGE_SELF)
+    walls = [runner.step() for _ in range(steps)]
+    after = resource.getrusage(resource.RUSAGE_SELF)
+    print(
+        json.dumps(
+            {
+                "wall_ms": 1e3 * statistics.median(walls),
+                "user_ms": 1e3 * (after.ru_utime - before.ru_utime) / steps,
+                "sys_ms": 1e3 * (after.ru_stime - before.ru_stime) / steps,
+                "faults": (after.ru_minflt - before.ru_minflt) / steps,
+                "mallopt_applied": applied,
+            }
+        )
+    )
+
+
+def peer_spec() -> str:
+    """The peer's model as JSON, from a jaxmoe process (the HF worker never imports JAX)."""
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[1]);"
+        "from throughput_jaxmoe import peer_spec, variant_config;"
+        "print(json.dumps(peer_spec(variant_config('top2', []))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(HERE)], capture_output=True, text=True, check=True
+    )
+    return out.stdout.strip().splitlines()[-1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", choices=("jaxmoe", "hf"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args.worker, args.steps)
+        return 0
+    spec = peer_spec()
+    runs = {name: [] for name in CASES}
+    loads = [os.getloadavg()[0]]
+    for _ in range(args.rounds):
+        for name, (system, extra) in CASES.items():
+            env = {**os.environ, "HOST_MALLOC_SPEC": spec, **extra}
+            env.setdefault("JAX_PLATFORMS", "cpu")
+            command = [sys.executable, __file__, "--worker", system, "--steps", str(args.steps)]
+            out = subprocess.run(command, env=env, capture_output=True, text=True)
+            if out.returncode:
+                raise SystemExit(f"{name}: worker failed\n{out.stderr[-2000:]}")
+            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
+            loads.append(os.getloadavg()[0])
+            time.sleep(1)
+    cases = {
+        name: {
+            key: statistics.median(r[key] for r in rows)
+            for key in rows[0]
+            if key != "mallopt_applied"
+        }
+        | {"mallopt_applied": rows[0]["mallopt_applied"]}
+        for name, rows in runs.items()
+    }
+    result = {
+        "cases": cases,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "load_1min": loads,
+        "quiet": is_quiet(loads, own_threads=os.cpu_count() or 1),
+    }
+    report(result, args.json, _table)
+    return 0
+
+
+def _table(result: dict) -> None:
+    print(f"{'case':34s} {'wall ms':>8s} {'user ms':>8s} {'sys ms':>7s} {'faults':>8s}")
+    for name, c in result["cases"].items():
+        print(
+            f"{name:34s} {c['wall_ms']:8.1f} {c['user_ms']:8.1f} {c['sys_ms']:7.1f} "
+            f"{c['faults']:8.0f}"
+        )
+    quiet = "quiet" if result["quiet"] else "NOT QUIET"
+    print(f"load (1 min) {', '.join(f'{x:.1f}' for x in result['load_1min'])}: {quiet}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
