@@ -210,9 +210,15 @@ def grouped_ffn_blocks(
     """
     x_ND = jnp.asarray(x_ND)
     num_experts = wi_0_EDF.shape[0]
-    # Few tokens (decoding, a small per-device shard): a block may not exceed the row buffer.
-    while (
-        block_size > 1 and block_size > src_A.shape[0] + num_experts * block_sizes(block_size)[-1]
+    # Few assignments per expert (decoding, a small per-device shard): the tail block must not
+    # exceed an expert's average share, or every expert pads a few rows to a 64-row product.
+    # Decoding 8 sequences with 8 experts (2 rows each) ran 64-row blocks at 263-357 ms per
+    # token; 2-row blocks take 96 ms (loaded 2-core host, benchmarks/decode_peer.py's model).
+    # And a block may not exceed the row buffer.
+    per_expert = -(-src_A.shape[0] // num_experts)
+    while block_size > 1 and (
+        block_sizes(block_size)[-1] > per_expert
+        or block_size > src_A.shape[0] + num_experts * block_sizes(block_size)[-1]
     ):
         block_size //= 2
     sizes = block_sizes(block_size)
