@@ -18,8 +18,6 @@ and DST (params + updated config) appears atomically, like the other converters'
 """
 
 import logging
-import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -33,6 +31,7 @@ from jaxmoe.checkpoints.manager import (
     save_params,
 )
 from jaxmoe.checkpoints.restore import restore_on_mesh
+from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
@@ -249,23 +248,12 @@ def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
             found = tuple(got[path].shape) if path in got else "missing"
             raise CheckpointError(f"{'.'.join(path)}: model needs {tuple(leaf.shape)}, got {found}")
     params = jax.device_get(params)  # save_params writes host arrays
-    target = Path(dst).absolute()
-    staging = target.parent / f".{target.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         save_params(str(staging), params, config)
-        if target.exists():
-            target.rmdir()  # empty, checked by _check_dst
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _check_dst(src: str, dst: str) -> None:
-    target = Path(dst).absolute()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"{target}: already exists; converting writes a new directory")
+    target = refuse_existing(dst)
     if Path(str(resolve_checkpoint(src))).absolute() == target:
         raise CheckpointError(f"{target}: DST is the source checkpoint")
 
