@@ -94,6 +94,31 @@ def test_converted_checkpoint_keeps_and_uses_its_tokenizer(hf_llama_with_tokeniz
     assert train.data.tokenizer == str(kept)
 
 
+def test_eval_generate_stops_at_the_second_eos_id(hf_llama_with_tokenizer, tmp_path):
+    """`eval --task generate` stops where transformers does: at the second EOS id of
+    generation_config.json, the 4th token (beam search: test_beam_search.py)."""
+    pytest.importorskip("rouge_score")
+    pytest.importorskip("sacrebleu")
+    from jaxmoe.inference.generate_eval import generate_eval
+
+    src, stop = hf_llama_with_tokenizer
+    convert_hf(str(src), str(tmp_path / "ckpt"))
+    hf_tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    want = hf_greedy(model, hf_tok(PROMPT).input_ids, 8)
+    assert want[-1] == stop and len(want) == 4
+    text = hf_tok.decode(want[:-1], skip_special_tokens=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"inputs": PROMPT, "targets": text}) + "\n")
+    out = tmp_path / "predictions.jsonl"
+    result = generate_eval(
+        str(tmp_path / "ckpt"), f"jsonl:{data}", max_new_tokens=8, output=str(out),
+        overrides=MESH,
+    )  # fmt: skip
+    assert result["new_tokens"] == 4 and result["exact_match"] == 100.0
+    assert json.loads(out.read_text())["prediction"] == text
+
+
 def test_export_of_a_converted_model_carries_the_tokenizer(hf_llama_with_tokenizer, tmp_path):
     src, stop = hf_llama_with_tokenizer
     convert_hf(str(src), str(tmp_path / "ckpt"))

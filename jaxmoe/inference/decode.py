@@ -106,6 +106,19 @@ class Generation:
         return self.num_new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
 
 
+def cut_at_stop(row: list[int], stop_ids) -> list[int]:
+    """`row` up to and including its first stop id (all of it when it has none)."""
+    ends = [i for i, token in enumerate(row) if token in stop_ids]
+    return row[: ends[0] + 1] if ends else row
+
+
+def without_stop(new: list[int], stop_ids) -> tuple[list[int], bool]:
+    """(new tokens without the stop id that ended them, whether one did): what is decoded
+    to text, as transformers drops the EOS it stopped at."""
+    ended = bool(new) and new[-1] in stop_ids
+    return (new[:-1] if ended else new), ended
+
+
 def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
     model = merge_model(graphdef, params, rest)
     caches = init_caches(cfg, prompt_BP.shape[0], cache_len, constrain)
@@ -215,6 +228,22 @@ class Generator:
         self.params = jax.device_put(params, named(mesh, self.spec.param_specs))
         self.batch_multiple = data_parallel_size(mesh)
         self._compiled: dict = {}
+
+    @classmethod
+    def for_tokenizer(cls, model_cfg, params, mesh: Mesh, tokenizer, *, spec=None) -> "Generator":
+        """The Generator of `decode`, `eval --task generate` and lm-eval: it stops at every
+        EOS id of `tokenizer` (its EOS and the further `eos_token_id`s of the
+        generation_config.json beside it: `tokenizer.eos_ids`) and draws only ids below
+        the tokenizer's size."""
+        return cls(
+            model_cfg,
+            params,
+            mesh,
+            spec=spec,
+            eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.eos_ids,
+            vocab_limit=min(tokenizer.vocab_size, model_cfg.vocab_size),
+        )
 
     def _batch_sharding(self, shape) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec(self.mesh, len(shape), shape[0]))
@@ -374,10 +403,8 @@ class Generator:
         start = time.perf_counter()
         tokens, _, compile_decode = self.decode(state, len(prompts), max_new_tokens, sampling, seed)
         decode_s = time.perf_counter() - start - compile_decode
-        out = []
-        for row in tokens[: len(prompts), :max_new_tokens].tolist():
-            ends = [i for i, token in enumerate(row) if token in self.stop_ids]
-            out.append(row[: ends[0] + 1] if ends else row)
+        rows = tokens[: len(prompts), :max_new_tokens].tolist()
+        out = [cut_at_stop(row, self.stop_ids) for row in rows]
         return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
 
 
@@ -472,15 +499,7 @@ def decode_main(
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     params = restore_on_mesh(checkpoint, spec, mesh, config.model)
-    generator = Generator(
-        config.model,
-        params,
-        mesh,
-        spec=spec,
-        eos_id=tokenizer.eos_id,
-        stop_ids=tokenizer.eos_ids,
-        vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
-    )
+    generator = Generator.for_tokenizer(config.model, params, mesh, tokenizer, spec=spec)
     # The encoder reads the input followed by EOS, as in training and evaluation.
     # Prompts start like training documents: with BOS when the tokenizer has one.
     eos = [tokenizer.eos_id] if encoder_decoder else []
@@ -490,8 +509,8 @@ def decode_main(
     result = generator.generate(ids, max_new_tokens, sampling, seed)
     completions = []
     for text, new in zip(texts, result.tokens, strict=True):
-        ended = bool(new) and new[-1] in generator.stop_ids
-        completion = tokenizer.decode(new[:-1] if ended else new)
+        kept, ended = without_stop(new, generator.stop_ids)
+        completion = tokenizer.decode(kept)
         completions.append(completion)
         print_fn(f"=== {text!r}{' [EOS]' if ended else ''}")
         print_fn(completion if encoder_decoder else text + completion)
