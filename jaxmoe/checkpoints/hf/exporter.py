@@ -155,7 +155,7 @@ def export_hf(
     Returns the HF config."""
     out_dtype = output_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    config = read_config(ckpt_path)
+    config = read_config(ckpt_path, tokenizer=tokenizer is None)  # --tokenizer replaces it
     m = config.model
     seq_len = config.get("train", {}).get("seq_len", 0) or 0
     hf_config, maps = export_plan(m, max_positions=max(2048, seq_len, m.get("max_len", 0)))

@@ -303,8 +303,11 @@ def convert_hf(
     hf_config = read_hf_config(src)
     config = base_config()
     plan = import_plan(hf_config, set(folder.names), config.model)
-    config.data.tokenizer = kept_tokenizer(src, dst)  # the copy made below, if any
-    apply_overrides(config, overrides)
+    kept = kept_tokenizer(src)  # the copy made below, if any
+    config.data.tokenizer = str(dst / kept) if kept else ""
+    apply_overrides(config, overrides)  # which makes every path absolute
+    if kept and config.data.tokenizer == str(dst / kept):
+        config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
     validate(config)
     leaves = flatten(abstract_params(unrolled_config(config.model)))
     check_plan(plan, leaves, folder)
