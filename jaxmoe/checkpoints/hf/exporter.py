@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.hf.export_config import export_plan
 from jaxmoe.checkpoints.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
-from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, export_plan
+from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap
 from jaxmoe.checkpoints.hf.remote import write_modeling_file
 from jaxmoe.checkpoints.hf.tokenizer_files import export_tokenizer
 from jaxmoe.checkpoints.leafwise import Index, StoredParams
