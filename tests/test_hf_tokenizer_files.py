@@ -20,7 +20,7 @@ from jaxmoe.checkpoints.manager import CheckpointError, read_config, save_params
 from jaxmoe.checkpoints.surgery import convert_gqa
 from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer
-from jaxmoe.inference.decode import decode_main
+from jaxmoe.inference.decode_text import decode_main
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_data_sources import build_bpe
 from tests.test_hf import randomize

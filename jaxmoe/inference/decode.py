@@ -1,4 +1,4 @@
-"""Autoregressive decoding with a KV cache: `jaxmoe decode --checkpoint PATH --prompt TEXT`.
+"""Autoregressive decoding with a KV cache (`jaxmoe decode`: decode_text.py).
 
 Two compiled functions per request shape: `prefill` (the prompt in one pass, or the encoder
 and the cross-attention K/V once for an encoder-decoder) and `decode` (a `lax.while_loop`
@@ -12,8 +12,6 @@ are sharded on the mesh.
 
 import dataclasses
 import functools
-import json
-import logging
 import time
 
 import jax
@@ -32,10 +30,7 @@ from jaxmoe.models.kv_cache import (
 )
 from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
-from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
-
-log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
 
@@ -406,127 +401,3 @@ class Generator:
         rows = tokens[: len(prompts), :max_new_tokens].tolist()
         out = [cut_at_stop(row, self.stop_ids) for row in rows]
         return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
-
-
-def fit_context(
-    prompts: list[list[int]], max_len: int, max_new_tokens: int, truncate: bool, encoder_decoder
-) -> list[list[int]]:
-    """Prompts checked against the model's context `max_len` (model.max_len: the longest
-    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
-    prompt and new tokens share the context; an encoder's input has it alone. Too long is
-    refused, or with `truncate` cut to its last tokens and logged."""
-    if not max_len:
-        return prompts
-    room = max_len if encoder_decoder else max_len - max_new_tokens
-    if room < 1:
-        raise ValueError(
-            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {max_len} tokens (model.max_len)"
-        )
-    out = []
-    for i, prompt in enumerate(prompts):
-        if len(prompt) > room:
-            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
-            if not truncate:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens{what} exceed the model's context of "
-                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
-                    f"on); shorten it, or --truncate keeps its last {room} tokens"
-                )
-            log.warning(
-                "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
-                i, len(prompt), room, max_len, what.replace(" +", ","),
-            )  # fmt: skip
-            prompt = prompt[-room:]
-        out.append(prompt)
-    return out
-
-
-def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-    """`--prompt TEXT`, or one prompt per non-empty line of `--prompts_file`."""
-    if (prompt is None) == (prompts_file is None):
-        raise ValueError("give exactly one of --prompt and --prompts_file")
-    if prompt is not None:
-        return [prompt]
-    try:
-        with open(prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as error:
-        raise ValueError(f"--prompts_file {prompts_file!r}: {error.strerror}") from None
-    if not prompts:
-        raise ValueError(f"--prompts_file {prompts_file!r} holds no prompts")
-    return prompts
-
-
-def decode_main(
-    checkpoint: str,
-    *,
-    prompt: str | None = None,
-    prompts_file: str | None = None,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    overrides=(),
-    config=None,
-    print_fn=print,
-    truncate: bool = False,
-) -> dict:
-    """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
-
-    Returns {"texts": [...], "tokens": [new ids per prompt], "new_tokens", "tokens_per_s",
-    "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
-    (then `overrides` are already applied to it).
-    """
-    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
-    from jaxmoe.config.validation import resolve_vocab_size
-    from jaxmoe.data.sources import load_tokenizer
-    from jaxmoe.data.tokenizer import with_bos
-
-    sampling = Sampling(temperature, top_k, top_p)
-    texts = read_prompts(prompt, prompts_file)
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    encoder_decoder = config.model.arch == "encoder_decoder"
-    if not config.data.tokenizer:
-        # What `jaxmoe train` uses too; a checkpoint converted from elsewhere needs its own
-        # tokenizer (--config.data.tokenizer=FILE.model).
-        log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
-    tokenizer = load_tokenizer(config)
-    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
-        resolve_vocab_size(config, tokenizer.vocab_size)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
-    generator = Generator.for_tokenizer(config.model, params, mesh, tokenizer, spec=spec)
-    # The encoder reads the input followed by EOS, as in training and evaluation.
-    # Prompts start like training documents: with BOS when the tokenizer has one.
-    eos = [tokenizer.eos_id] if encoder_decoder else []
-    ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
-    ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
-                      encoder_decoder)  # fmt: skip
-    result = generator.generate(ids, max_new_tokens, sampling, seed)
-    completions = []
-    for text, new in zip(texts, result.tokens, strict=True):
-        kept, ended = without_stop(new, generator.stop_ids)
-        completion = tokenizer.decode(kept)
-        completions.append(completion)
-        print_fn(f"=== {text!r}{' [EOS]' if ended else ''}")
-        print_fn(completion if encoder_decoder else text + completion)
-    summary = {
-        "prompts": len(texts),
-        "new_tokens": result.num_new_tokens,
-        "tokens_per_s": result.tokens_per_s,
-        "prefill_s": result.prefill_s,
-        "decode_s": result.decode_s,
-        "compile_s": result.compile_s,
-    }
-    print_fn(
-        f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "
-        f"{result.prefill_s + result.decode_s:.2f} s: {result.tokens_per_s:.1f} tokens/s "
-        f"(prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s; "
-        f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}"
-    )
-    print_fn(json.dumps(summary))
-    return {"texts": completions, "tokens": result.tokens, **summary}
