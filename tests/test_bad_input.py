@@ -453,7 +453,7 @@ def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
 
 
 def test_prompt_beyond_the_trained_context_is_refused_or_truncated(caplog):
-    from jaxmoe.inference.decode import fit_context
+    from jaxmoe.inference.decode_text import fit_context
 
     prompts = [list(range(10)), list(range(3))]
     # Decoder: 10 prompt + 8 new tokens > 16; the 3-token prompt would fit.

@@ -17,6 +17,7 @@ from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import TINY_T5, tiny_config
 
 VOCAB, EOS, STEPS = 8, 1, 3
+SECOND_EOS = 5  # a further EOS id, as Llama 3's generation_config.json lists
 PROMPTS = [[3, 5, 2], [7, 4, 6, 2, 5], [6]]
 MESH = {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
 
@@ -50,13 +51,15 @@ def model(request):
     return cfg, params, token_logp
 
 
-def exhaustive(token_logp, prompt, alpha):
+def exhaustive(token_logp, prompt, alpha, stops=(EOS,)):
     """(best tokens, score) over every sequence of at most STEPS tokens that ends at its
-    first EOS, scored log p / brevity penalty (EOS always has some probability)."""
+    first EOS (any id of `stops`), scored log p / brevity penalty (EOS always has some
+    probability)."""
     every = np.array(list(itertools.product(range(VOCAB), repeat=STEPS)), np.int32)
     best = (None, -np.inf)
     for seq, lps in zip(every.tolist(), token_logp(prompt, every), strict=True):
-        n = seq.index(EOS) + 1 if EOS in seq else None
+        ends = [i for i, token in enumerate(seq) if token in stops]
+        n = ends[0] + 1 if ends else None
         if n is not None:
             score = lps[:n].sum() / brevity_penalty(alpha, n)
             if score > best[1]:
@@ -90,3 +93,22 @@ def test_bad_beam_arguments(model):
         beam_search(generator, PROMPTS, STEPS, beams=0)
     with pytest.raises(ValueError, match="--length_penalty=-1"):
         beam_search(generator, PROMPTS, STEPS, beams=2, alpha=-1)
+
+
+def test_every_eos_id_ends_a_beam(model):
+    """A tokenizer with a second EOS id (generation_config.json's further eos_token_id):
+    sequences ending at it finish too, so the best one can be one the single-EOS search
+    would not return."""
+    cfg, params, forward = model
+    generator = Generator(cfg, params, make_mesh(MESH), eos_id=EOS, stop_ids=(SECOND_EOS,))
+    generation, scores = beam_search(generator, PROMPTS, STEPS, beams=64, alpha=0.6)
+    for prompt, got, score in zip(PROMPTS, generation.tokens, scores, strict=True):
+        want, want_score = exhaustive(forward, prompt, 0.6, stops=(EOS, SECOND_EOS))
+        assert got == want
+        assert score == pytest.approx(want_score, abs=1e-4)
+    # A check on the test itself: the second EOS id decides at least one prompt.
+    assert any(got[-1] == SECOND_EOS for got in generation.tokens)
+    assert any(
+        exhaustive(forward, p, 0.6)[0] != got
+        for p, got in zip(PROMPTS, generation.tokens, strict=True)
+    )

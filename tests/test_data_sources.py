@@ -163,7 +163,7 @@ def test_record_source_errors_name_the_culprit(tmp_path):
 
 @pytest.mark.slow
 def test_jsonl_source_with_hf_tokenizer_trains_evaluates_and_decodes(tmp_path):
-    from jaxmoe.inference.decode import decode_main
+    from jaxmoe.inference.decode_text import decode_main
     from jaxmoe.training.loop import train
     from tests.helpers import tiny_config
 

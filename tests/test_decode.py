@@ -15,10 +15,10 @@ from jaxmoe.inference.decode import (
     Generator,
     Sampling,
     bucket,
-    decode_main,
     filter_logits,
     sample_tokens,
 )
+from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.models import build_model
 from jaxmoe.models.kv_cache import (
     decoder_forward,

@@ -33,9 +33,9 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
+from jaxmoe.checkpoints.hf.export_config import export_plan
 from jaxmoe.checkpoints.hf.exporter import export_hf
 from jaxmoe.checkpoints.hf.importer import abstract_params, convert_hf
-from jaxmoe.checkpoints.hf.names import export_plan
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
 from jaxmoe.cli import build_parser
 from jaxmoe.models import build_model

@@ -6,6 +6,8 @@ transformers: its tokenizer, and its greedy `generate` on the same weights."""
 
 import io
 import json
+import logging
+import shutil
 
 import pytest
 import sentencepiece as spm
@@ -14,10 +16,11 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from jaxmoe.checkpoints.hf.exporter import export_hf
 from jaxmoe.checkpoints.hf.importer import convert_hf
-from jaxmoe.checkpoints.manager import read_config, save_params
+from jaxmoe.checkpoints.manager import CheckpointError, read_config, save_params
+from jaxmoe.checkpoints.surgery import convert_gqa
 from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer
-from jaxmoe.inference.decode import decode_main
+from jaxmoe.inference.decode_text import decode_main
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_data_sources import build_bpe
 from tests.test_hf import randomize
@@ -94,6 +97,31 @@ def test_converted_checkpoint_keeps_and_uses_its_tokenizer(hf_llama_with_tokeniz
     assert train.data.tokenizer == str(kept)
 
 
+def test_eval_generate_stops_at_the_second_eos_id(hf_llama_with_tokenizer, tmp_path):
+    """`eval --task generate` stops where transformers does: at the second EOS id of
+    generation_config.json, the 4th token (beam search: test_beam_search.py)."""
+    pytest.importorskip("rouge_score")
+    pytest.importorskip("sacrebleu")
+    from jaxmoe.inference.generate_eval import generate_eval
+
+    src, stop = hf_llama_with_tokenizer
+    convert_hf(str(src), str(tmp_path / "ckpt"))
+    hf_tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    want = hf_greedy(model, hf_tok(PROMPT).input_ids, 8)
+    assert want[-1] == stop and len(want) == 4
+    text = hf_tok.decode(want[:-1], skip_special_tokens=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"inputs": PROMPT, "targets": text}) + "\n")
+    out = tmp_path / "predictions.jsonl"
+    result = generate_eval(
+        str(tmp_path / "ckpt"), f"jsonl:{data}", max_new_tokens=8, output=str(out),
+        overrides=MESH,
+    )  # fmt: skip
+    assert result["new_tokens"] == 4 and result["exact_match"] == 100.0
+    assert json.loads(out.read_text())["prediction"] == text
+
+
 def test_export_of_a_converted_model_carries_the_tokenizer(hf_llama_with_tokenizer, tmp_path):
     src, stop = hf_llama_with_tokenizer
     convert_hf(str(src), str(tmp_path / "ckpt"))
@@ -160,3 +188,107 @@ def test_sentencepiece_model_with_hf_files_beside_it(tmp_path):
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "two"}))
     with pytest.raises(ValueError, match=r"generation_config\.json: eos_token_id='two'"):
         Tokenizer(str(tmp_path / "tokenizer.model"))
+
+
+def _stored_config(checkpoint) -> tuple:
+    """(path, contents) of a converted checkpoint's config file, as written."""
+    path = checkpoint / "config" / "config.json"
+    return path, json.loads(path.read_text())
+
+
+def _set_stored_tokenizer(checkpoint, value: str) -> None:
+    path, stored = _stored_config(checkpoint)
+    stored["data"]["tokenizer"] = value
+    path.write_text(json.dumps(stored))
+
+
+def test_moved_checkpoint_keeps_its_tokenizer(hf_llama_with_tokenizer, tmp_path):
+    """The copied tokenizer is stored relative to the checkpoint: moved elsewhere (the old
+    place gone), decode and eval --task generate still stop where transformers does."""
+    pytest.importorskip("rouge_score")
+    pytest.importorskip("sacrebleu")
+    from jaxmoe.inference.generate_eval import generate_eval
+
+    src, stop = hf_llama_with_tokenizer
+    convert_hf(str(src), str(tmp_path / "a" / "ckpt"))
+    assert _stored_config(tmp_path / "a" / "ckpt")[1]["data"]["tokenizer"] == "tokenizer"
+    moved = tmp_path / "b" / "moved"
+    moved.parent.mkdir()
+    shutil.move(tmp_path / "a" / "ckpt", moved)
+    shutil.rmtree(tmp_path / "a")
+    assert read_config(str(moved)).data.tokenizer == str(moved / "tokenizer")
+    hf_tok = AutoTokenizer.from_pretrained(src)
+    model = AutoModelForCausalLM.from_pretrained(src).eval()
+    want = hf_greedy(model, hf_tok(PROMPT).input_ids, 8)
+    assert want[-1] == stop and len(want) == 4  # the second EOS id ends it
+    got = jaxmoe_decode(moved, 8)
+    assert got["tokens"] == [want] and got["ended"]
+    data = tmp_path / "data.jsonl"
+    text = hf_tok.decode(want[:-1], skip_special_tokens=True)
+    data.write_text(json.dumps({"inputs": PROMPT, "targets": text}) + "\n")
+    result = generate_eval(str(moved), f"jsonl:{data}", max_new_tokens=8, overrides=MESH)
+    assert result["new_tokens"] == 4 and result["exact_match"] == 100.0
+    # Training from the moved checkpoint inherits the tokenizer where it now is.
+    train = tiny_config(f"train.init_from={moved}")
+    inherit_tokenizer(train)
+    assert train.data.tokenizer == str(moved / "tokenizer")
+
+
+def test_checkpoint_config_cannot_point_outside_it(hf_llama_with_tokenizer, tmp_path, caplog):
+    """A checkpoint's config is untrusted: a relative data.tokenizer with `..`, a URL or a
+    symlink out of it is refused in one line naming the config; an absolute one is read
+    with a warning; the user's --config.data.tokenizer still wins."""
+    src, _ = hf_llama_with_tokenizer
+    ckpt = tmp_path / "ckpt"
+    convert_hf(str(src), str(ckpt))
+    outside = tmp_path / "outside"
+    shutil.copytree(ckpt / "tokenizer", outside)
+    config_file = str(ckpt / "config" / "config.json")
+    for value, reason in [
+        ("../outside", "has a '..' component"),
+        ("tokenizer/../../outside", "has a '..' component"),
+        ("file:tokenizer", "is absolute or a URL"),
+        ("evil", "outside"),
+    ]:
+        _set_stored_tokenizer(ckpt, value)
+        if value == "evil":
+            (ckpt / "evil").symlink_to(outside)
+        with pytest.raises(CheckpointError) as error:
+            read_config(str(ckpt))
+        message = str(error.value)
+        assert config_file in message and reason in message and "\n" not in message
+    # The user's override is used, and the stored value is not looked at.
+    assert jaxmoe_decode_with(ckpt, [f"--config.data.tokenizer={ckpt / 'tokenizer'}"])
+    # An absolute path outside the checkpoint (a training run's tokenizer) is read, loudly.
+    _set_stored_tokenizer(ckpt, str(outside))
+    with caplog.at_level(logging.WARNING):
+        assert read_config(str(ckpt)).data.tokenizer == str(outside)
+    assert "lies outside it" in caplog.text
+
+
+def jaxmoe_decode_with(checkpoint, overrides) -> list:
+    return decode_main(
+        str(checkpoint), prompt=PROMPT, max_new_tokens=2, overrides=[*MESH, *overrides],
+        print_fn=lambda line: None,
+    )["tokens"]  # fmt: skip
+
+
+def test_old_absolute_path_and_derived_checkpoints(hf_llama_with_tokenizer, tmp_path, caplog):
+    """A checkpoint converted before paths were relative stores DST/tokenizer absolute:
+    moved, it falls back to its own copy (with a warning). `convert gqa` of a converted
+    checkpoint copies its tokenizer folder along, stored relative again."""
+    src, _ = hf_llama_with_tokenizer
+    convert_hf(str(src), str(tmp_path / "old"))
+    _set_stored_tokenizer(tmp_path / "old", str(tmp_path / "old" / "tokenizer"))
+    assert read_config(str(tmp_path / "old")).data.tokenizer == str(tmp_path / "old/tokenizer")
+    shutil.move(tmp_path / "old", tmp_path / "moved")
+    with caplog.at_level(logging.WARNING):
+        config = read_config(str(tmp_path / "moved"))
+    assert config.data.tokenizer == str(tmp_path / "moved" / "tokenizer")
+    assert "does not exist" in caplog.text
+    convert_gqa(str(tmp_path / "moved"), str(tmp_path / "gqa"), num_kv_heads=1)
+    assert _stored_config(tmp_path / "gqa")[1]["data"]["tokenizer"] == "tokenizer"
+    assert sorted(p.name for p in (tmp_path / "gqa" / "tokenizer").iterdir()) == sorted(
+        p.name for p in (tmp_path / "moved" / "tokenizer").iterdir()
+    )
+    assert open_tokenizer(read_config(str(tmp_path / "gqa")).data.tokenizer).eos_ids[1] > 1

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.hf.names import export_plan
+from jaxmoe.checkpoints.hf.export_config import export_plan
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x.exporter import check_exportable
 from jaxmoe.models.layers import MLP, activation_fn, ungated_gate_fn

@@ -178,8 +178,10 @@ def resolve_checkpoint(path: str) -> epath.Path:
 CONFIG_FILES = ("config/metadata", "config/config.json")
 
 
-def read_config(path: str) -> ConfigDict:
-    """The model/run config stored with a checkpoint."""
+def read_config(path: str, *, tokenizer: bool = True) -> ConfigDict:
+    """The model/run config stored with a checkpoint; its `data.tokenizer` resolved against
+    the checkpoint's directory (stored_tokenizer.py), or left as stored with
+    `tokenizer=False` (a caller that replaces it: --config.data.tokenizer)."""
     step_dir = resolve_checkpoint(path)
     for name in CONFIG_FILES:
         candidate = step_dir / name
@@ -190,8 +192,23 @@ def read_config(path: str) -> ConfigDict:
                 raise CheckpointError(f"{candidate}: damaged config ({error})") from error
             if not isinstance(stored, dict):
                 raise CheckpointError(f"{candidate}: damaged config (not a JSON object)")
-            return merge_into_defaults(stored)
+            config = merge_into_defaults(stored)
+            if tokenizer:
+                _resolve_tokenizer(config, step_dir, candidate)
+            return config
     raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
+
+
+def _resolve_tokenizer(config: ConfigDict, step_dir, culprit) -> None:
+    from jaxmoe.checkpoints.stored_tokenizer import resolve_stored_tokenizer
+
+    try:
+        config.data.tokenizer = resolve_stored_tokenizer(step_dir, config.data.tokenizer)
+    except ValueError as error:
+        raise CheckpointError(
+            f"{culprit}: data.tokenizer: {error}; a checkpoint's tokenizer must lie inside "
+            f"it (--config.data.tokenizer=FILE names one)"
+        ) from None
 
 
 def describe_error(error: BaseException) -> str:

@@ -13,7 +13,10 @@ def checkpoint_config(checkpoint: str, overrides=()):
     from jaxmoe.config.loading import apply_overrides
     from jaxmoe.config.validation import validate
 
-    config = read_config(checkpoint)
+    # A tokenizer given here is not looked up in the checkpoint (nor refused there).
+    named = any(o.removeprefix("--").removeprefix("config.").startswith("data.tokenizer=")
+                for o in overrides)  # fmt: skip
+    config = read_config(checkpoint, tokenizer=not named)
     apply_overrides(config, overrides)
     validate(config)
     return config

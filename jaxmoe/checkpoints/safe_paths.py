@@ -10,6 +10,8 @@ import os
 import re
 from pathlib import Path
 
+from jaxmoe.storage.paths import is_remote
+
 # A URL scheme ("gs://", "file:", "http:") or a Windows drive ("C:") is never a relative path.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
@@ -33,6 +35,17 @@ def resolve_inside(root: str | os.PathLike, relative: str | os.PathLike) -> Path
     if not target.is_relative_to(root_resolved):
         raise ValueError(f"path {text!r} resolves to {target}, outside {root_resolved}")
     return target
+
+
+def join_inside(root: str | os.PathLike, relative: str) -> str:
+    """`resolve_inside` for a root that may be remote (`gs://...`): there, where nothing
+    resolves symlinks, the same lexical checks and a plain join."""
+    if not is_remote(root):
+        return str(resolve_inside(root, relative))
+    problem = _lexical_problem(os.fspath(relative))
+    if problem:
+        raise ValueError(f"path {relative!r} {problem}")
+    return f"{str(root).rstrip('/')}/{relative}"
 
 
 def _lexical_problem(text: str) -> str | None:

@@ -14,11 +14,11 @@
 
 SRC is a training workdir, a step directory or a converted (params-only) checkpoint. The
 work happens on a mesh over all devices along `fsdp` (parameters sharded, not replicated),
-and DST (params + updated config) appears atomically, like the other converters' output.
+and DST (params + updated config) appears atomically, like the other converters' output;
+a converted SRC's own tokenizer folder is copied into DST (stored_tokenizer.py).
 """
 
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -33,6 +33,8 @@ from jaxmoe.checkpoints.manager import (
     save_params,
 )
 from jaxmoe.checkpoints.restore import restore_on_mesh
+from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
+from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR, inherited_tokenizer
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
@@ -231,8 +233,9 @@ def _restore(src: str):
     return config, restore_on_mesh(src, spec, mesh, config.model), mesh
 
 
-def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
-    """Check params against the model `config` builds, then write DST atomically."""
+def _write(src: str, dst: str, params: dict, config: ConfigDict, mesh) -> None:
+    """Check params against the model `config` builds, then write DST atomically (with a
+    copy of SRC's own tokenizer folder, if it has one and `config` uses it)."""
     from jaxmoe.config.validation import validate
 
     validate(config)
@@ -249,23 +252,15 @@ def _write(dst: str, params: dict, config: ConfigDict, mesh) -> None:
             found = tuple(got[path].shape) if path in got else "missing"
             raise CheckpointError(f"{'.'.join(path)}: model needs {tuple(leaf.shape)}, got {found}")
     params = jax.device_get(params)  # save_params writes host arrays
-    target = Path(dst).absolute()
-    staging = target.parent / f".{target.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    tokenizer = inherited_tokenizer(config, resolve_checkpoint(src))
+    with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         save_params(str(staging), params, config)
-        if target.exists():
-            target.rmdir()  # empty, checked by _check_dst
-        staging.rename(target)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        if tokenizer:
+            shutil.copytree(tokenizer, staging / TOKENIZER_DIR)
 
 
 def _check_dst(src: str, dst: str) -> None:
-    target = Path(dst).absolute()
-    if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise CheckpointError(f"{target}: already exists; converting writes a new directory")
+    target = refuse_existing(dst)
     if Path(str(resolve_checkpoint(src))).absolute() == target:
         raise CheckpointError(f"{target}: DST is the source checkpoint")
 
@@ -285,7 +280,7 @@ def convert_gqa(
     config, params, mesh = _restore(src)
     new_params = gqa_params(params, config.model, num_kv_heads, method, include_encoder, seed)
     new_config = gqa_config(config, num_kv_heads, include_encoder)
-    _write(dst, new_params, new_config, mesh)
+    _write(src, dst, new_params, new_config, mesh)
     return new_config
 
 
@@ -298,5 +293,5 @@ def convert_upcycle(
     _, params, mesh = _restore(src)
     moe_spec = model_spec(unrolled_config(new_config.model), mesh)
     new_params = upcycle_params(params, moe_spec.abstract_params, seed)
-    _write(dst, new_params, new_config, mesh)
+    _write(src, dst, new_params, new_config, mesh)
     return new_config

@@ -3,7 +3,7 @@
 import argparse
 
 from jaxmoe.cli.flags import add_checkpoint_flags, checkpoint_config_override
-from jaxmoe.inference.decode import decode_main
+from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.storage.paths import absolute_path
 
 

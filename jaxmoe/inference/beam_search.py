@@ -2,10 +2,11 @@
 
 Each prompt runs `beams` rows (prompt i owns rows i * beams ...). Every step extends each
 live beam by every token, keeps the 2 * beams best extensions (so `beams` of them survive
-even when the rest end in EOS): those ending in EOS join the finished set with score
-log p / ((5 + length) / 6) ** alpha (T5X's `brevity_penalty`; length counts the new tokens,
-EOS included), the best `beams` others stay live with their plain log p, and the caches'
-rows are gathered from their parent beams. After `max_new_tokens` steps a prompt returns its
+even when the rest end in EOS, which is any EOS id of the tokenizer: Generator.stop_ids):
+those ending in EOS join the finished set with score log p / ((5 + length) / 6) ** alpha
+(T5X's `brevity_penalty`; length counts the new tokens, EOS included), the best `beams`
+others stay live with their plain log p, and the caches' rows are gathered from their
+parent beams. After `max_new_tokens` steps a prompt returns its
 best finished sequence, or its best live one (scored by plain log p) when none finished.
 The whole search is one compiled `lax.fori_loop`.
 """
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.inference.decode import Generation, bucket
+from jaxmoe.inference.decode import Generation, bucket, cut_at_stop
 from jaxmoe.models.kv_cache import LayerCache, decoder_forward, encoder_decoder_forward
 
 NEG_INF = -1.0e30  # finite, so that sums and divisions stay ordered and never make NaN
@@ -38,10 +39,11 @@ def _reorder(cache: LayerCache, source_R) -> LayerCache:
 
 
 def _beam_loop(
-    params, caches, state, *, graphdef, beams, max_new, alpha, eos_id, vocab_limit, constrain
+    params, caches, state, *, graphdef, beams, max_new, alpha, stop_ids, vocab_limit, constrain
 ):
     """(best sequences [P, max_new] padded with 0, their scores [P], caches), P = rows / beams."""
     model = nnx.merge(graphdef, params)
+    stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
     rows = state["logits_BV"].shape[0]
     prompts = rows // beams
 
@@ -63,7 +65,7 @@ def _beam_loop(
         parent, token = top_index // v, top_index % v
         seqs = jnp.take_along_axis(live_seqs, parent[..., None], axis=1)
         seqs = seqs.at[:, :, t].set(token)
-        ended = token == eos_id
+        ended = jnp.isin(token, stop_S)  # any EOS id of the tokenizer ends a beam
         # Finished: the best `beams` of the old finished set and the new EOS endings.
         new_scores = jnp.where(ended, top_logp / brevity_penalty(alpha, t + 1), NEG_INF)
         fin_scores, keep = jax.lax.top_k(jnp.concatenate([fin_scores, new_scores], 1), beams)
@@ -98,7 +100,7 @@ def beam_search(
     generator, prompts: list[list[int]], max_new_tokens: int, beams: int, alpha: float = 0.6
 ) -> tuple[Generation, list[float]]:
     """The best beam's new tokens per prompt (up to and including EOS) with timings, and
-    its score. `generator` is a decode.Generator (model, mesh, EOS id, vocabulary limit)."""
+    its score. `generator` is a decode.Generator (model, mesh, EOS ids, vocabulary limit)."""
     if beams < 1:
         raise ValueError(f"--num_beams={beams} must be >= 1")
     if max_new_tokens < 1:
@@ -122,7 +124,7 @@ def beam_search(
         beams=beams,
         max_new=max_new_tokens,
         alpha=float(alpha),
-        eos_id=generator.eos_id,
+        stop_ids=generator.stop_ids,
         vocab_limit=generator.vocab_limit,
         constrain=generator._constrain(len(rows), cache_len),
     )
@@ -134,8 +136,8 @@ def beam_search(
     best, scores, _ = compiled(generator.params, state["caches"], rest)
     best, scores = jax.device_get((best, scores))
     decode_s = time.perf_counter() - start - compile_loop
-    out = []
-    for row in np.asarray(best)[: len(prompts)].tolist():
-        out.append(row[: row.index(generator.eos_id) + 1] if generator.eos_id in row else row)
+    out = [
+        cut_at_stop(row, generator.stop_ids) for row in np.asarray(best)[: len(prompts)].tolist()
+    ]
     generation = Generation(out, prefill_s, decode_s, compile_prefill + compile_loop)
     return generation, [float(s) for s in np.asarray(scores)[: len(prompts)]]

@@ -1,4 +1,4 @@
-"""Autoregressive decoding with a KV cache: `jaxmoe decode --checkpoint PATH --prompt TEXT`.
+"""Autoregressive decoding with a KV cache (`jaxmoe decode`: decode_text.py).
 
 Two compiled functions per request shape: `prefill` (the prompt in one pass, or the encoder
 and the cross-attention K/V once for an encoder-decoder) and `decode` (a `lax.while_loop`
@@ -12,8 +12,6 @@ are sharded on the mesh.
 
 import dataclasses
 import functools
-import json
-import logging
 import time
 
 import jax
@@ -32,10 +30,7 @@ from jaxmoe.models.kv_cache import (
 )
 from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
-from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
-
-log = logging.getLogger(__name__)
 
 MIN_BUCKET = 16
 
@@ -104,6 +99,19 @@ class Generation:
     def tokens_per_s(self) -> float:
         """New tokens per second of prefill + decode (compilation not counted)."""
         return self.num_new_tokens / max(self.prefill_s + self.decode_s, 1e-9)
+
+
+def cut_at_stop(row: list[int], stop_ids) -> list[int]:
+    """`row` up to and including its first stop id (all of it when it has none)."""
+    ends = [i for i, token in enumerate(row) if token in stop_ids]
+    return row[: ends[0] + 1] if ends else row
+
+
+def without_stop(new: list[int], stop_ids) -> tuple[list[int], bool]:
+    """(new tokens without the stop id that ended them, whether one did): what is decoded
+    to text, as transformers drops the EOS it stopped at."""
+    ended = bool(new) and new[-1] in stop_ids
+    return (new[:-1] if ended else new), ended
 
 
 def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
@@ -215,6 +223,22 @@ class Generator:
         self.params = jax.device_put(params, named(mesh, self.spec.param_specs))
         self.batch_multiple = data_parallel_size(mesh)
         self._compiled: dict = {}
+
+    @classmethod
+    def for_tokenizer(cls, model_cfg, params, mesh: Mesh, tokenizer, *, spec=None) -> "Generator":
+        """The Generator of `decode`, `eval --task generate` and lm-eval: it stops at every
+        EOS id of `tokenizer` (its EOS and the further `eos_token_id`s of the
+        generation_config.json beside it: `tokenizer.eos_ids`) and draws only ids below
+        the tokenizer's size."""
+        return cls(
+            model_cfg,
+            params,
+            mesh,
+            spec=spec,
+            eos_id=tokenizer.eos_id,
+            stop_ids=tokenizer.eos_ids,
+            vocab_limit=min(tokenizer.vocab_size, model_cfg.vocab_size),
+        )
 
     def _batch_sharding(self, shape) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec(self.mesh, len(shape), shape[0]))
@@ -374,140 +398,6 @@ class Generator:
         start = time.perf_counter()
         tokens, _, compile_decode = self.decode(state, len(prompts), max_new_tokens, sampling, seed)
         decode_s = time.perf_counter() - start - compile_decode
-        out = []
-        for row in tokens[: len(prompts), :max_new_tokens].tolist():
-            ends = [i for i, token in enumerate(row) if token in self.stop_ids]
-            out.append(row[: ends[0] + 1] if ends else row)
+        rows = tokens[: len(prompts), :max_new_tokens].tolist()
+        out = [cut_at_stop(row, self.stop_ids) for row in rows]
         return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
-
-
-def fit_context(
-    prompts: list[list[int]], max_len: int, max_new_tokens: int, truncate: bool, encoder_decoder
-) -> list[list[int]]:
-    """Prompts checked against the model's context `max_len` (model.max_len: the longest
-    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
-    prompt and new tokens share the context; an encoder's input has it alone. Too long is
-    refused, or with `truncate` cut to its last tokens and logged."""
-    if not max_len:
-        return prompts
-    room = max_len if encoder_decoder else max_len - max_new_tokens
-    if room < 1:
-        raise ValueError(
-            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {max_len} tokens (model.max_len)"
-        )
-    out = []
-    for i, prompt in enumerate(prompts):
-        if len(prompt) > room:
-            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
-            if not truncate:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens{what} exceed the model's context of "
-                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
-                    f"on); shorten it, or --truncate keeps its last {room} tokens"
-                )
-            log.warning(
-                "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
-                i, len(prompt), room, max_len, what.replace(" +", ","),
-            )  # fmt: skip
-            prompt = prompt[-room:]
-        out.append(prompt)
-    return out
-
-
-def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
-    """`--prompt TEXT`, or one prompt per non-empty line of `--prompts_file`."""
-    if (prompt is None) == (prompts_file is None):
-        raise ValueError("give exactly one of --prompt and --prompts_file")
-    if prompt is not None:
-        return [prompt]
-    try:
-        with open(prompts_file, encoding="utf-8") as f:
-            prompts = [line.rstrip("\n") for line in f if line.strip()]
-    except OSError as error:
-        raise ValueError(f"--prompts_file {prompts_file!r}: {error.strerror}") from None
-    if not prompts:
-        raise ValueError(f"--prompts_file {prompts_file!r} holds no prompts")
-    return prompts
-
-
-def decode_main(
-    checkpoint: str,
-    *,
-    prompt: str | None = None,
-    prompts_file: str | None = None,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int = 0,
-    overrides=(),
-    config=None,
-    print_fn=print,
-    truncate: bool = False,
-) -> dict:
-    """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
-
-    Returns {"texts": [...], "tokens": [new ids per prompt], "new_tokens", "tokens_per_s",
-    "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
-    (then `overrides` are already applied to it).
-    """
-    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
-    from jaxmoe.config.validation import resolve_vocab_size
-    from jaxmoe.data.sources import load_tokenizer
-    from jaxmoe.data.tokenizer import with_bos
-
-    sampling = Sampling(temperature, top_k, top_p)
-    texts = read_prompts(prompt, prompts_file)
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    encoder_decoder = config.model.arch == "encoder_decoder"
-    if not config.data.tokenizer:
-        # What `jaxmoe train` uses too; a checkpoint converted from elsewhere needs its own
-        # tokenizer (--config.data.tokenizer=FILE.model).
-        log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
-    tokenizer = load_tokenizer(config)
-    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
-        resolve_vocab_size(config, tokenizer.vocab_size)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
-    generator = Generator(
-        config.model,
-        params,
-        mesh,
-        spec=spec,
-        eos_id=tokenizer.eos_id,
-        stop_ids=tokenizer.eos_ids,
-        vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
-    )
-    # The encoder reads the input followed by EOS, as in training and evaluation.
-    # Prompts start like training documents: with BOS when the tokenizer has one.
-    eos = [tokenizer.eos_id] if encoder_decoder else []
-    ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
-    ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
-                      encoder_decoder)  # fmt: skip
-    result = generator.generate(ids, max_new_tokens, sampling, seed)
-    completions = []
-    for text, new in zip(texts, result.tokens, strict=True):
-        ended = bool(new) and new[-1] in generator.stop_ids
-        completion = tokenizer.decode(new[:-1] if ended else new)
-        completions.append(completion)
-        print_fn(f"=== {text!r}{' [EOS]' if ended else ''}")
-        print_fn(completion if encoder_decoder else text + completion)
-    summary = {
-        "prompts": len(texts),
-        "new_tokens": result.num_new_tokens,
-        "tokens_per_s": result.tokens_per_s,
-        "prefill_s": result.prefill_s,
-        "decode_s": result.decode_s,
-        "compile_s": result.compile_s,
-    }
-    print_fn(
-        f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "
-        f"{result.prefill_s + result.decode_s:.2f} s: {result.tokens_per_s:.1f} tokens/s "
-        f"(prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s; "
-        f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}"
-    )
-    print_fn(json.dumps(summary))
-    return {"texts": completions, "tokens": result.tokens, **summary}

@@ -19,7 +19,7 @@ import time
 import numpy as np
 from etils import epath
 
-from jaxmoe.inference.decode import Generation, Sampling
+from jaxmoe.inference.decode import Generation, Sampling, without_stop
 
 
 def normalize_answer(text: str) -> str:
@@ -120,6 +120,7 @@ def generate_eval(
     """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`."""
     from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
     from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.decode import Generator
     from jaxmoe.models.spec import model_spec
     from jaxmoe.parallel.mesh import make_mesh
@@ -135,17 +136,16 @@ def generate_eval(
     tokenizer = load_tokenizer(config)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
-    generator = Generator(
-        config.model,
-        restore_on_mesh(checkpoint, spec, mesh, config.model),
-        mesh,
-        spec=spec,
-        eos_id=tokenizer.eos_id,
-        vocab_limit=min(tokenizer.vocab_size, config.model.vocab_size),
-    )
+    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    generator = Generator.for_tokenizer(config.model, params, mesh, tokenizer, spec=spec)
     encoder_decoder = config.model.arch == "encoder_decoder"
+    # As `jaxmoe decode` and training: BOS first when the tokenizer has one; an encoder
+    # reads the input followed by EOS.
     eos = [tokenizer.eos_id] if encoder_decoder else []
-    prompts = [tokenizer.encode(inputs) + eos or [tokenizer.eos_id] for inputs, _ in pairs]
+    prompts = [
+        with_bos(tokenizer, tokenizer.encode(inputs)) + eos or [tokenizer.eos_id]
+        for inputs, _ in pairs
+    ]
     dp = generator.batch_multiple
     rows = -(-(batch_size or int(config.train.batch_size)) // dp) * dp
     start = time.perf_counter()
@@ -160,8 +160,7 @@ def generate_eval(
         seed=seed,
     )
     seconds = time.perf_counter() - start
-    eos_id = tokenizer.eos_id
-    predictions = [tokenizer.decode([t for t in new if t != eos_id]) for new in tokens]
+    predictions = [tokenizer.decode(without_stop(new, generator.stop_ids)[0]) for new in tokens]
     targets = [target for _, target in pairs]
     result = {
         "num_examples": len(pairs),

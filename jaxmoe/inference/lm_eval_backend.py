@@ -41,7 +41,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.inference.decode import Generator, Sampling, bucket
+from jaxmoe.inference.decode import Generator, Sampling, bucket, without_stop
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
@@ -123,13 +123,8 @@ class JaxmoeLM(TemplateLM):
         self.mesh = make_mesh(config.mesh)
         self.spec = model_spec(config.model, self.mesh)
         params = restore_on_mesh(self.checkpoint, self.spec, self.mesh, config.model)
-        self.generator = Generator(
-            config.model,
-            params,
-            self.mesh,
-            spec=self.spec,
-            eos_id=self.tokenizer.eos_id,
-            vocab_limit=min(self.tokenizer.vocab_size, config.model.vocab_size),
+        self.generator = Generator.for_tokenizer(
+            config.model, params, self.mesh, self.tokenizer, spec=self.spec
         )
         self.params = self.generator.params
         dp = data_parallel_size(self.mesh)
@@ -250,6 +245,7 @@ class JaxmoeLM(TemplateLM):
                 batch += [[self.eot_token_id]] * (self.rows - len(chunk))
                 generation = self.generator.generate(batch, max_new, sampling, seed=start)
                 for i, new in zip(chunk, generation.tokens, strict=False):
+                    new, _ = without_stop(new, self.generator.stop_ids)
                     text = postprocess_generated_text(self.tok_decode(new), until, None)
                     results[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)

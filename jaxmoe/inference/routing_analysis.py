@@ -81,9 +81,8 @@ def analyze_routing(
     """
     import jax
 
-    from jaxmoe.checkpoints.manager import read_config
-    from jaxmoe.config.loading import apply_overrides
-    from jaxmoe.config.validation import resolve_vocab_size, validate
+    from jaxmoe.checkpoints.restore import checkpoint_config
+    from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.inference.routing_counts import summarize
     from jaxmoe.inference.routing_plots import write_report
     from jaxmoe.inference.routing_probe import collect_counts
@@ -93,9 +92,7 @@ def analyze_routing(
     if gate not in GATE_CHOICES:
         raise ValueError(f"--gate={gate!r}: expected one of {GATE_CHOICES}")
     if config is None:
-        config = read_config(checkpoint)
-        apply_overrides(config, overrides)
-        validate(config)
+        config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
     tokenizer = None
     if config.data.tokenizer or not encoder_decoder:

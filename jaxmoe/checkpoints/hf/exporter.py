@@ -6,7 +6,8 @@
 
 Tensors stream: each HF tensor is read from the checkpoint on its own (one layer of a
 scanned stack, one expert: leafwise.StoredParams), converted and written before the next
-is read, so host memory holds about one tensor whatever the model's size.
+is read, so host memory holds about one tensor whatever the model's size. DST appears only
+once complete (staging.py).
 
 Only models that Hugging Face transformers can express exactly are written: dense decoders
 (as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
@@ -24,12 +25,14 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.hf.export_config import export_plan
 from jaxmoe.checkpoints.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
-from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, export_plan
+from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap
 from jaxmoe.checkpoints.hf.remote import write_modeling_file
 from jaxmoe.checkpoints.hf.tokenizer_files import export_tokenizer
 from jaxmoe.checkpoints.leafwise import Index, StoredParams
 from jaxmoe.checkpoints.manager import CheckpointError, check_params_match, read_config
+from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
@@ -153,7 +156,7 @@ def export_hf(
     Returns the HF config."""
     out_dtype = output_dtype(dtype)
     max_bytes = parse_size(max_shard_size)
-    config = read_config(ckpt_path)
+    config = read_config(ckpt_path, tokenizer=tokenizer is None)  # --tokenizer replaces it
     m = config.model
     seq_len = config.get("train", {}).get("seq_len", 0) or 0
     hf_config, maps = export_plan(m, max_positions=max(2048, seq_len, m.get("max_len", 0)))
@@ -167,16 +170,19 @@ def export_hf(
     stacked = _stored_layout(stored, leaves, m)
     by_name = {t.hf_name: t for t in maps}
     shapes = {t.hf_name: t.hf_shape(leaves[t.path].shape) for t in maps}
-    dst.mkdir(parents=True, exist_ok=True)
-    write_sharded_safetensors(
-        dst,
-        shapes,
-        dtype,
-        max_bytes,
-        lambda n: _hf_tensor(stored, by_name[n], m, stacked, out_dtype),
-    )
-    hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
-    hf_config |= export_tokenizer(config, dst, absolute_path(tokenizer) if tokenizer else None)
-    (dst / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    write_modeling_file(hf_config, dst)
+    with staged_directory(dst) as staging:  # DST never holds half a checkpoint
+        staging.mkdir()
+        write_sharded_safetensors(
+            staging,
+            shapes,
+            dtype,
+            max_bytes,
+            lambda n: _hf_tensor(stored, by_name[n], m, stacked, out_dtype),
+        )
+        hf_config |= {"dtype": dtype, "torch_dtype": dtype}  # transformers 5.x / 4.x spellings
+        hf_config |= export_tokenizer(
+            config, staging, absolute_path(tokenizer) if tokenizer else None
+        )
+        (staging / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+        write_modeling_file(hf_config, staging)
     return hf_config

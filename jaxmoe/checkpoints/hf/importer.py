@@ -6,8 +6,8 @@ checked against the model that the translated config builds (names, shapes, noth
 nothing left over) before anything is written. Tensors are then read, transposed and cast
 one at a time while Orbax writes the checkpoint (leafwise.py: each HF tensor is one piece
 of a jaxmoe array, one expert of [E, ...] or one layer of a scanned [L, ...] stack), so the
-conversion holds about one tensor in RAM; it is written in a staging directory next to DST
-that is renamed to DST at the end, with the tokenizer files (tokenizer_files.py). PyTorch
+conversion holds about one tensor in RAM; it is written, with the tokenizer files
+(tokenizer_files.py), in a staging directory renamed to DST at the end (staging.py). PyTorch
 pickle files (`*.bin`) are refused: unpickling runs code from the file. Shard names from the
 index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 """
@@ -15,7 +15,6 @@ index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 import json
 import math
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tok
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
@@ -298,29 +298,22 @@ def convert_hf(
     `dst_dir` (parameters in `dtype` + the full config, with `--config.KEY=VALUE` style
     `overrides` applied, e.g. data.tokenizer). Returns that config."""
     out_dtype = output_dtype(dtype)
-    src, dst = Path(src_dir), Path(dst_dir).absolute()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    src, dst = Path(src_dir), refuse_existing(dst_dir)
     folder = SafetensorsFolder(src)
     hf_config = read_hf_config(src)
     config = base_config()
     plan = import_plan(hf_config, set(folder.names), config.model)
-    config.data.tokenizer = kept_tokenizer(src, dst)  # the copy made below, if any
-    apply_overrides(config, overrides)
+    kept = kept_tokenizer(src)  # the copy made below, if any
+    config.data.tokenizer = str(dst / kept) if kept else ""
+    apply_overrides(config, overrides)  # which makes every path absolute
+    if kept and config.data.tokenizer == str(dst / kept):
+        config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
     validate(config)
     leaves = flatten(abstract_params(unrolled_config(config.model)))
     check_plan(plan, leaves, folder)
-    # Written next to DST and renamed at the end: DST never holds half a checkpoint.
-    staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        _check_tied_copies(plan, folder)
+    _check_tied_copies(plan, folder)
+    with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
         save_params_leafwise(str(staging), params, config)
         keep_tokenizer_files(src, staging)
-        if dst.exists():
-            dst.rmdir()  # empty, checked above
-        staging.rename(dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return config

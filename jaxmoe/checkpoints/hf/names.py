@@ -1,11 +1,12 @@
-"""Hugging Face <-> jaxmoe: the tensor name table and the config translation, both directions.
+"""Hugging Face <-> jaxmoe: the tensor name table (both directions) and HF config -> jaxmoe.
 
 One table serves import and export. A `TensorMap` pairs one HF tensor with one jaxmoe
 parameter (or one expert's slice of it) and a layout that converts between their shapes.
 HF linear weights are [out, in]; jaxmoe kernels are [in..., out...] (query [D, H, dh],
 out [H, dh, D], wi_0 [D, F], router [D, E], experts wi_0 [E, D, F]), so most maps are a
 transpose plus a reshape. Rotary embeddings use the same rotate-half layout on both sides,
-so query/key need no permutation.
+so query/key need no permutation. The other direction, jaxmoe config -> HF config.json,
+is export_config.py.
 """
 
 import math
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.hf.remote import MODEL_TYPE, import_gate, remote_fields, stock_top_k
+from jaxmoe.checkpoints.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.models.ffn import is_moe_layer
 
@@ -28,7 +29,6 @@ _ACT_FROM_HF = {
     "gelu_pytorch_tanh": "gelu",
     "relu": "relu",
 }
-_ACT_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
 # Tensors HF itself skips when loading: derived buffers and an unused T5 table.
 _IGNORED = (
     re.compile(r".*\.rotary_emb\.inv_freq"),
@@ -455,147 +455,3 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         return _t5_plan(hf, present, m)
     supported = " | ".join(SUPPORTED_MODEL_TYPES)
     raise CheckpointError(f"config.json: model_type {model_type!r} is not supported ({supported})")
-
-
-# ----------------------------------------------------------------------------- export
-
-
-def _refuse(reason: str):
-    raise CheckpointError(f"not expressible as a Hugging Face model: {reason}")
-
-
-def _hf_activation(m: ConfigDict) -> str:
-    if m.activation not in _ACT_TO_HF:
-        _refuse(f"model.activation={m.activation!r}")
-    return _ACT_TO_HF[m.activation]
-
-
-def _mixtral_fields(m: ConfigDict) -> dict:
-    """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
-    (remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
-    moe = m.moe
-    if moe.every != 1:
-        _refuse(f"model.moe.every={moe.every}: Mixtral has an MoE FFN in every layer")
-    if moe.capacity_factor > 0:
-        _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
-    gating = moe.eval_gating or moe.gating
-    fields = {
-        "intermediate_size": moe.ffn_dim,
-        "num_local_experts": moe.num_experts,
-        "router_aux_loss_coef": moe.balance_loss_weight,
-        "router_jitter_noise": moe.jitter,
-        "output_router_logits": False,
-        "sliding_window": None,
-    }
-    k = stock_top_k(moe, gating)
-    if k is None:
-        return fields | remote_fields(moe, gating)
-    return fields | {
-        "architectures": ["MixtralForCausalLM"],
-        "model_type": "mixtral",
-        "num_experts_per_tok": k,
-    }
-
-
-def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
-    if not m.rope_theta:
-        _refuse("model.rope_theta=0: Llama/Mixtral need rotary positions")
-    rope = _rope_export(m)
-    hf = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.d_model,
-        "intermediate_size": m.ffn_dim,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_heads,
-        "num_key_value_heads": m.num_kv_heads,
-        "head_dim": m.head_dim,
-        "hidden_act": _hf_activation(m),
-        "rms_norm_eps": m.norm_eps,
-        "rope_theta": float(m.rope_theta),  # transformers 4.x
-        "rope_parameters": rope,  # transformers 5.x
-        "rope_scaling": None if rope["rope_type"] == "default" else rope,  # transformers 4.x
-        "max_position_embeddings": max_positions,
-        "tie_word_embeddings": bool(m.tie_embeddings),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "attention_dropout": 0.0,
-    }
-    if m.moe.num_experts:
-        if m.get("qkv_bias", False):
-            _refuse("model.qkv_bias=True with MoE: Mixtral has no attention biases")
-        hf.update(_mixtral_fields(m))
-    elif m.get("qkv_bias", False):
-        hf.update(
-            architectures=["Qwen2ForCausalLM"],
-            model_type="qwen2",
-            use_sliding_window=False,
-            sliding_window=None,
-            max_window_layers=m.num_layers,
-        )
-        del hf["attention_bias"], hf["mlp_bias"]  # not Qwen2 keys: its q/k/v have biases
-    return hf
-
-
-def _rope_export(m: ConfigDict) -> dict:
-    """transformers' rope_parameters for the model's rotary scaling."""
-    rope = {"rope_type": m.get("rope_type", "default"), "rope_theta": float(m.rope_theta)}
-    if rope["rope_type"] in ("linear", "llama3"):
-        rope["factor"] = float(m.rope_factor)
-    if rope["rope_type"] == "llama3":
-        rope["low_freq_factor"] = float(m.rope_low_freq_factor)
-        rope["high_freq_factor"] = float(m.rope_high_freq_factor)
-        rope["original_max_position_embeddings"] = int(m.rope_original_max_len)
-    return rope
-
-
-def _t5_export(m: ConfigDict) -> dict:
-    if m.num_kv_heads != m.num_heads:
-        _refuse(
-            f"HF T5 attention is multi-head, but model.num_kv_heads={m.num_kv_heads} != "
-            f"model.num_heads={m.num_heads} (GQA/MQA decoder)"
-        )
-    if m.get("encoder_num_kv_heads", 0) not in (0, m.num_heads):
-        _refuse(f"model.encoder_num_kv_heads={m.encoder_num_kv_heads}: HF T5 is multi-head")
-    if m.moe.num_experts:
-        _refuse(f"model.moe.num_experts={m.moe.num_experts}: HF T5 has no MoE FFN")
-    if m.activation not in ("gelu", "silu", "relu"):
-        _refuse(f"model.activation={m.activation!r}")
-    return {
-        "architectures": ["T5ForConditionalGeneration"],
-        "model_type": "t5",
-        "vocab_size": m.vocab_size,
-        "d_model": m.d_model,
-        "d_kv": m.head_dim,
-        "d_ff": m.ffn_dim,
-        "num_layers": m.num_encoder_layers or m.num_layers,
-        "num_decoder_layers": m.num_layers,
-        "num_heads": m.num_heads,
-        "relative_attention_num_buckets": m.relpos_buckets,
-        "relative_attention_max_distance": m.relpos_max_distance,
-        "layer_norm_epsilon": m.norm_eps,
-        "feed_forward_proj": f"gated-{m.activation}",
-        "dropout_rate": 0.0,
-        "is_encoder_decoder": True,
-        # Untied and unscaled (T5 v1.1): both spellings, for transformers 4.x and 5.x.
-        "tie_word_embeddings": False,
-        "scale_decoder_outputs": False,
-        "decoder_start_token_id": 0,
-        "pad_token_id": 0,
-        "eos_token_id": 1,
-    }
-
-
-def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
-    """(HF config.json dict, tensor maps) for jaxmoe model config `m`; a CheckpointError with
-    the reason when HF cannot express the model."""
-    if not m.get("ffn_gated", True):
-        _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
-    if m.moe.num_experts and m.moe.get("router_bias", False):
-        _refuse("model.moe.router_bias=True (the exported MoE routers have no bias)")
-    if m.arch == "encoder_decoder":
-        if m.tie_embeddings:
-            _refuse("model.tie_embeddings with arch=encoder_decoder (exported T5 is untied)")
-        return _t5_export(m), t5_maps(m)
-    return _decoder_export(m, max_positions), decoder_maps(m)

@@ -2,8 +2,9 @@
 
 `convert hf`: the source's tokenizer files (KEPT_FILES, those present) are copied into
 DST/tokenizer/, and `data.tokenizer` points there (its tokenizer.json, else its
-tokenizer.model) unless a --config.data.tokenizer override says otherwise, so `eval`,
-`decode` and `train --config.train.init_from=DST` use them.
+tokenizer.model; stored relative to DST, so the checkpoint can move: stored_tokenizer.py)
+unless a --config.data.tokenizer override says otherwise, so `eval`, `decode` and
+`train --config.train.init_from=DST` use them.
 
 `export hf`: the checkpoint's tokenizer (`data.tokenizer`, or --tokenizer) is written next
 to the tensors: a Hugging Face tokenizer (a tokenizer.json, or a SentencePiece model with a
@@ -23,6 +24,7 @@ from ml_collections import ConfigDict
 from jaxmoe.checkpoints.hf.tokenizer import write_hf_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID, open_tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,15 +37,15 @@ TOKENIZER_FILES = (
 )
 GENERATION_CONFIG = "generation_config.json"
 KEPT_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
-TOKENIZER_DIR = "tokenizer"  # inside a converted checkpoint
 
 
-def kept_tokenizer(src: Path, dst: Path) -> str:
-    """What `data.tokenizer` of the checkpoint converted from `src` into `dst` names: its
-    copy of the tokenizer files, or "" when `src` has none."""
-    for name, target in (("tokenizer.json", ""), ("tokenizer.model", "tokenizer.model")):
+def kept_tokenizer(src: Path) -> str:
+    """What `data.tokenizer` of a checkpoint converted from `src` names, relative to that
+    checkpoint (stored_tokenizer.py): its copy of the tokenizer files, or "" when `src`
+    has none."""
+    for name, target in (("tokenizer.json", ""), ("tokenizer.model", "/tokenizer.model")):
         if (src / name).is_file():
-            return str(dst / TOKENIZER_DIR / target).rstrip("/")
+            return TOKENIZER_DIR + target
     return ""
 
 

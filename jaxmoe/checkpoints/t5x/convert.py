@@ -36,6 +36,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
 from jaxmoe.checkpoints.t5x.reader import TensorTable, open_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
@@ -350,9 +351,7 @@ def convert_t5x(
     (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads; `opt_state` with
     `keep_optimizer`, which `train.init_optimizer` restores). Returns the config."""
     out_dtype = output_dtype(dtype)
-    dst = Path(dst).absolute()
-    if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
-        raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    dst = refuse_existing(dst)
     table = open_t5x(src)
     values = infer_model(
         table,
@@ -370,10 +369,7 @@ def convert_t5x(
         opt_state = adafactor_state(table, config, plan, src)
         config.train.init_optimizer = True  # uptraining from DST continues these moments
 
-    staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    try:
+    with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         for group in _groups(plan, out_dtype.itemsize):
             arrays = {
                 path: table.read(name).reshape(shape).astype(out_dtype, copy=False)
@@ -389,11 +385,6 @@ def convert_t5x(
                 checkpointer.save(staging / "opt_state", opt_state)
         (staging / "config").mkdir()
         (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
-        if dst.exists():
-            dst.rmdir()  # empty, checked above
-        staging.rename(dst)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return config
 
 

@@ -22,7 +22,6 @@ started fresh) becoming `step`; otherwise T5X's initial state (zeros, factored w
 
 import math
 import os
-import shutil
 from pathlib import Path
 
 import jax
@@ -33,6 +32,7 @@ import tensorstore as ts
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, resolve_checkpoint
 from jaxmoe.checkpoints.safe_paths import resolve_inside
+from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.t5x.convert import t5x_name, t5x_shape
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.spec import abstract_params
@@ -168,10 +168,8 @@ def export_t5x(
     )
     params = restore_params(str(ckpt), abstract, config.model)
 
-    staging = out / f".checkpoint_{int(step)}.tmp-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
+    with staged_directory(final) as staging:  # `final` never holds half a checkpoint
+        staging.mkdir()
         writer = _ArrayWriter(staging)
         target, param_states = {}, {}
         for path, shape in shapes.items():
@@ -193,9 +191,6 @@ def export_t5x(
             "optimizer": {"state": state, "target": _sorted(unflatten(target))},
         }
         (staging / "checkpoint").write_bytes(msgpack.packb(tree, default=_flax_ext))
-        staging.rename(final)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return final
 
 

@@ -1,0 +1,75 @@
+"""`data.tokenizer` as a checkpoint stores it, and the file it names when read back.
+
+`convert hf` copies the source's tokenizer into DST/tokenizer/ and stores `data.tokenizer`
+relative to the checkpoint directory ("tokenizer" or "tokenizer/tokenizer.model"), so a
+checkpoint moved, copied or mirrored to gs:// still finds it. A checkpoint is untrusted
+input: a relative path in its config passes `safe_paths.join_inside` (no `..`, no URL, no
+symlink out), else the config is refused in one line. An absolute path (older converted
+checkpoints; training runs store the tokenizer the user named) is read where it points,
+with a warning when that is outside the checkpoint; an older converted checkpoint's own
+copy is used, with a warning, when it was moved away from the path it stores.
+`--config.data.tokenizer=FILE` replaces the stored value before any of this
+(restore.checkpoint_config).
+"""
+
+import logging
+import os
+
+from etils import epath
+
+from jaxmoe.checkpoints.safe_paths import join_inside
+from jaxmoe.storage.paths import is_remote
+
+log = logging.getLogger(__name__)
+
+TOKENIZER_DIR = "tokenizer"  # inside a converted checkpoint
+
+
+def resolve_stored_tokenizer(step_dir, stored: str) -> str:
+    """The tokenizer path that a checkpoint in `step_dir` (local or remote) names with
+    `data.tokenizer` = `stored`: relative ones joined to `step_dir`; ValueError if one
+    would leave it."""
+    if not stored:
+        return stored
+    if is_remote(stored) or os.path.isabs(stored):
+        root = str(step_dir).rstrip("/") + "/"
+        own = None if is_remote(stored) else _own_copy(step_dir, stored)
+        if own:
+            log.warning(
+                "the checkpoint's data.tokenizer=%s does not exist (converted elsewhere and "
+                "moved): using its own copy %s", stored, own
+            )  # fmt: skip
+            return own
+        if not stored.startswith(root):
+            log.warning(
+                "the checkpoint's data.tokenizer=%s lies outside it (%s); reading it there "
+                "(--config.data.tokenizer=FILE picks another)", stored, step_dir
+            )  # fmt: skip
+        return stored
+    return join_inside(step_dir, stored)
+
+
+def _own_copy(step_dir, stored: str) -> str | None:
+    """The checkpoint's own tokenizer when `stored` is the absolute path that an older
+    `convert hf` wrote (DST/tokenizer[/tokenizer.model]) and no longer exists."""
+    for tail in (TOKENIZER_DIR, f"{TOKENIZER_DIR}/tokenizer.model"):
+        if stored.endswith("/" + tail) and not epath.Path(stored).exists():
+            own = join_inside(step_dir, tail)
+            if epath.Path(own).exists():
+                return own
+    return None
+
+
+def inherited_tokenizer(config, src_step_dir) -> str | None:
+    """For a checkpoint derived from the local one in `src_step_dir` (convert gqa /
+    upcycle): the source's own tokenizer folder when `config.data.tokenizer` lies in it, to
+    be copied into the new checkpoint (`config.data.tokenizer` made relative again for that
+    copy); else None, and the path stays as it is."""
+    if is_remote(src_step_dir):
+        return None
+    own = join_inside(src_step_dir, TOKENIZER_DIR)
+    path = config.data.tokenizer
+    if path != own and not path.startswith(own + "/"):
+        return None
+    config.data.tokenizer = TOKENIZER_DIR + path[len(own) :]
+    return own
