@@ -1,4 +1,4 @@
-"""Training throughput of the tiny Mixtral (configs/tiny_mixtral.py), optionally against HF.
+"""Training throughput of the tiny Mixtral (configs/tiny_mixtral.py), optionally against peers.
 
 Each system runs in its own worker process (throughput_jaxmoe.py never imports torch,
 throughput_hf.py never imports JAX), driven from here over stdin/stdout: after a warm-up,
@@ -8,6 +8,9 @@ train step (jaxmoe.training.steps.train_step, jitted with the state's shardings 
 jaxmoe/training/loop.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
 (LlamaForCausalLM for :dense) with torch AdamW, same sizes, batch and threads. Steps are
 timed one by one (a sync after each) on fresh random token batches made beforehand.
+The MaxText peer (throughput_maxtext.py) runs MaxText's own Mixtral (Llama for :dense) and
+train step under the interpreter of its own venv (--maxtext_venv, which has its own JAX), on
+one CPU device; without that venv it is skipped with one line on stderr.
 
 Reported: median step time, tokens/s, model FLOPs per token (jaxmoe/models/flops.py; adaptive at
 its measured top-2 share), FLOP/s (MFU with --peak_flops), and per variant the ratio of
@@ -20,6 +23,7 @@ during it) is flagged `"quiet": false` with a warning: its ratios are not compar
     python benchmarks/train_throughput.py                     # jaxmoe, all variants
     python benchmarks/train_throughput.py --peer hf           # side by side, with ratios
     python benchmarks/train_throughput.py --peer hf --json    # one JSON object
+    python benchmarks/train_throughput.py --peer maxtext      # or --peer hf,maxtext / all
     python benchmarks/train_throughput.py --variants top2 --steps 5 --warmup 2 --blocks 1
     python benchmarks/train_throughput.py --set model.dtype=bfloat16 --peak_flops 989e12
 """
@@ -40,9 +44,37 @@ VARIANTS = ("top2", "top1", "adaptive", "dense")
 PEER_OF = {"top2": "top2", "top1": "top1", "adaptive": "top1", "dense": "dense"}
 # Variants measured in one interleaved group: each group shares its peer run.
 GROUPS = (("top2",), ("top1", "adaptive"), ("dense",))
+PEERS = ("hf", "maxtext")
+# What each worker may import (worker_protocol.serve reports it): never the other system.
+IMPORTS = {"jaxmoe": ["jax", "jaxmoe"], "hf": ["torch"], "maxtext": ["jax"]}
 
 
-def start_workers(variants, args) -> dict:
+def peer_list(text: str) -> list[str]:
+    """`none`, `all`, or a comma-separated list of PEERS."""
+    if text == "none":
+        return []
+    peers = list(PEERS) if text == "all" else text.split(",")
+    for peer in peers:
+        if peer not in PEERS:
+            raise argparse.ArgumentTypeError(f"unknown peer {peer!r} ({', '.join(PEERS)})")
+    return peers
+
+
+def maxtext_python(venv: str) -> Path | None:
+    python = Path(venv).expanduser() / "bin" / "python"
+    return python if python.exists() else None
+
+
+def maxtext_env() -> dict:
+    """The MaxText worker's environment: its venv's packages only, one CPU device."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["JAX_PLATFORMS"] = "cpu"
+    flags = env.get("XLA_FLAGS", "").split()
+    env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
+    return env
+
+
+def start_workers(variants, args, peers) -> dict:
     num_batches = args.warmup + args.steps
     overrides = [f"--set={item}" for item in args.set]
     workers = {}
@@ -56,9 +88,9 @@ def start_workers(variants, args) -> dict:
                 *overrides,
             ]
         )
-    if args.peer == "hf":
-        peer = PEER_OF[variants[0]]
-        spec = workers[("jaxmoe", variants[0])].ready["peer_spec"]
+    peer = PEER_OF[variants[0]]
+    spec = workers[("jaxmoe", variants[0])].ready["peer_spec"]
+    if "hf" in peers:
         workers[("hf", peer)] = Worker(
             [
                 str(HERE / "throughput_hf.py"),
@@ -69,6 +101,20 @@ def start_workers(variants, args) -> dict:
                 f"--threads={args.threads}",
                 f"--batches={num_batches}",
             ]
+        )
+    if "maxtext" in peers:
+        workers[("maxtext", peer)] = Worker(
+            [
+                str(HERE / "throughput_maxtext.py"),
+                "--peer",
+                peer,
+                "--spec",
+                json.dumps(spec),
+                f"--batches={num_batches}",
+                f"--moe={args.maxtext_moe}",
+            ],
+            env=maxtext_env(),
+            python=str(maxtext_python(args.maxtext_venv)),
         )
     return workers
 
@@ -111,18 +157,23 @@ def row(variant, system, times, ready, final, peak_flops) -> dict:
 
 
 def run(args) -> dict:
+    peers, skipped = list(args.peer), {}
+    if "maxtext" in peers and maxtext_python(args.maxtext_venv) is None:
+        skipped["maxtext"] = f"no MaxText venv at {args.maxtext_venv} (no bin/python)"
+        print(f"train_throughput: skipping the MaxText peer: {skipped['maxtext']}", file=sys.stderr)
+        peers.remove("maxtext")
     loads = [os.getloadavg()[0]]
-    rows, ratios = [], {}
+    rows, ratios, imported = [], {}, {}
     for group in GROUPS:
         variants = [v for v in group if v in args.variants]
         if not variants:
             continue
-        workers = start_workers(variants, args)
+        workers = start_workers(variants, args, peers)
         measured = measure(workers, args, loads)
         finals = {name: worker.stop() for name, worker in workers.items()}
-        for (system, _), final in finals.items():
-            expected = ["jax"] if system == "jaxmoe" else ["torch"]
-            if final["imported"] != expected:
+        for (system, variant), final in finals.items():
+            imported[f"{system}_{variant}"] = final["imported"]
+            if final["imported"] != IMPORTS[system]:
                 raise RuntimeError(f"{system} worker imported {final['imported']}")
         reference = workers[("jaxmoe", variants[0])].ready
         for (system, variant), times in measured["times"].items():
@@ -130,12 +181,19 @@ def run(args) -> dict:
             if system == "jaxmoe" and finals[(system, variant)]["compiles"] != 1:
                 raise RuntimeError(f"{variant}: the train step compiled more than once")
             out = row(variant, system, times, ready, finals[(system, variant)], args.peak_flops)
-            if system == "hf":  # same tokens per step as jaxmoe's
+            if system != "jaxmoe":  # same tokens per step as jaxmoe's
+                if (
+                    ready.get("tokens_per_step", reference["tokens_per_step"])
+                    != (reference["tokens_per_step"])
+                ):
+                    raise RuntimeError(f"{system} trains {ready['tokens_per_step']} tokens/step")
                 out["tokens_per_s"] = reference["tokens_per_step"] / out["step_time_s"]
                 out["num_params"] = ready["num_params"]
+                if "moe" in ready:
+                    out["moe"] = ready["moe"]
             rows.append(out)
-        if args.peer == "hf":
-            peer = ("hf", PEER_OF[variants[0]])
+        for system in peers:
+            peer = (system, PEER_OF[variants[0]])
             for variant in variants:
                 # Same tokens per step: the speed ratio is the inverse ratio of step times.
                 per_block = [
@@ -146,7 +204,7 @@ def run(args) -> dict:
                         strict=True,
                     )
                 ]
-                ratios[f"jaxmoe_{variant}/hf_{peer[1]}"] = {
+                ratios[f"jaxmoe_{variant}/{system}_{peer[1]}"] = {
                     "ratio": statistics.median(per_block),
                     "min": min(per_block),
                     "max": max(per_block),
@@ -162,6 +220,8 @@ def run(args) -> dict:
         "quiet": quiet,
         "cores": cores,
         "threads": args.threads,
+        "imported": imported,
+        "skipped": skipped,
     }
 
 
@@ -197,7 +257,15 @@ def print_table(result: dict) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--peer", choices=("none", "hf"), default="none")
+    parser.add_argument(
+        "--peer", type=peer_list, default="none", help="none, hf, maxtext, hf,maxtext or all"
+    )
+    parser.add_argument(
+        "--maxtext_venv", default="~/.cache/maxtext_venv", help="MaxText's venv (own JAX)"
+    )
+    parser.add_argument(
+        "--maxtext_moe", choices=("ragged", "dense"), default="ragged", help="MaxText's MoE path"
+    )
     parser.add_argument("--steps", type=int, default=40, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps (compile + warm)")
     parser.add_argument("--blocks", type=int, default=8, help="alternations of the systems")

@@ -21,7 +21,7 @@ def serve(runner, ready: dict) -> None:
             print(json.dumps({"times": times}), flush=True)
         elif command == "stop":
             # Proof of separation: which frameworks this process ended up importing.
-            loaded = sorted(m for m in ("jax", "torch") if m in sys.modules)
+            loaded = sorted(m for m in ("jax", "jaxmoe", "torch") if m in sys.modules)
             print(json.dumps({"stopped": True, "imported": loaded, **runner.final()}), flush=True)
             return
         else:
@@ -31,9 +31,9 @@ def serve(runner, ready: dict) -> None:
 class Worker:
     """Parent side: a running worker process."""
 
-    def __init__(self, argv: list[str], env: dict | None = None):
+    def __init__(self, argv: list[str], env: dict | None = None, python: str | None = None):
         self.process = subprocess.Popen(
-            [sys.executable, *argv],
+            [python or sys.executable, *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
