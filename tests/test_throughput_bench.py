@@ -1,4 +1,5 @@
-"""The throughput benchmark end to end (tiny shapes, no peer) and the tiny Mixtral's size."""
+"""The throughput benchmark end to end (tiny shapes; MaxText's peer where its venv exists)
+and the tiny Mixtral's size."""
 
 import importlib.util
 import json
@@ -14,6 +15,24 @@ from jaxmoe.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
+MAXTEXT_PYTHON = Path("~/.cache/maxtext_venv/bin/python").expanduser()
+# The tiny Mixtral shrunk so that a compile takes seconds (jaxmoe's --set overrides; the
+# peers get the same sizes from jaxmoe's peer_spec).
+SHRINK = [
+    f"--set={item}"
+    for item in (
+        "model.vocab_size=128",
+        "model.d_model=32",
+        "model.num_layers=1",
+        "model.num_heads=4",
+        "model.head_dim=8",
+        "model.ffn_dim=64",
+        "model.moe.ffn_dim=32",
+        "model.moe.block_size=32",
+        "train.seq_len=16",
+        "train.batch_size=2",
+    )
+]
 
 
 def _bench_module(name: str = "train_throughput"):
@@ -77,7 +96,7 @@ def test_workers_never_import_the_other_system():
         "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     )
     seen = {}
-    for name in ("throughput_hf", "throughput_jaxmoe", "train_throughput"):
+    for name in ("throughput_hf", "throughput_jaxmoe", "throughput_maxtext", "train_throughput"):
         result = subprocess.run(
             [sys.executable, "-c", probe, str(ROOT / "benchmarks" / f"{name}.py")],
             capture_output=True,
@@ -85,8 +104,13 @@ def test_workers_never_import_the_other_system():
             check=True,
         )
         seen[name] = result.stdout.strip().splitlines()[-1]
-    # The HF worker imports torch lazily, in its runner: at start-up it holds neither.
-    assert seen == {"throughput_hf": "[]", "throughput_jaxmoe": "['jax']", "train_throughput": "[]"}
+    # The HF and MaxText workers import their framework lazily, in their runners.
+    assert seen == {
+        "throughput_hf": "[]",
+        "throughput_jaxmoe": "['jax']",
+        "throughput_maxtext": "[]",
+        "train_throughput": "[]",
+    }
 
 
 def test_unknown_variant_is_a_one_line_error():
@@ -96,20 +120,8 @@ def test_unknown_variant_is_a_one_line_error():
 
 def test_benchmark_runs_end_to_end_and_prints_json(capsys):
     bench = _bench_module()
-    shrink = [
-        "model.vocab_size=128",
-        "model.d_model=32",
-        "model.num_layers=1",
-        "model.num_heads=4",
-        "model.head_dim=8",
-        "model.ffn_dim=64",
-        "model.moe.ffn_dim=32",
-        "model.moe.block_size=32",
-        "train.seq_len=16",
-        "train.batch_size=2",
-    ]
     argv = ["--variants", "adaptive", "--steps", "2", "--warmup", "1", "--blocks", "2"]
-    argv += ["--json", *[f"--set={item}" for item in shrink]]
+    argv += ["--json", *SHRINK]
     assert bench.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) >= {"rows", "ratios", "load_average_1min", "quiet"}
@@ -133,6 +145,80 @@ def test_benchmark_runs_end_to_end_and_prints_json(capsys):
     assert 0.0 <= share <= 1.0
     one_expert = 6 * (macs - 3 * 32 * 32)
     assert adaptive["flops_per_token"] == pytest.approx(one_expert + share * 6 * 3 * 32 * 32)
+
+
+def test_maxtext_overrides_describe_the_tiny_mixtral():
+    """The base.yml keys MaxText's worker builds the peer from (sizes from the config)."""
+    spec = _bench_module("throughput_jaxmoe").peer_spec(load_config(f"{CONFIG}:top2"))
+    maxtext = _bench_module("throughput_maxtext")
+    top2 = maxtext.maxtext_overrides(spec, "top2")
+    expected = {
+        "decoder_block": "mixtral",
+        "vocab_size": 8192,
+        "base_emb_dim": 256,
+        "base_num_decoder_layers": 4,
+        "base_num_query_heads": 8,
+        "base_num_kv_heads": 2,
+        "head_dim": 32,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "base_moe_mlp_dim": 512,
+        "capacity_factor": -1.0,
+        "load_balance_loss_weight": 0.01,
+        "max_target_length": 256,
+        "per_device_batch_size": 8,
+        "dtype": "float32",
+        "logits_via_embedding": False,
+        "rope_max_timescale": 10000,
+        "adam_b1": 0.9,
+        "adam_b2": 0.95,
+        "adam_eps": 1e-8,
+        "adam_weight_decay": 0.1,
+        "gradient_clipping_threshold": 1.0,
+        "sparse_matmul": True,
+        "megablox": False,
+    }
+    assert {k: top2[k] for k in expected} == expected
+    assert maxtext.maxtext_overrides(spec, "top1")["num_experts_per_tok"] == 1
+    dense = maxtext.maxtext_overrides(spec, "dense")
+    assert dense["decoder_block"] == "llama2" and dense["base_mlp_dim"] == 1024
+    assert "num_experts" not in dense
+
+
+def test_missing_maxtext_venv_is_one_line_and_jaxmoe_still_runs(capsys, tmp_path):
+    absent = tmp_path / "no_venv"
+    argv = ["--variants", "adaptive", "--peer", "maxtext", "--maxtext_venv", str(absent)]
+    argv += ["--steps", "1", "--warmup", "1", "--blocks", "1", "--json", *SHRINK]
+    assert _bench_module().main(argv) == 0
+    out, err = capsys.readouterr()
+    skip_lines = [line for line in err.splitlines() if "MaxText" in line]
+    assert len(skip_lines) == 1 and str(absent) in skip_lines[0]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert [(r["variant"], r["system"]) for r in result["rows"]] == [("adaptive", "jaxmoe")]
+    assert result["rows"][0]["tokens_per_s"] > 0
+    assert result["ratios"] == {} and set(result["skipped"]) == {"maxtext"}
+
+
+@pytest.mark.skipif(not MAXTEXT_PYTHON.exists(), reason="no MaxText venv at ~/.cache/maxtext_venv")
+def test_maxtext_peer_trains_the_same_model_in_its_own_process(capsys):
+    """MaxText's own train step, in its venv's interpreter, next to jaxmoe's (~40 s)."""
+    argv = ["--variants", "top2", "--peer", "maxtext", "--steps", "2", "--warmup", "1"]
+    argv += ["--blocks", "2", "--json", *SHRINK]
+    assert _bench_module().main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # Each worker held only its own framework: MaxText's never jaxmoe nor torch.
+    assert result["imported"] == {"jaxmoe_top2": ["jax", "jaxmoe"], "maxtext_top2": ["jax"]}
+    rows = {(r["variant"], r["system"]): r for r in result["rows"]}
+    maxtext = rows[("top2", "maxtext")]
+    # MaxText's own count of the shrunk model, by hand: untied embeddings 2 * 128 * 32,
+    # q, out 2 * 32 * 32 and k, v 2 * 32 * 16, two norms, router 32 * 8, 8 experts of
+    # 3 * 32 * 32, the final norm.
+    assert maxtext["num_params"] == 2 * 128 * 32 + 3072 + 64 + 256 + 8 * 3 * 32 * 32 + 32
+    assert maxtext["moe"] == "ragged" and maxtext["steps"] == 2
+    assert 0 < maxtext["step_time_s"] < 30  # a 36k-parameter step: milliseconds, not minutes
+    np.testing.assert_allclose(maxtext["tokens_per_s"] * maxtext["step_time_s"], 2 * 16)
+    ratio = result["ratios"]["jaxmoe_top2/maxtext_top2"]
+    assert ratio["blocks"] == 2 and ratio["min"] <= ratio["ratio"] <= ratio["max"]
 
 
 if __name__ == "__main__":
