@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.layers import fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import cast_weight, fan_in_init, make_param, matmul_2d
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
@@ -245,7 +245,7 @@ class Attention(nnx.Module):
         return apply_rope(x_BLNd, *tables)
 
     def project_q(self, x_BLD, positions_BL=None):
-        q = matmul_2d(x_BLD, self.query[...].astype(x_BLD.dtype))
+        q = matmul_2d(x_BLD, cast_weight(self.query[...], x_BLD.dtype))
         if self.qkv_bias:
             q = q + self.query_bias[...].astype(q.dtype)
         if self.rope_theta:
@@ -254,8 +254,8 @@ class Attention(nnx.Module):
 
     def project_kv(self, x_BSD, positions_BS=None):
         dtype = x_BSD.dtype
-        k = matmul_2d(x_BSD, self.key[...].astype(dtype))
-        v = matmul_2d(x_BSD, self.value[...].astype(dtype))
+        k = matmul_2d(x_BSD, cast_weight(self.key[...], dtype))
+        v = matmul_2d(x_BSD, cast_weight(self.value[...], dtype))
         if self.qkv_bias:
             k = k + self.key_bias[...].astype(dtype)
             v = v + self.value_bias[...].astype(dtype)
@@ -264,7 +264,7 @@ class Attention(nnx.Module):
         return k, v
 
     def project_out(self, o_BLHd):
-        return matmul_2d(o_BLHd, self.out[...].astype(o_BLHd.dtype), contract=2)
+        return matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
 
     def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.
