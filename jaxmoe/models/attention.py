@@ -295,27 +295,36 @@ def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, s
     """`grouped_attention` (dense path) in pieces of QUERY_CHUNK queries, each rematerialised.
 
     The same arithmetic per query row. No [B, H, L, S] scores are kept for the backward
-    pass: each piece recomputes its own [B, H, chunk, S] there, so at most one piece's
-    scores are alive at a time (the dense path on TPU/GPU held 1.25 GiB of f32 scores and
-    probabilities per chip for one 2048-token Mixtral sequence); the extra work is the
-    attention's two matmuls once more per layer.
+    pass: each piece recomputes its own [B, H, chunk, S] there (the dense path on TPU/GPU
+    held 1.25 GiB of f32 scores and probabilities per chip for one 2048-token Mixtral
+    sequence); the extra work is the attention's two matmuls once more per layer. The
+    pieces run in a loop (`lax.map`), not unrolled: unrolled, the TPU compiler overlapped
+    the backward of 7 of Mixtral's 8 pieces, 7 x 64 MiB of f32 scores alive at once.
     """
-    length = q_BLHd.shape[1]
+    b, length, h, d = q_BLHd.shape
     chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
+    if chunk == length:
+        return _dense_rematted(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale)
+    pieces = length // chunk
 
-    def rows(a, start):  # the piece's query rows of a mask/bias broadcastable over them
+    def by_piece(a):  # [..., L, S] -> [pieces, ..., chunk, S]; None / one row: shared
         if a is None or a.shape[-2] == 1:
-            return a
-        return a[..., start : start + chunk, :]
+            return None
+        a = a.reshape(*a.shape[:-2], pieces, chunk, a.shape[-1])
+        return jnp.moveaxis(a, -3, 0)
 
-    outs = [
-        _dense_rematted(
-            q_BLHd[:, start : start + chunk], k_BSKd, v_BSKd,
-            rows(mask, start), rows(bias_bHLS, start), scale,
-        )
-        for start in range(0, length, chunk)
-    ]  # fmt: skip
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    def shared(a):
+        return a if a is not None and a.shape[-2] == 1 else None
+
+    def piece(xs):
+        q_BCHd, mask_piece, bias_piece = xs
+        mask_piece = shared(mask) if mask_piece is None else mask_piece
+        bias_piece = shared(bias_bHLS) if bias_piece is None else bias_piece
+        return _dense_rematted(q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale)
+
+    q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
+    out_PBCHd = jax.lax.map(piece, (q_PBCHd, by_piece(mask), by_piece(bias_bHLS)))
+    return jnp.moveaxis(out_PBCHd, 0, 1).reshape(b, length, h, d)
 
 
 _dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5,))
