@@ -63,8 +63,8 @@ def get_config(variant: str | None = None) -> ConfigDict:
     # 2M tokens per step as 1024 x 2048, in 8 micro-batches: one 2048-token sequence per chip
     # at a time. One sequence per chip without micro-batches (batch_size=128, grad_accum=1)
     # compiles for v5p-256 at 10.40 GiB per chip with libtpu 0.0.42.1, 7.79 GiB with libtpu
-    # 0.0.52 (MaxText: 9.09), and at 12.98 GiB with 4096-token sequences (measured before
-    # the weight-cast change; README, "Side by side with MaxText").
+    # 0.0.52 (MaxText: 9.09), and at 12.16 / 9.06 GiB with 4096-token sequences (README,
+    # "Side by side with MaxText").
     t.batch_size = 1024
     t.seq_len = 2048
     t.grad_accum = 8
