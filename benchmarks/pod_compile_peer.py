@@ -16,6 +16,13 @@ generated code). Cases:
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
   positions, as jaxmoe).
 
+The two venvs carry different compilers (jaxmoe's jax 0.10.2 with libtpu 0.0.42.1 here,
+MaxText's jax 0.12 with libtpu 0.0.52), and the older libtpu reports about 2.3 GiB more
+temporaries per chip for the same jaxmoe program on Mixtral-8x7B, none of them in its own
+buffer assignment. So when MaxText's venv is there jaxmoe is compiled a second time with
+that venv's interpreter (row `jaxmoe@maxtext_env`): same compiler, same program, and the
+peak ratio is taken from that row. Each row records its interpreter's jax and libtpu.
+
 Compile time is the wall time of each whole process (start-up, tracing, lowering and the
 XLA compile), and its CPU time; on a loaded host wall times stretch, so the 1-minute load
 average is recorded around every compile and a run with more than half the cores of load
@@ -48,6 +55,8 @@ from worker_protocol import is_quiet, report  # noqa: E402
 
 GiB = 2**30
 DEFAULT_VENV = Path("~/.cache/maxtext_venv").expanduser()
+SAME_COMPILER = "jaxmoe@maxtext_env"  # jaxmoe run by MaxText's interpreter
+SYSTEMS = ("maxtext", "jaxmoe", SAME_COMPILER)
 
 # Each case: the jaxmoe config, topology and overrides, and MaxText's key=value settings for
 # the same step.
@@ -154,9 +163,9 @@ def maxtext_command(venv: Path, case: dict, output_dir: str) -> list[str]:
     ]
 
 
-def jaxmoe_command(case: dict) -> list[str]:
+def jaxmoe_command(case: dict, python: str = sys.executable) -> list[str]:
     config, *overrides = case["jaxmoe"]
-    return [sys.executable, "-m", "jaxmoe.cli", "compile", "--config", config,
+    return [python, "-m", "jaxmoe.cli", "compile", "--config", config,
             "--topology", case["topology"], "--json", *overrides]  # fmt: skip
 
 
@@ -193,10 +202,20 @@ def run_maxtext(venv: Path, case: dict) -> dict:
     return {**parse_memory_analysis(log), **timing}
 
 
-def run_jaxmoe(case: dict) -> dict:
+def compiler_versions(python: str) -> dict:
+    """The jax and libtpu versions an interpreter compiles with."""
+    code = (
+        "import importlib.metadata as m, json; "
+        "print(json.dumps({k: m.version(k) for k in ('jax', 'libtpu')}))"
+    )
+    result = subprocess.run([python, "-c", code], capture_output=True, text=True)
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def run_jaxmoe(case: dict, python: str = sys.executable) -> dict:
     path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     env = {**compile_env(), "PYTHONPATH": path}  # this checkout's jaxmoe
-    result, timing = timed(jaxmoe_command(case), env)
+    result, timing = timed(jaxmoe_command(case, python), env)
     lines = [line for line in result.stdout.splitlines() if line.startswith("{")]
     if not lines:
         tail = result.stderr.strip().splitlines()[-1:]
@@ -214,16 +233,22 @@ def run(args) -> dict:
     if not have_maxtext:
         print(f"MaxText is not installed in {venv}: its column is skipped", file=sys.stderr)
     rows, loads = [], []
+    pythons = [sys.executable] + ([str(venv / "bin" / "python")] if have_maxtext else [])
+    versions = {python: compiler_versions(python) for python in pythons}
     for name in args.cases:
         case = CASES[name]
         row = {"case": name, "topology": case["topology"]}
+        venv_python = str(venv / "bin" / "python")
         if have_maxtext:
-            row["maxtext"] = run_maxtext(venv, case)
-        row["jaxmoe"] = run_jaxmoe(case)
-        for system in ("maxtext", "jaxmoe"):
+            row["maxtext"] = run_maxtext(venv, case) | {"compiler": versions[venv_python]}
+        row["jaxmoe"] = run_jaxmoe(case) | {"compiler": versions[sys.executable]}
+        if have_maxtext:  # the same program through MaxText's jax and libtpu
+            same = run_jaxmoe(case, venv_python) | {"compiler": versions[venv_python]}
+            row[SAME_COMPILER] = same
+        for system in SYSTEMS:
             if system in row:
                 loads += [row[system]["load_before"], row[system]["load_after"]]
-        mt, jm = row.get("maxtext", {}), row["jaxmoe"]
+        mt, jm = row.get("maxtext", {}), row.get(SAME_COMPILER, row["jaxmoe"])
         if "peak_hbm_bytes" in mt and "peak_hbm_bytes" in jm:
             row["jaxmoe_over_maxtext_peak"] = round(jm["peak_hbm_bytes"] / mt["peak_hbm_bytes"], 3)
             row["jaxmoe_over_maxtext_wall"] = round(jm["wall_s"] / mt["wall_s"], 2)
@@ -240,23 +265,25 @@ def _gib(system: dict) -> str:
 
 
 def print_table(result: dict) -> None:
-    print("| case | topology | system | peak HBM / chip | compile wall (CPU) | load |")
-    print("|---|---|---|---|---|---|")
+    print("| case | topology | system | peak HBM / chip | compile wall (CPU) | load | compiler |")
+    print("|---|---|---|---|---|---|---|")
     for row in result["rows"]:
-        for system in ("maxtext", "jaxmoe"):
+        for system in SYSTEMS:
             if system not in row:
                 continue
             s = row[system]
             timing = f"{s['wall_s']:.0f} s ({s['cpu_s']:.0f} s)"
             load = f"{s['load_before']:.1f}-{s['load_after']:.1f}"
+            compiler = ", ".join(f"{k} {v}" for k, v in s.get("compiler", {}).items())
             print(
-                f"| {row['case']} | {row['topology']} | {system} | {_gib(s)} | {timing} | {load} |"
+                f"| {row['case']} | {row['topology']} | {system} | {_gib(s)} | {timing} | {load} "
+                f"| {compiler} |"
             )
         if "jaxmoe_over_maxtext_peak" in row:
             peak = f"{row['jaxmoe_over_maxtext_peak']:.2f}x"
             wall, cpu = row["jaxmoe_over_maxtext_wall"], row["jaxmoe_over_maxtext_cpu"]
             timing = f"{wall:.2f}x ({cpu:.2f}x)"
-            print(f"| {row['case']} | | jaxmoe / MaxText | {peak} | {timing} | |")
+            print(f"| {row['case']} | | jaxmoe / MaxText | {peak} | {timing} | | same |")
     if not result["quiet"]:
         print("NOT A QUIET RUN: other processes loaded the host; compile times are stretched")
 

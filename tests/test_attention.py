@@ -105,6 +105,22 @@ def test_query_chunked_attention_matches_naive(kv_heads, monkeypatch):
         np.testing.assert_allclose(got, want, atol=2e-5)
 
 
+def test_query_chunked_attention_shares_a_one_row_mask(monkeypatch):
+    """A padding-only mask [B, 1, S] (no bias) is the same for every piece of queries."""
+    from jaxmoe.models import attention
+
+    monkeypatch.setattr(attention, "QUERY_CHUNK", 4)
+    rng = np.random.default_rng(6)
+    b, l, h, d = 2, 8, 2, 4
+    q, k, v = (rng.normal(size=(b, l, h, d)).astype(np.float32) for _ in range(3))
+    keep = np.arange(l)[None, :] < np.array([[l], [5]])  # [B, S]
+    got = attention.query_chunked_attention(
+        *(jnp.asarray(x) for x in (q, k, v)), jnp.asarray(keep[:, None, :]), None, 0.5
+    )
+    want = naive_attention(q, k, v, np.broadcast_to(keep[:, None, :], (b, l, l)), 0.5)
+    np.testing.assert_allclose(np.asarray(got), want, atol=2e-5)
+
+
 def test_attention_block_auto_is_cpu_only(monkeypatch):
     from jaxmoe.models import attention
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxmoe.data import corpus, tfds_text
+from jaxmoe.data import corpus
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
 from jaxmoe.storage.mirror import Mirror
@@ -86,6 +86,10 @@ def _split_key(config, key: str) -> str:
 
 def open_split(config, split_key: str) -> SplitDocuments:
     """Documents of the split named by `data.<split_key>`, preparing a local source first."""
+    # Imported here: commands that read no data (`jaxmoe compile`) then run without
+    # tensorflow_datasets installed, e.g. in another project's venv with its own libtpu.
+    from jaxmoe.data import tfds_text
+
     spec = corpus.parse_source(config.data.source)
     split = _split_key(config, split_key)
     text_key = config.data.get("text_key", "text") or "text"

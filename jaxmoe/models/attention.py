@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.layers import fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import cast_weight, fan_in_init, make_param, matmul_2d
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
@@ -245,7 +245,7 @@ class Attention(nnx.Module):
         return apply_rope(x_BLNd, *tables)
 
     def project_q(self, x_BLD, positions_BL=None):
-        q = matmul_2d(x_BLD, self.query[...].astype(x_BLD.dtype))
+        q = matmul_2d(x_BLD, cast_weight(self.query[...], x_BLD.dtype))
         if self.qkv_bias:
             q = q + self.query_bias[...].astype(q.dtype)
         if self.rope_theta:
@@ -254,8 +254,8 @@ class Attention(nnx.Module):
 
     def project_kv(self, x_BSD, positions_BS=None):
         dtype = x_BSD.dtype
-        k = matmul_2d(x_BSD, self.key[...].astype(dtype))
-        v = matmul_2d(x_BSD, self.value[...].astype(dtype))
+        k = matmul_2d(x_BSD, cast_weight(self.key[...], dtype))
+        v = matmul_2d(x_BSD, cast_weight(self.value[...], dtype))
         if self.qkv_bias:
             k = k + self.key_bias[...].astype(dtype)
             v = v + self.value_bias[...].astype(dtype)
@@ -264,7 +264,7 @@ class Attention(nnx.Module):
         return k, v
 
     def project_out(self, o_BLHd):
-        return matmul_2d(o_BLHd, self.out[...].astype(o_BLHd.dtype), contract=2)
+        return matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
 
     def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.
@@ -295,27 +295,36 @@ def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, s
     """`grouped_attention` (dense path) in pieces of QUERY_CHUNK queries, each rematerialised.
 
     The same arithmetic per query row. No [B, H, L, S] scores are kept for the backward
-    pass: each piece recomputes its own [B, H, chunk, S] there, so at most one piece's
-    scores are alive at a time (the dense path on TPU/GPU held 1.25 GiB of f32 scores and
-    probabilities per chip for one 2048-token Mixtral sequence); the extra work is the
-    attention's two matmuls once more per layer.
+    pass: each piece recomputes its own [B, H, chunk, S] there (the dense path on TPU/GPU
+    held 1.25 GiB of f32 scores and probabilities per chip for one 2048-token Mixtral
+    sequence); the extra work is the attention's two matmuls once more per layer. The
+    pieces run in a loop (`lax.map`), not unrolled: unrolled, the TPU compiler overlapped
+    the backward of 7 of Mixtral's 8 pieces, 7 x 64 MiB of f32 scores alive at once.
     """
-    length = q_BLHd.shape[1]
+    b, length, h, d = q_BLHd.shape
     chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
+    if chunk == length:
+        return _dense_rematted(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale)
+    pieces = length // chunk
 
-    def rows(a, start):  # the piece's query rows of a mask/bias broadcastable over them
+    def by_piece(a):  # [..., L, S] -> [pieces, ..., chunk, S]; None / one row: shared
         if a is None or a.shape[-2] == 1:
-            return a
-        return a[..., start : start + chunk, :]
+            return None
+        a = a.reshape(*a.shape[:-2], pieces, chunk, a.shape[-1])
+        return jnp.moveaxis(a, -3, 0)
 
-    outs = [
-        _dense_rematted(
-            q_BLHd[:, start : start + chunk], k_BSKd, v_BSKd,
-            rows(mask, start), rows(bias_bHLS, start), scale,
-        )
-        for start in range(0, length, chunk)
-    ]  # fmt: skip
-    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    def shared(a):
+        return a if a is not None and a.shape[-2] == 1 else None
+
+    def piece(xs):
+        q_BCHd, mask_piece, bias_piece = xs
+        mask_piece = shared(mask) if mask_piece is None else mask_piece
+        bias_piece = shared(bias_bHLS) if bias_piece is None else bias_piece
+        return _dense_rematted(q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale)
+
+    q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
+    out_PBCHd = jax.lax.map(piece, (q_PBCHd, by_piece(mask), by_piece(bias_bHLS)))
+    return jnp.moveaxis(out_PBCHd, 0, 1).reshape(b, length, h, d)
 
 
 _dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5,))

@@ -27,7 +27,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.layers import activation_fn, fan_in_init, make_param, ungated_gate_fn
+from jaxmoe.models.layers import (
+    activation_fn,
+    cast_weight,
+    fan_in_init,
+    make_param,
+    ungated_gate_fn,
+)
 from jaxmoe.models.moe import dispatch, expert_parallel, gates
 
 
@@ -164,7 +170,7 @@ class MoE(nnx.Module):
 
         dtype = x_BLD.dtype
         kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
-        experts = tuple(w[...].astype(dtype) for w in kernels)
+        experts = tuple(cast_weight(w[...], dtype) for w in kernels)
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
