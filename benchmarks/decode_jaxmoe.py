@@ -21,6 +21,7 @@ from jaxmoe.config.defaults import base_config  # noqa: E402
 from jaxmoe.inference.decode import Generator, Sampling  # noqa: E402
 from jaxmoe.models import build_model  # noqa: E402
 from jaxmoe.models.spec import model_params  # noqa: E402
+from jaxmoe.parallel.host_memory import retain_freed_host_memory  # noqa: E402
 from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
 from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
 
@@ -52,6 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new_tokens", type=int, default=32)
     args = parser.parse_args(argv)
     skip_absent_tpu()
+    retain_freed_host_memory()  # as `jaxmoe decode` does on the CPU
     spec = json.loads(args.spec)
     devices = jax.devices()[:1]
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, devices)
