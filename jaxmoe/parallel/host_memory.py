@@ -20,6 +20,8 @@ import logging
 import os
 import sys
 
+from jaxmoe.parallel.platforms import gpu_plugin_installed
+
 log = logging.getLogger(__name__)
 
 # glibc's mallopt parameters (malloc.h).
@@ -50,14 +52,7 @@ def computes_on_cpu() -> bool:
         chosen = jax.config.jax_platforms  # skip_absent_tpu may have chosen the CPU
         if chosen:
             return chosen.split(",")[0].strip() == "cpu"
-    accelerator_plugins = (
-        "libtpu",
-        "jax_cuda12_plugin",
-        "jax_cuda13_plugin",
-        "jax_rocm6_plugin",
-        "jax_rocm7_plugin",
-    )
-    return not any(importlib.util.find_spec(name) for name in accelerator_plugins)
+    return importlib.util.find_spec("libtpu") is None and not gpu_plugin_installed()
 
 
 def retain_freed_host_memory() -> bool:

@@ -31,7 +31,7 @@ def tpu_attached() -> bool:
     return False
 
 
-def _gpu_plugin_installed() -> bool:
+def gpu_plugin_installed() -> bool:
     """A JAX GPU plugin is installed: leave platform discovery to JAX then."""
     names = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm6_plugin", "jax_rocm7_plugin")
     return any(importlib.util.find_spec(name) is not None for name in names)
@@ -43,7 +43,7 @@ def skip_absent_tpu() -> bool:
     initialises its backends (the first jax.devices() or computation). True if it did."""
     if os.environ.get("JAX_PLATFORMS") or "JAX_FORCE_TPU_INIT" in os.environ:
         return False
-    if importlib.util.find_spec("libtpu") is None or _gpu_plugin_installed() or tpu_attached():
+    if importlib.util.find_spec("libtpu") is None or gpu_plugin_installed() or tpu_attached():
         return False
     import jax
 
