@@ -1,27 +1,68 @@
-"""Writing a new checkpoint directory atomically (convert hf / t5x / gqa / upcycle, export t5x).
+"""Writing a new checkpoint directory atomically (convert hf / t5x / gqa / upcycle, export).
 
 The files are written into a hidden sibling of DST (same filesystem, so the final rename is
 atomic) that is renamed onto DST only once complete: a crash or an error never leaves a
-half-written DST, and the staging folder is removed on the way out either way. A DST that
-exists is refused unless it is an empty directory (one made ahead of time, e.g. by a job
-script), which the rename replaces.
+half-written DST, and the staging folder is removed on the way out either way, on Ctrl-C
+(KeyboardInterrupt) and SIGTERM (turned into `Interrupted`, a KeyboardInterrupt) too. A DST
+that exists is refused unless it is an empty directory (one made ahead of time, e.g. by a
+job script), which the rename replaces.
+
+A SIGKILL leaves the staging folder behind; the next conversion to the same DST removes it,
+with a warning. A conversion holds an exclusive `flock` on `.<DST name>.lock` beside DST
+while it writes, so a staging folder whose lock nobody holds is a dead run's (the kernel
+drops the lock of a killed process; a pid could be reused, a lock cannot outlive its
+owner), and a second conversion to a DST that is being written is refused at once instead
+of racing the first to the rename.
 """
 
 import contextlib
+import fcntl
+import logging
 import os
 import shutil
+import signal
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 from jaxmoe.checkpoints.manager import CheckpointError
 
+log = logging.getLogger(__name__)
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt so that the same cleanup runs;
+    args[0] is the signal's name."""
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """`path` made absolute; CheckpointError unless it is a directory that exists and is
+    writable or one that can be made (its nearest existing ancestor is a writable
+    directory). Called before any work: the write at the end would fail with a traceback."""
+    path = Path(path).absolute()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        if existing == path:
+            raise CheckpointError(f"{path}: is a file, not a directory")
+        raise CheckpointError(f"{path}: cannot be created: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise CheckpointError(f"{path}: cannot be created: {existing} is not writable")
+    return path
+
 
 def refuse_existing(dst: str | os.PathLike) -> Path:
-    """`dst` made absolute; CheckpointError if it exists and is not an empty directory.
-    Called before the slow work starts, so that a bad DST fails at once."""
+    """`dst` made absolute; CheckpointError if it exists and is not an empty directory, if
+    its folder cannot be written, or if another conversion is writing it. Called before the
+    slow work starts, so that a bad DST fails at once (leftovers of a killed run go now)."""
     dst = Path(dst).absolute()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
+    check_writable(dst.parent)
+    if dst.parent.is_dir():
+        with _claimed(dst):
+            pass
     return dst
 
 
@@ -29,14 +70,116 @@ def refuse_existing(dst: str | os.PathLike) -> Path:
 def staged_directory(dst: str | os.PathLike) -> Iterator[Path]:
     """Yields the path of the staging folder next to `dst` (not yet created: Orbax wants to
     make it itself); renames it to `dst` when the block ends without an exception."""
-    dst = Path(dst).absolute()
+    dst = check_writable(Path(dst).absolute().parent) / Path(dst).name
     staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)  # left by an earlier run killed in between
     dst.parent.mkdir(parents=True, exist_ok=True)
+    with terminate_as_interrupt(), _claimed(dst):
+        try:
+            yield staging
+            if dst.exists():
+                dst.rmdir()  # only an empty directory may be replaced: never a checkpoint
+            staging.rename(dst)
+        finally:
+            with _signals_held():  # a second Ctrl-C must not stop the cleanup half way
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """Within the block SIGTERM raises `Interrupted` (in the main thread; elsewhere Python
+    cannot take signals and the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise Interrupted(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
-        yield staging
-        if dst.exists():
-            dst.rmdir()  # only an empty directory may be replaced: never a checkpoint
-        staging.rename(dst)
+        yield
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@contextlib.contextmanager
+def interrupts_in_one_line(dst: str | os.PathLike) -> Iterator[None]:
+    """For the CLI: SIGTERM and Ctrl-C end the block with a RuntimeError (the one-line
+    error the CLI prints, exit 2) once staged_directory has removed its staging folder."""
+    with terminate_as_interrupt():
+        try:
+            yield
+        except KeyboardInterrupt as error:
+            name = error.args[0] if isinstance(error, Interrupted) else "SIGINT"
+            raise RuntimeError(
+                f"interrupted by {name}; no partial checkpoint left at {Path(dst).absolute()}"
+            ) from None
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM wait until the block ends (then raise as usual)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+@contextlib.contextmanager
+def _claimed(dst: Path) -> Iterator[None]:
+    """Holds DST's lock within the block, after removing staging folders of killed runs;
+    CheckpointError if another live conversion holds it."""
+    lock = dst.parent / f".{dst.name}.lock"
+    fd = _try_lock(lock)
+    if fd is None:
+        owner = lock.read_text().strip() if lock.is_file() else "?"
+        raise CheckpointError(
+            f"{dst}: another conversion (pid {owner or '?'}) is writing it now; wait for it "
+            "to finish or choose another DST"
+        )
+    try:
+        _remove_leftovers(dst)
+        yield
+    finally:
+        lock.unlink(missing_ok=True)  # before the lock is released: see _try_lock
+        os.close(fd)
+
+
+def _try_lock(lock: Path) -> int | None:
+    """An fd holding an exclusive flock on `lock` (which then holds our pid), or None if
+    another process holds it. The holder unlinks the file before it lets go, so a lock
+    taken on a file that is no longer at `lock` is stale and taken again."""
+    while True:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            current = os.stat(lock).st_ino
+        except FileNotFoundError:
+            current = None
+        if current == os.fstat(fd).st_ino:
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()}\n".encode())
+            return fd
+        os.close(fd)
+
+
+def _remove_leftovers(dst: Path) -> None:
+    """Removes staging folders of conversions to `dst` that were killed (called holding the
+    lock: no live conversion owns them)."""
+    prefix = f".{dst.name}.converting-"
+    for entry in dst.parent.iterdir():
+        if entry.name.startswith(prefix) and entry.is_dir() and not entry.is_symlink():
+            pid = entry.name.removeprefix(prefix)
+            shutil.rmtree(entry, ignore_errors=True)
+            log.warning(
+                "removed %s, left by a conversion to %s that was killed (pid %s)", entry, dst, pid
+            )

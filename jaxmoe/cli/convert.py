@@ -13,6 +13,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
 from jaxmoe.checkpoints.hf.importer import convert_hf
+from jaxmoe.checkpoints.staging import interrupts_in_one_line
 from jaxmoe.checkpoints.surgery import METHODS, convert_gqa, convert_upcycle
 from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
@@ -73,16 +74,17 @@ def run_t5x(args) -> int:
     """Runs the conversion for parsed `args`; prints one JSON line describing DST."""
     overrides = args.overrides
     start = time.perf_counter()
-    config = convert_t5x(
-        args.src,
-        args.dst,
-        dtype=args.dtype,
-        num_heads=args.num_heads,
-        head_dim=args.head_dim,
-        relpos_max_distance=args.relpos_max_distance,
-        overrides=overrides,
-        keep_optimizer=args.keep_optimizer,
-    )
+    with interrupts_in_one_line(args.dst):
+        config = convert_t5x(
+            args.src,
+            args.dst,
+            dtype=args.dtype,
+            num_heads=args.num_heads,
+            head_dim=args.head_dim,
+            relpos_max_distance=args.relpos_max_distance,
+            overrides=overrides,
+            keep_optimizer=args.keep_optimizer,
+        )
     m = config.model
     summary = {
         "checkpoint": str(Path(args.dst).absolute()),
@@ -104,7 +106,8 @@ def run_t5x(args) -> int:
 def convert_hf_summary(src: str, dst: str, dtype: str = "float32", overrides=()) -> int:
     """`jaxmoe convert hf SRC DST [--dtype] [--config.KEY=VALUE ...]`: prints one JSON line."""
     start = time.perf_counter()
-    config = convert_hf(src, dst, dtype, overrides)
+    with interrupts_in_one_line(dst):
+        config = convert_hf(src, dst, dtype, overrides)
     m = config.model
     summary = {
         "checkpoint": str(Path(dst).absolute()),
@@ -198,17 +201,19 @@ def _summary(dst: str, config: ConfigDict, start: float) -> None:
 
 def run_gqa(args) -> int:
     start = time.perf_counter()
-    config = convert_gqa(
-        args.src, args.dst, args.num_kv_heads, args.method, args.include_encoder, args.seed
-    )
+    with interrupts_in_one_line(args.dst):
+        config = convert_gqa(
+            args.src, args.dst, args.num_kv_heads, args.method, args.include_encoder, args.seed
+        )
     _summary(args.dst, config, start)
     return 0
 
 
 def run_upcycle(args) -> int:
     start = time.perf_counter()
-    config = convert_upcycle(
-        args.src, args.dst, args.num_experts, args.every, args.gating, args.seed
-    )
+    with interrupts_in_one_line(args.dst):
+        config = convert_upcycle(
+            args.src, args.dst, args.num_experts, args.every, args.gating, args.seed
+        )
     _summary(args.dst, config, start)
     return 0

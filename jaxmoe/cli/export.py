@@ -9,6 +9,7 @@ from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
 from jaxmoe.checkpoints.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
 from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.staging import check_writable, interrupts_in_one_line
 from jaxmoe.checkpoints.t5x.exporter import export_t5x
 from jaxmoe.storage.paths import absolute_path
 
@@ -30,8 +31,14 @@ def export_hf_summary(
 ) -> int:
     """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
     JSON line."""
+    check_writable(Path(dst).absolute().parent)  # before any work: the write comes last
+    if Path(dst).is_file():
+        raise CheckpointError(
+            f"{Path(dst).absolute()}: already exists; exporting writes a new directory"
+        )
     start = time.perf_counter()
-    hf_config = export_hf(ckpt, dst, dtype, tokenizer, max_shard_size)
+    with interrupts_in_one_line(dst):
+        hf_config = export_hf(ckpt, dst, dtype, tokenizer, max_shard_size)
     summary = {
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
@@ -109,8 +116,10 @@ def run_t5x(args) -> int:
     """`jaxmoe export t5x CKPT OUT [--dtype] [--step]`: prints one JSON line."""
     if args.overrides:
         raise CheckpointError(f"export t5x takes no --config overrides (got {args.overrides[0]!r})")
+    check_writable(args.out)  # before any work: the write comes last
     start = time.perf_counter()
-    written = export_t5x(args.ckpt, args.out, dtype=args.dtype, step=args.step)
+    with interrupts_in_one_line(args.out):
+        written = export_t5x(args.ckpt, args.out, dtype=args.dtype, step=args.step)
     summary = {
         "checkpoint": str(written),
         "dtype": args.dtype,

@@ -14,12 +14,14 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from jaxmoe.checkpoints.staging import check_writable
     from jaxmoe.config.loading import load_config
     from jaxmoe.data.mixture import source_configs
     from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
 
     config = load_config(args.config, args.overrides)
+    check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
     start = time.monotonic()
     tokenizer = prepare(config)
     print(
