@@ -9,6 +9,8 @@ from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config
 
+VARIANTS = ("dense", "top1", "top2", "adaptive", "top_p")
+
 
 def get_config(variant: str | None = None) -> ConfigDict:
     c = base_config()  # every key and its one-line comment live in jaxmoe/config/defaults.py
@@ -20,9 +22,7 @@ def get_config(variant: str | None = None) -> ConfigDict:
 def _apply_variant(c: ConfigDict, variant: str) -> None:
     if variant == "dense":
         c.model.moe.num_experts = 0
-    elif variant in ("top1", "top2", "adaptive", "top_p"):
+    elif variant in VARIANTS:
         c.model.moe.gating = variant
     else:
-        raise ValueError(
-            f"configs/default.py: unknown variant {variant!r} (dense|top1|top2|adaptive|top_p)"
-        )
+        raise ValueError(f"configs/default.py: unknown variant {variant!r} ({'|'.join(VARIANTS)})")

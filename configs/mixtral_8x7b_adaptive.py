@@ -22,6 +22,8 @@ from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config
 
+VARIANTS = ("top2",)
+
 
 def get_config(variant: str | None = None) -> ConfigDict:
     c = base_config()

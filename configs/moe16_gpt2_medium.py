@@ -26,6 +26,8 @@ from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config
 
+VARIANTS = ("top1", "top2", "dense")
+
 
 def get_config(variant: str | None = None) -> ConfigDict:
     c = base_config()

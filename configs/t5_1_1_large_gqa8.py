@@ -25,6 +25,8 @@ from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config
 
+VARIANTS = ("mha",)
+
 
 def _t5_1_1_recipe():
     """`t5_1_1` from the XXL config next to this file (configs/ is not a package)."""

@@ -24,6 +24,7 @@ from ml_collections import ConfigDict
 from jaxmoe.checkpoints.t5x.convert import t5_1_1_recipe
 from jaxmoe.config.defaults import base_config
 
+VARIANTS = ("mha",)
 T5_1_1_STEPS = 1_000_000  # T5.1.1's pre-training steps
 
 

@@ -31,12 +31,21 @@ The whole sequence, from a multi-head model to a faster-decoding GQA one:
 Without a variant the defaults of configs/default.py are the recipe; then set
 --config.train.init_from=CKPT, --config.uptrain.original_steps=N and the model keys of CKPT.
 train.steps, optimizer.start_step and optimizer.schedule_steps are derived from uptrain.* in
-`finalize` (run after the command-line overrides): change uptrain.*, not them.
+`finalize` (run after the command-line overrides): change uptrain.*, not them (setting one of
+them on the command line is refused, naming the uptrain.* key to set instead).
 """
 
 from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config
+
+EXTRA_KEYS = ("uptrain",)  # this file's own section, beside base_config()'s keys
+# Each key finalize derives, and the uptrain.* key to set instead.
+DERIVED = {
+    "train.steps": "uptrain.alpha",
+    "optimizer.start_step": "uptrain.original_steps",
+    "optimizer.schedule_steps": "uptrain.original_schedule_steps",
+}
 
 
 def source_schedule(config: ConfigDict) -> tuple[int, int]:
@@ -68,8 +77,15 @@ def get_config(variant: str | None = None) -> ConfigDict:
     return config
 
 
-def finalize(config: ConfigDict) -> None:
-    """Check the run and derive train.steps and the schedule (after command-line overrides)."""
+def finalize(config: ConfigDict, overridden=frozenset()) -> None:
+    """Check the run and derive train.steps and the schedule (after command-line overrides;
+    `overridden`: the keys set there, none of which may be one this derives)."""
+    for key, source in DERIVED.items():
+        if key in overridden:
+            raise ValueError(
+                f"--config.{key} conflicts with {source}: configs/uptrain_gqa.py derives "
+                f"{key} from uptrain.* (set --config.{source} instead)"
+            )
     if not config.train.init_from:
         raise ValueError(
             "train.init_from is empty: uptraining starts from a converted checkpoint "

@@ -2,17 +2,24 @@
 
 A config is a Python file with `get_config(variant: str | None) -> ConfigDict`, named as
 `path/to/file.py[:variant]`. Overrides are `--config.a.b=value`. Every problem becomes a
-one-line ConfigError naming the key, before anything is compiled.
+one-line ConfigError naming the key (and the file), before anything is compiled.
+
+A file sets only keys of `base_config()`, as the command line does, except under the
+prefixes it names in `EXTRA_KEYS` (its own section, e.g. configs/uptrain_gqa.py's
+`uptrain`). An optional `finalize(config, overridden)` derives keys after the overrides;
+`overridden` holds the keys set on the command line, which it must not replace.
 """
 
 import ast
 import difflib
+import importlib.machinery
 import importlib.util
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxmoe.config.validation import validate
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.validation import get, validate
 from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import absolute_config_paths, absolute_path
 
@@ -23,27 +30,91 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
     path = Path(absolute_path(path_text))
     if not path.is_file():
         raise ConfigError(f"--config: no such config file {path_text!r}")
-    module_spec = importlib.util.spec_from_file_location(f"jaxmoe_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(module_spec)
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as error:  # a config file is user code: report where it broke
-        raise ConfigError(f"--config: {path_text} failed to load: {error}") from error
-    if not hasattr(module, "get_config"):
+    module = _import(path, path_text)
+    get_config = getattr(module, "get_config", None)
+    if not callable(get_config):
         raise ConfigError(f"--config: {path_text} defines no get_config()")
-    try:
-        config = module.get_config(variant or None)
-    except ValueError as error:
-        raise ConfigError(str(error)) from error
-    apply_overrides(config, overrides)
+    config = _call(path_text, f"get_config({variant or None!r})", get_config, variant or None)
+    if not isinstance(config, ConfigDict):
+        raise ConfigError(
+            f"--config: {path_text}: get_config() returned a {type(config).__name__}, "
+            "not an ml_collections ConfigDict"
+        )
+    extra = tuple(getattr(module, "EXTRA_KEYS", ()))
+    _check_keys(config, path_text, extra)
+    overridden = apply_overrides(config, overrides)
     finalize = getattr(module, "finalize", None)  # derived keys, computed after the overrides
     if finalize is not None:
-        try:
-            finalize(config)
-        except ValueError as error:
-            raise ConfigError(str(error)) from error
+        given = {key: get(config, key) for key in overridden}
+        _call(path_text, "finalize()", finalize, config, frozenset(overridden))
+        _check_keys(config, path_text, extra)
+        for key, value in given.items():
+            if get(config, key) != value:
+                raise ConfigError(
+                    f"--config.{key}={value}: {path_text}'s finalize() derives {key} "
+                    f"(it would set {get(config, key)!r}); set what it derives it from"
+                )
     validate(config)
     return config
+
+
+def _import(path: Path, path_text: str):
+    """The config file as a module; any failure is one line naming the file."""
+    name = f"jaxmoe_config_{path.stem}"
+    # An explicit source loader: a config named .yaml or .txt is read as Python, not skipped.
+    loader = importlib.machinery.SourceFileLoader(name, str(path))
+    module = importlib.util.module_from_spec(
+        importlib.util.spec_from_file_location(name, path, loader=loader)
+    )
+    try:
+        loader.exec_module(module)
+    except SyntaxError as error:
+        raise ConfigError(
+            f"--config: {path_text} is not a Python config file (line {error.lineno}: "
+            f"{error.msg}); a config defines get_config() returning a ConfigDict"
+        ) from None
+    except Exception as error:  # a config file is user code: report where it broke
+        raise ConfigError(f"--config: {path_text} failed to load: {_describe(error)}") from error
+    return module
+
+
+def _call(path_text: str, what: str, function, *args):
+    """`function(*args)` from a config file; any exception is one line naming the file."""
+    try:
+        return function(*args)
+    except ValueError as error:  # the file's own message (an unknown variant, a bad key)
+        message = _describe(error, with_type=False)
+        if Path(path_text).name not in message:
+            message = f"{path_text}: {message}"
+        raise ConfigError(message) from error
+    except Exception as error:
+        raise ConfigError(f"--config: {path_text}: {what} failed: {_describe(error)}") from error
+
+
+def _describe(error: Exception, with_type: bool = True) -> str:
+    """An exception as one line: its type and the first line of its message."""
+    lines = str(error).strip().splitlines()
+    text = lines[0] if lines else ""
+    if not with_type:
+        return text or type(error).__name__
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _check_keys(config: ConfigDict, path_text: str, extra: tuple[str, ...]) -> None:
+    """Every key the file set is one of base_config()'s or under one of its EXTRA_KEYS."""
+    known = _leaf_keys(base_config())
+    known_set = set(known)
+    for key in _leaf_keys(config):
+        if key in known_set or any(key == p or key.startswith(p + ".") for p in extra):
+            continue
+        raise ConfigError(f"{path_text}: {unknown_key_message(key, known)}")
+
+
+def unknown_key_message(key: str, known: list[str]) -> str:
+    """`unknown config key 'a.b' (did you mean 'a.c'?)`: the line for a key nobody reads."""
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown config key {key!r}{hint}"
 
 
 def _leaf_keys(config: ConfigDict, prefix: str = "") -> list[str]:
@@ -82,21 +153,22 @@ def _parse(key: str, text: str, current):
     return value
 
 
-def apply_overrides(config: ConfigDict, overrides) -> None:
-    """Apply `a.b=value` (or `--config.a.b=value`) strings in place."""
+def apply_overrides(config: ConfigDict, overrides) -> list[str]:
+    """Apply `a.b=value` (or `--config.a.b=value`) strings in place; returns the keys set."""
     known = _leaf_keys(config)
+    keys = []
     for item in overrides:
         text = item.removeprefix("--").removeprefix("config.")
         if "=" not in text:
             raise ConfigError(f"override {item!r}: expected --config.KEY=VALUE")
         key, value_text = text.split("=", 1)
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise ConfigError(f"unknown config key {key!r}{hint}")
+            raise ConfigError(unknown_key_message(key, known))
         *parents, leaf = key.split(".")
         node = config
         for parent in parents:
             node = node[parent]
         node[leaf] = _parse(key, value_text, node[leaf])
+        keys.append(key)
     absolute_config_paths(config)
+    return keys
