@@ -12,6 +12,7 @@ import sys
 from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepare, train
 from jaxmoe.cli import compile as compile_command  # not the builtins
 from jaxmoe.cli import eval as eval_command
+from jaxmoe.cli.flags import CommandParser
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.host_memory import retain_freed_host_memory
 from jaxmoe.parallel.platforms import skip_absent_tpu
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jaxmoe", description="Train, convert, evaluate and decode MoE and GQA models."
     )
-    subparsers = parser.add_subparsers(dest="command", required=True)
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=CommandParser)
     for command in COMMANDS:
         command.add_parser(subparsers)
     return parser

@@ -9,10 +9,12 @@ from jaxmoe.cli.flags import (
     add_distributed_flags,
     checkpoint_config_override,
     initialize_from_flags,
+    non_negative_int,
+    positive_int,
+    writable_dir,
 )
 from jaxmoe.inference.routing_analysis import analyze_routing
 from jaxmoe.inference.routing_probe import GATE_CHOICES
-from jaxmoe.storage.paths import absolute_path
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,7 +26,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--out",
         required=True,
-        type=absolute_path,
+        type=writable_dir,
         help="directory for routing.json, plots, summary",
     )
     parser.add_argument(
@@ -34,10 +36,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="whose decisions to count: the training gate (default) or the evaluation gate",
     )
     parser.add_argument(
-        "--min_count", type=int, default=20, help="pieces ranked only if seen this often"
+        "--min_count",
+        type=non_negative_int,
+        default=20,
+        help="pieces ranked only if seen this often",
     )
-    parser.add_argument("--top", type=int, default=15, help="pieces listed at each end")
-    parser.add_argument("--max_batches", type=int, default=0, help="stop after N batches (0: all)")
+    parser.add_argument("--top", type=positive_int, default=15, help="pieces listed at each end")
+    parser.add_argument(
+        "--max_batches", type=non_negative_int, default=0, help="stop after N batches (0: all)"
+    )
     add_distributed_flags(parser)
     parser.set_defaults(run=run)
     return parser

@@ -9,6 +9,7 @@ import numpy as np
 
 from jaxmoe.aot import compile_check
 from jaxmoe.aot.compile_check import EXIT_FAILS, EXIT_FITS, compile_for_topology, format_report
+from jaxmoe.cli.flags import add_override_flag
 from jaxmoe.errors import ConfigError
 
 
@@ -20,6 +21,7 @@ def add_parser(subparsers) -> None:
         description=compile_check.__doc__.split("\n\n")[1],
     )
     parser.add_argument("--config", required=True, help="config file, optionally with :variant")
+    add_override_flag(parser)
     parser.add_argument(
         "--topology", required=True, help="TPU slice, e.g. v5p-128, v6e-256, or v5p:4x4x8"
     )

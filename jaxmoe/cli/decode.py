@@ -2,7 +2,12 @@
 
 import argparse
 
-from jaxmoe.cli.flags import add_checkpoint_flags, checkpoint_config_override
+from jaxmoe.cli.flags import (
+    add_checkpoint_flags,
+    checkpoint_config_override,
+    non_negative_int,
+    positive_int,
+)
 from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.storage.paths import absolute_path
 
@@ -16,11 +21,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     prompts.add_argument(
         "--prompts_file", type=absolute_path, help="a text file, one prompt per non-empty line"
     )
-    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--max_new_tokens", type=positive_int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    parser.add_argument("--top_k", type=int, default=0, help="0 = off")
+    parser.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
     parser.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--truncate",
         action="store_true",

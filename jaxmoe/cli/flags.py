@@ -1,6 +1,104 @@
-"""Flags shared by several commands."""
+"""Flags shared by several commands, and the checks of their values at parse time: a
+nonsense number or an unwritable destination is refused before any work starts."""
 
 import argparse
+import os
+import sys
+
+from jaxmoe.storage.paths import absolute_path, is_remote
+
+
+class CommandParser(argparse.ArgumentParser):
+    """A command's parser: a bad flag is one line naming it, not the whole usage above it."""
+
+    def error(self, message: str):
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        print(f"(see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An argparse `type=`: an integer >= 1."""
+    value = _integer(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An argparse `type=`: an integer >= 0."""
+    value = _integer(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _writable_ancestor(path: str, wanted: str) -> None:
+    """The deepest existing directory above `path` must be a writable directory."""
+    parent = os.path.dirname(path)
+    while not os.path.lexists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise argparse.ArgumentTypeError(
+            f"cannot write {wanted} {path}: {parent} is a file, not a directory"
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {wanted} {path}: {parent} is read-only")
+
+
+def writable_file(text: str) -> str:
+    """An argparse `type=`: an absolute path a file can be written to (remote: unchecked)."""
+    path = absolute_path(text)
+    if is_remote(path):
+        return path
+    if os.path.isdir(path):
+        raise argparse.ArgumentTypeError(f"cannot write file {path}: it is a directory")
+    if os.path.lexists(path):
+        if not os.access(path, os.W_OK):
+            raise argparse.ArgumentTypeError(f"cannot write file {path}: it is read-only")
+        return path
+    _writable_ancestor(path, "file")
+    if not os.path.isdir(os.path.dirname(path)):
+        raise argparse.ArgumentTypeError(
+            f"cannot write file {path}: its directory {os.path.dirname(path)} does not exist"
+        )
+    return path
+
+
+def writable_dir(text: str) -> str:
+    """An argparse `type=`: an absolute path of a directory that exists or can be made, and
+    written into (remote: unchecked)."""
+    path = absolute_path(text)
+    if is_remote(path):
+        return path
+    if os.path.lexists(path):
+        if not os.path.isdir(path):
+            raise argparse.ArgumentTypeError(f"cannot write into directory {path}: it is a file")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise argparse.ArgumentTypeError(f"cannot write into directory {path}: it is read-only")
+        return path
+    _writable_ancestor(path, "directory")
+    return path
+
+
+def add_override_flag(parser: argparse.ArgumentParser) -> None:
+    """`--config.KEY=VALUE` in the usage and help. The CLI takes overrides out of the
+    command line before parsing (cli/__init__.py), so this flag itself never matches."""
+    parser.add_argument(
+        "--config.KEY=VALUE",
+        action="store_true",
+        dest="_override_help",
+        default=argparse.SUPPRESS,
+        help="set any config key, repeatable (e.g. --config.train.steps=100 "
+        "--config.model.dtype=bfloat16)",
+    )
 
 
 def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
@@ -8,11 +106,11 @@ def add_distributed_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--coordinator_address", default=None, help="host:port of process 0 (multi-process runs)"
     )
-    parser.add_argument("--num_processes", type=int, default=None)
-    parser.add_argument("--process_id", type=int, default=None)
+    parser.add_argument("--num_processes", type=positive_int, default=None)
+    parser.add_argument("--process_id", type=non_negative_int, default=None)
     parser.add_argument(
         "--init_timeout",
-        type=int,
+        type=positive_int,
         default=None,
         help="seconds to wait for all processes to join (default 300)",
     )
@@ -28,7 +126,7 @@ def initialize_from_flags(args) -> None:
 def add_checkpoint_flags(parser: argparse.ArgumentParser, data: bool = True) -> None:
     """`--checkpoint`, `--config` (default: the checkpoint's own) and, with `data`, `--data`:
     the flags of every command that reads a trained checkpoint."""
-    from jaxmoe.storage.paths import absolute_data_spec, absolute_path
+    from jaxmoe.storage.paths import absolute_data_spec
 
     parser.add_argument(
         "--checkpoint",
@@ -46,6 +144,7 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser, data: bool = True) -> 
     parser.add_argument(
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
+    add_override_flag(parser)
 
 
 def checkpoint_config_override(args):

@@ -2,7 +2,7 @@
 
 import json
 
-from jaxmoe.cli.flags import add_distributed_flags, initialize_from_flags
+from jaxmoe.cli.flags import add_distributed_flags, add_override_flag, initialize_from_flags
 from jaxmoe.storage.paths import absolute_path
 
 
@@ -11,6 +11,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--config", default="configs/default.py", help="config file, optionally with :variant"
     )
+    add_override_flag(parser)
     parser.add_argument(
         "--workdir",
         required=True,

@@ -121,7 +121,8 @@ def validate(config: ConfigDict) -> None:
         t.batch_size % t.grad_accum == 0,
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",
     )
-    for key in ("eval_every", "checkpoint_every", "eval_batches"):
+    # 0 means "only at the end" / "the whole split" / "seed 0"; below 0 means nothing.
+    for key in ("eval_every", "checkpoint_every", "eval_batches", "seed"):
         need(t[key] >= 0, f"train.{key}={t[key]} must be >= 0")
     need(t.max_to_keep >= 1, f"train.max_to_keep={t.max_to_keep} must be >= 1")
     need(t.peak_flops >= 0, f"train.peak_flops={t.peak_flops} must be >= 0")
@@ -148,10 +149,24 @@ def validate(config: ConfigDict) -> None:
     for axis in ("data", "fsdp", "tensor", "expert", "dcn_data", "dcn_fsdp"):
         size = config.mesh[axis]
         need(size == -1 or size >= 1, f"mesh.{axis}={size} must be positive or -1")
+    for key in ("vocab_size", "max_len", "num_encoder_layers", "encoder_num_kv_heads"):
+        need(m[key] >= 0, f"model.{key}={m[key]} must be >= 0 (0 = the default)")
+    need(m.norm_eps > 0, f"model.norm_eps={m.norm_eps} must be positive")
+    if m.arch == "encoder_decoder":
+        for key in ("relpos_buckets", "relpos_max_distance"):
+            need(m[key] > 0, f"model.{key}={m[key]} must be positive")
+    for key in ("b1", "b2"):
+        need(0.0 <= o[key] < 1.0, f"optimizer.{key}={o[key]} not in [0, 1)")
+    for key in ("weight_decay", "grad_clip_norm", "eps"):
+        need(o[key] >= 0, f"optimizer.{key}={o[key]} must be >= 0")
+    need(0.0 <= o.min_lr_ratio <= 1.0, f"optimizer.min_lr_ratio={o.min_lr_ratio} not in [0, 1]")
+    d = config.data
     need(
-        config.data.vocab_size >= 260,
-        f"data.vocab_size={config.data.vocab_size} < 260 (byte fallback)",
+        d.vocab_size >= 260,
+        f"data.vocab_size={d.vocab_size} < 260 (byte fallback)",
     )
+    need(d.prefetch >= 0, f"data.prefetch={d.prefetch} must be >= 0 (0 = off)")
+    need(d.prepare_timeout_s > 0, f"data.prepare_timeout_s={d.prepare_timeout_s} must be positive")
 
 
 def resolve_vocab_size(config: ConfigDict, tokenizer_vocab: int) -> None:
