@@ -8,8 +8,10 @@ from jaxmoe.cli.flags import (
     add_distributed_flags,
     checkpoint_config_override,
     initialize_from_flags,
+    non_negative_int,
+    positive_int,
+    writable_file,
 )
-from jaxmoe.storage.paths import absolute_path
 
 
 def add_parser(subparsers) -> None:
@@ -49,18 +51,21 @@ def run(args) -> int:
 def add_generate_flags(parser) -> None:
     """`jaxmoe eval` flags used with --task generate."""
     group = parser.add_argument_group("--task generate")
-    group.add_argument("--max_new_tokens", type=int, default=64)
-    group.add_argument("--num_beams", type=int, default=1, help="1 = greedy or sampling")
+    group.add_argument("--max_new_tokens", type=positive_int, default=64)
+    group.add_argument("--num_beams", type=positive_int, default=1, help="1 = greedy or sampling")
     group.add_argument("--length_penalty", type=float, default=0.6, help="T5X's beam-search alpha")
     group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    group.add_argument("--top_k", type=int, default=0, help="0 = off")
+    group.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
     group.add_argument("--top_p", type=float, default=1.0, help="1 = off")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=non_negative_int, default=0)
     group.add_argument(
-        "--batch_size", type=int, default=0, help="prompts per batch (0 = train.batch_size)"
+        "--batch_size",
+        type=non_negative_int,
+        default=0,
+        help="prompts per batch (0 = train.batch_size)",
     )
     group.add_argument(
-        "--output", type=absolute_path, default=None, help="per-example predictions (jsonl)"
+        "--output", type=writable_file, default=None, help="per-example predictions (jsonl)"
     )
 
 

@@ -82,6 +82,15 @@ def _batch_size(value) -> int:
     return size
 
 
+def _check_positive(name: str, value) -> None:
+    """A token count from --model_args (lm-eval passes it parsed: int, or text if not one);
+    None keeps the default. 0 would score every request against an empty window."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"--model_args {name}={value}: expected a positive integer")
+
+
 @register_model("jaxmoe")
 class JaxmoeLM(TemplateLM):
     """A jaxmoe checkpoint (decoder, dense or MoE with adaptive gating, or encoder-decoder)."""
@@ -111,6 +120,8 @@ class JaxmoeLM(TemplateLM):
                 f"--model_args {bad[0]}: unknown; expected checkpoint, mesh, max_length, "
                 f"max_gen_toks or a config override such as model.dtype=float32"
             )
+        for name, value in (("max_length", max_length), ("max_gen_toks", max_gen_toks)):
+            _check_positive(name, value)
         overrides = [f"{k}={v}" for k, v in config_overrides.items()]
         overrides += mesh_overrides(mesh) if mesh else []
         self.checkpoint = absolute_path(checkpoint)
@@ -301,6 +312,23 @@ class JaxmoeLM(TemplateLM):
         return {"inputs": inputs, "targets": targets}, spans
 
 
+def check_model_args(argv: list[str]) -> None:
+    """The token counts in `--model_args`, read as lm-eval reads them, checked before lm-eval
+    loads its tasks: a bad one is then the only line printed."""
+    import argparse
+
+    from lm_eval._cli.utils import MergeDictAction
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction, default=None)
+    try:
+        model_args = parser.parse_known_args(argv)[0].model_args or {}
+    except (SystemExit, ValueError):  # lm-eval's own parser reports it in its words
+        return
+    for name in ("max_length", "max_gen_toks"):
+        _check_positive(name, model_args.get(name))
+
+
 def run_lm_eval(argv: list[str]) -> int:
     """`jaxmoe lm-eval [lm-eval run flags]`: lm-eval's own command line, `--model jaxmoe`."""
     from lm_eval.__main__ import cli_evaluate
@@ -314,6 +342,7 @@ def run_lm_eval(argv: list[str]) -> int:
     if args[:1] in (["ls"], ["validate"]):
         sys.argv = ["jaxmoe lm-eval", *args]
     else:
+        check_model_args(args)
         sys.argv = ["jaxmoe lm-eval", "run", "--model", "jaxmoe", *args]
     cli_evaluate()
     return 0
