@@ -1,9 +1,11 @@
-"""Orbax checkpoints: `WORKDIR/checkpoints/<step>/{params, opt_state, meta, config}`.
+"""Orbax checkpoints: `WORKDIR/checkpoints/<step>/{params, opt_state, meta, config, tokenizer}`.
 
 `params` and `opt_state` are separate items so that evaluation, conversion and
 `train.init_from` restore parameters without touching optimizer state (unless
 `train.init_optimizer`). A converted checkpoint (from T5X, HF, GQA pooling...) is a directory
-with just `params` and `config` (plus `opt_state` from `convert t5x --keep_optimizer`).
+with just `params`, `config` and `tokenizer` (plus `opt_state` from `convert t5x
+--keep_optimizer`). Each holds its tokenizer (tokenizer_item.py), and its stored
+`data.tokenizer` names that copy relative to the checkpoint.
 Orbax writes each step into a temporary directory and renames it when complete, so an
 interrupted save is never mistaken for a checkpoint.
 """
@@ -11,6 +13,7 @@ interrupted save is never mistaken for a checkpoint.
 import contextlib
 import json
 import logging
+import os
 
 import jax
 import numpy as np
@@ -18,7 +21,15 @@ import orbax.checkpoint as ocp
 from etils import epath
 from ml_collections import ConfigDict
 
-from jaxmoe.storage.paths import absolute_path, finished_steps
+from jaxmoe.checkpoints.safe_paths import check_no_symlink_out
+from jaxmoe.checkpoints.tokenizer_item import (
+    TOKENIZER_DIR,
+    TokenizerFilesSave,
+    stored_name,
+    tokenizer_files,
+    write_tokenizer_files,
+)
+from jaxmoe.storage.paths import absolute_path, finished_steps, is_remote
 
 log = logging.getLogger(__name__)
 
@@ -32,25 +43,33 @@ class CheckpointMismatch(CheckpointError):
     as damage, since setting it aside would silently restart the run from step 0."""
 
 
-def _args_save(state, meta: dict, config: ConfigDict):
-    return ocp.args.Composite(
-        params=ocp.args.StandardSave(state["params"]),
-        opt_state=ocp.args.StandardSave(state["opt_state"]),
-        meta=ocp.args.JsonSave(meta),
-        config=ocp.args.JsonSave(config.to_dict()),
-    )
+def _args_save(state, meta: dict, config: ConfigDict, tokenizer: dict | None):
+    items = {
+        "params": ocp.args.StandardSave(state["params"]),
+        "opt_state": ocp.args.StandardSave(state["opt_state"]),
+        "meta": ocp.args.JsonSave(meta),
+        "config": ocp.args.JsonSave(config.to_dict()),
+    }
+    if tokenizer:
+        items["tokenizer"] = TokenizerFilesSave(tokenizer)
+    return ocp.args.Composite(**items)
 
 
 class TrainCheckpoints:
     """Periodic, asynchronous, atomic checkpoints of a training run."""
 
-    def __init__(self, workdir: str, max_to_keep: int):
+    def __init__(self, workdir: str, max_to_keep: int, tokenizer=None):
+        """`tokenizer`: the run's (an opened Tokenizer or HFTokenizer), copied into every
+        step so that the checkpoint is whole; None only for runs without one (tests)."""
         self.directory = epath.Path(absolute_path(workdir)) / "checkpoints"
+        self._tokenizer = tokenizer_files(tokenizer) if tokenizer is not None else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
         )
         self.manager = ocp.CheckpointManager(
-            self.directory, item_names=("params", "opt_state", "meta", "config"), options=options
+            self.directory,
+            item_names=("params", "opt_state", "meta", "config", "tokenizer"),
+            options=options,
         )
         self._warn_partial()
 
@@ -67,7 +86,10 @@ class TrainCheckpoints:
         return self.manager.latest_step()
 
     def save(self, step: int, state, meta: dict, config: ConfigDict, force: bool = False):
-        self.manager.save(step, args=_args_save(state, meta, config), force=force)
+        if self._tokenizer:  # the copy saved with the step, not the path it came from
+            config = ConfigDict(config.to_dict())
+            config.data.tokenizer = stored_name(self._tokenizer)
+        self.manager.save(step, args=_args_save(state, meta, config, self._tokenizer), force=force)
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """(state with the shardings of `abstract_state`, meta dict) of checkpoint `step`."""
@@ -157,18 +179,44 @@ def _item_dir(path: epath.Path, item: str) -> epath.Path | None:
 
 
 def resolve_checkpoint(path: str) -> epath.Path:
-    """A step directory: `path` itself, or the latest step under `path[/checkpoints]`."""
+    """A step directory: `path` itself, or the newest step under `path[/checkpoints]`.
+
+    The newest step is used or refused, never silently passed over: a damaged one (its
+    `params` missing) is an error naming it and the step before it. Nothing in the step
+    may be a symlink leading out of it (safe_paths.py)."""
     root = epath.Path(absolute_path(path))
     if not root.exists():
         raise CheckpointError(f"checkpoint {path!r} does not exist")
-    if _item_dir(root, "params"):
-        return root
+    step_dir = root if _item_dir(root, "params") else _newest_step(root, path)
+    if not is_remote(step_dir):
+        try:
+            check_no_symlink_out(step_dir)
+        except ValueError as error:
+            raise CheckpointError(f"checkpoint {str(step_dir)!r}: {error}") from None
+    return step_dir
+
+
+def _newest_step(root: epath.Path, path: str) -> epath.Path:
     for base in (root / "checkpoints", root):
-        if not base.exists():
+        steps = finished_steps(base)
+        if not steps:
             continue
-        steps = [s for s in finished_steps(base) if _item_dir(base / str(s), "params")]
-        if steps:
-            return base / str(steps[-1])
+        newest = base / str(steps[-1])
+        if not is_remote(newest):
+            try:
+                check_no_symlink_out(newest, within=root)
+            except ValueError as error:
+                raise CheckpointError(f"checkpoint {str(newest)!r}: {error}") from None
+        if not _item_dir(newest, "params"):
+            whole = [s for s in steps if _item_dir(base / str(s), "params")]
+            before = ""
+            if whole:
+                before = f"; name {str(base / str(whole[-1]))!r} to use step {whole[-1]}"
+            raise CheckpointError(
+                f"checkpoint {str(newest)!r}: item 'params' is missing (the newest step is "
+                f"damaged){before}"
+            )
+        return newest
     raise CheckpointError(f"checkpoint {path!r}: no 'params' item found (not a jaxmoe checkpoint)")
 
 
@@ -421,6 +469,24 @@ def save_params(path: str, params, config: ConfigDict) -> None:
 
 
 def write_config(root: epath.Path, config: ConfigDict) -> None:
-    """The config file of a converted checkpoint (the last of CONFIG_FILES)."""
+    """The config file of a converted checkpoint (the last of CONFIG_FILES), with the
+    checkpoint's tokenizer: one named by path (`--config.data.tokenizer=FILE` at
+    conversion) is copied into root/tokenizer/ and stored by that name; either way it is
+    opened, and refused when its ids exceed the model's vocabulary."""
+    stored = ConfigDict(config.to_dict())
+    path = stored.data.tokenizer
+    if path:
+        from jaxmoe.checkpoints.restore import check_tokenizer_fits
+        from jaxmoe.data.tokenizer import open_tokenizer
+
+        inside = not (is_remote(path) or os.path.isabs(path))
+        tokenizer = open_tokenizer(
+            str(root / path) if inside else path, eos_token=stored.data.get("eos_token", "")
+        )
+        check_tokenizer_fits(tokenizer, stored.model.vocab_size, f"data.tokenizer={path}")
+        if not inside:
+            files = tokenizer_files(tokenizer)
+            write_tokenizer_files(root / TOKENIZER_DIR, files)
+            stored.data.tokenizer = stored_name(files)
     (root / "config").mkdir(parents=True, exist_ok=True)
-    (root / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+    (root / "config" / "config.json").write_text(json.dumps(stored.to_dict(), indent=1))

@@ -1,25 +1,90 @@
-"""The one way to open a trained checkpoint for use: its config, and its parameters read
-straight into their shards on a mesh (evaluation, decoding, lm-eval, routing analysis and
-checkpoint surgery all come through here)."""
+"""The one way to open a trained checkpoint for use: its config, its own tokenizer, and
+its parameters read straight into their shards on a mesh (evaluation, decoding, lm-eval,
+routing analysis and checkpoint surgery all come through here).
+
+A checkpoint is data, never instructions: what its stored config says about where to read
+or write (`data.source`, `data.mixture`, `data.cache_dir`, `data.data_dir`,
+`train.init_from`) is dropped, and its tokenizer is the copy inside it
+(tokenizer_item.py); only the command line names other places.
+"""
 
 import jax
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import read_config, restore_params
+from jaxmoe.checkpoints.manager import read_config, resolve_checkpoint, restore_params
+from jaxmoe.errors import ConfigError
+
+# Stored keys that name places to read or write: the sender's, not the reader's.
+_STORED_PLACES = ("data.source", "data.mixture", "data.cache_dir", "data.data_dir",
+                  "train.init_from")  # fmt: skip
+
+
+def _named(overrides, key: str) -> bool:
+    """True when `--config.KEY=...` is among `overrides`."""
+    return any(o.removeprefix("--").removeprefix("config.").startswith(key + "=")
+               for o in overrides)  # fmt: skip
 
 
 def checkpoint_config(checkpoint: str, overrides=()):
-    """The config stored with `checkpoint`, `--config.KEY=VALUE` overrides applied."""
+    """The config stored with `checkpoint`, its places reset to the defaults, then the
+    `--config.KEY=VALUE` overrides applied."""
+    from jaxmoe.config.defaults import base_config
     from jaxmoe.config.loading import apply_overrides
     from jaxmoe.config.validation import validate
 
     # A tokenizer given here is not looked up in the checkpoint (nor refused there).
-    named = any(o.removeprefix("--").removeprefix("config.").startswith("data.tokenizer=")
-                for o in overrides)  # fmt: skip
-    config = read_config(checkpoint, tokenizer=not named)
+    config = read_config(checkpoint, tokenizer=not _named(overrides, "data.tokenizer"))
+    defaults = base_config()
+    for key in _STORED_PLACES:
+        section, leaf = key.split(".")
+        config[section][leaf] = defaults[section][leaf]
     apply_overrides(config, overrides)
     validate(config)
     return config
+
+
+def checkpoint_tokenizer(checkpoint: str, config, overrides=(), required: bool = True):
+    """The tokenizer to use with `checkpoint`: the one named on the command line
+    (`--config.data.tokenizer`, or a `--config` file's), else the checkpoint's own copy.
+    Without either: a ConfigError saying how to name one, or None when not `required`
+    (token-id data needs none). A tokenizer with more ids than the model's embedding
+    table is refused: those ids would silently index past it."""
+    from jaxmoe.data.tokenizer import open_tokenizer
+
+    if _named(overrides, "data.tokenizer"):
+        path, where = config.data.tokenizer, "--config.data.tokenizer"
+    else:
+        path = read_config(checkpoint).data.tokenizer or config.data.tokenizer
+        where = "the checkpoint's own tokenizer"
+    if not path:
+        if not required:
+            return None
+        raise ConfigError(
+            f"checkpoint {str(resolve_checkpoint(checkpoint))!r} holds no tokenizer (saved "
+            f"before checkpoints carried one, or converted without tokenizer files): name "
+            f"one with --config.data.tokenizer=FILE (a .model, a tokenizer.json or its folder)"
+        )
+    tokenizer = open_tokenizer(path, eos_token=config.data.get("eos_token", ""))
+    check_tokenizer_fits(tokenizer, config.model.vocab_size, where)
+    return tokenizer
+
+
+def check_tokenizer_fits(tokenizer, model_vocab: int, where: str) -> None:
+    """ConfigError when `tokenizer` has ids the model's `model_vocab` rows cannot embed."""
+    if model_vocab and tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"{where} ({tokenizer.path}) has {tokenizer.vocab_size} ids, more than the "
+            f"model's vocabulary of {model_vocab} (model.vocab_size): its ids past "
+            f"{model_vocab - 1} have no embedding"
+        )
+
+
+def checkpoint_step(checkpoint: str) -> dict:
+    """{"checkpoint": the step directory used, "step": its number or None}: printed with
+    every result, so a number always says which parameters it is for."""
+    step_dir = resolve_checkpoint(checkpoint)
+    name = step_dir.name
+    return {"checkpoint": str(step_dir), "step": int(name) if name.isdigit() else None}
 
 
 def restore_on_mesh(checkpoint: str, spec, mesh, model_cfg=None):

@@ -61,3 +61,20 @@ def _lexical_problem(text: str) -> str | None:
     if ".." in text.split("/"):
         return "has a '..' component"
     return None
+
+
+def check_no_symlink_out(directory: str | os.PathLike, within: str | os.PathLike | None = None):
+    """ValueError naming the first symlink in the tree under `directory` (or `directory`
+    itself) that leads outside `within` (default: `directory`). Readers such as Orbax and
+    TensorStore follow symlinks, so a received checkpoint is checked before any is read."""
+    top = Path(directory)
+    root = Path(within if within is not None else directory).resolve()
+    entries = [top] if top.is_symlink() else []
+    for folder, dirs, files in os.walk(top.resolve()):
+        entries += [Path(folder) / name for name in dirs + files]
+    for entry in entries:
+        if entry.is_symlink() and not entry.resolve().is_relative_to(root):
+            raise ValueError(
+                f"{entry.name!r} is a symlink to {entry.resolve()}, outside {root} "
+                f"(a checkpoint is read only inside its own directory)"
+            )

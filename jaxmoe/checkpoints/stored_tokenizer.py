@@ -4,10 +4,10 @@
 relative to the checkpoint directory ("tokenizer" or "tokenizer/tokenizer.model"), so a
 checkpoint moved, copied or mirrored to gs:// still finds it. A checkpoint is untrusted
 input: a relative path in its config passes `safe_paths.join_inside` (no `..`, no URL, no
-symlink out), else the config is refused in one line. An absolute path (older converted
-checkpoints; training runs store the tokenizer the user named) is read where it points,
-with a warning when that is outside the checkpoint; an older converted checkpoint's own
-copy is used, with a warning, when it was moved away from the path it stores.
+symlink out), else the config is refused in one line. An absolute path (older checkpoints)
+is read only when it lies inside the checkpoint, and an older converted checkpoint's own
+copy is used, with a warning, when it was moved away from the path it stores; any other is
+refused in one line that says how to name a tokenizer.
 `--config.data.tokenizer=FILE` replaces the stored value before any of this
 (restore.checkpoint_config).
 """
@@ -28,11 +28,12 @@ TOKENIZER_DIR = "tokenizer"  # inside a converted checkpoint
 def resolve_stored_tokenizer(step_dir, stored: str) -> str:
     """The tokenizer path that a checkpoint in `step_dir` (local or remote) names with
     `data.tokenizer` = `stored`: relative ones joined to `step_dir`; ValueError if one
-    would leave it."""
+    would leave it. An absolute one is accepted only inside `step_dir` (or as an older
+    converted checkpoint's own copy, moved): a received checkpoint never makes jaxmoe
+    read a file of the sender's choosing."""
     if not stored:
         return stored
     if is_remote(stored) or os.path.isabs(stored):
-        root = str(step_dir).rstrip("/") + "/"
         own = None if is_remote(stored) else _own_copy(step_dir, stored)
         if own:
             log.warning(
@@ -40,12 +41,10 @@ def resolve_stored_tokenizer(step_dir, stored: str) -> str:
                 "moved): using its own copy %s", stored, own
             )  # fmt: skip
             return own
+        root = str(step_dir).rstrip("/") + "/"
         if not stored.startswith(root):
-            log.warning(
-                "the checkpoint's data.tokenizer=%s lies outside it (%s); reading it there "
-                "(--config.data.tokenizer=FILE picks another)", stored, step_dir
-            )  # fmt: skip
-        return stored
+            raise ValueError(f"{stored!r} lies outside the checkpoint {str(step_dir)!r}")
+        stored = stored[len(root) :]
     return join_inside(step_dir, stored)
 
 

@@ -19,6 +19,11 @@ def add_parser(subparsers) -> None:
     add_checkpoint_flags(parser)
     parser.add_argument("--per_example", action="store_true", help="add per-example losses")
     parser.add_argument(
+        "--truncate",
+        action="store_true",
+        help="score examples longer than the model's context by their first tokens (logged)",
+    )
+    parser.add_argument(
         "--task",
         choices=["score", "generate"],
         default="score",
@@ -43,6 +48,7 @@ def run(args) -> int:
             config=config,
             per_example=args.per_example,
             overrides=args.overrides,
+            truncate=args.truncate,
         )
     print(json.dumps(result))
     return 0

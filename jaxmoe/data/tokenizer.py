@@ -102,13 +102,14 @@ class Tokenizer:
         return f"Tokenizer(path={self.path!r}, vocab_size={self.vocab_size})"
 
 
-def open_tokenizer(path: str):
+def open_tokenizer(path: str, eos_token: str = ""):
     """The tokenizer at `path`: a Hugging Face tokenizer.json (or a folder holding one),
-    else a SentencePiece model file."""
+    else a SentencePiece model file. `eos_token` (data.eos_token) names the EOS of a
+    tokenizer.json whose files do not."""
     from jaxmoe.data import hf_tokenizer  # imports `tokenizers` only when asked for
 
     if path.endswith(".json") or os.path.isdir(path):
-        return hf_tokenizer.HFTokenizer(path)
+        return hf_tokenizer.HFTokenizer(path, eos_token=eos_token)
     return Tokenizer(path)
 
 

@@ -87,9 +87,13 @@ def decode_main(
     "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
     (then `overrides` are already applied to it).
     """
-    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
+    from jaxmoe.checkpoints.restore import (
+        checkpoint_config,
+        checkpoint_step,
+        checkpoint_tokenizer,
+        restore_on_mesh,
+    )
     from jaxmoe.config.validation import resolve_vocab_size
-    from jaxmoe.data.sources import load_tokenizer
     from jaxmoe.data.tokenizer import with_bos
 
     sampling = Sampling(temperature, top_k, top_p)
@@ -97,11 +101,7 @@ def decode_main(
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
-    if not config.data.tokenizer:
-        # What `jaxmoe train` uses too; a checkpoint converted from elsewhere needs its own
-        # tokenizer (--config.data.tokenizer=FILE.model).
-        log.warning("data.tokenizer is empty: using the tokenizer trained on data.source")
-    tokenizer = load_tokenizer(config)
+    tokenizer = checkpoint_tokenizer(checkpoint, config, overrides)
     if config.model.vocab_size == 0:  # a training config (--config): sized as training did
         resolve_vocab_size(config, tokenizer.vocab_size)
     mesh = make_mesh(config.mesh)
@@ -129,6 +129,7 @@ def decode_main(
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
+        **checkpoint_step(checkpoint),
     }
     print_fn(
         f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "

@@ -8,6 +8,8 @@ of n ids is one sequence with n-1 predictions (no BOS added); an encoder-decoder
 import copy
 import functools
 import json
+import logging
+import math
 from dataclasses import dataclass
 
 import jax
@@ -15,12 +17,19 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
+from jaxmoe.checkpoints.restore import (
+    checkpoint_config,
+    checkpoint_step,
+    checkpoint_tokenizer,
+    restore_on_mesh,
+)
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, strict_param_check
 from jaxmoe.training.steps import eval_metrics, eval_step
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -104,6 +113,40 @@ def read_jsonl(path: str, tokenizer, encoder_decoder: bool, vocab_size: int) -> 
     return examples
 
 
+def fit_examples(examples: list[Example], max_len: int, truncate: bool) -> list[Example]:
+    """Examples checked against the model's context `max_len` (model.max_len; 0 = unknown,
+    nothing checked): a decoder reads len(targets) - 1 ids, an encoder-decoder reads
+    `inputs` and `targets` each. Too long is refused, or with `truncate` cut to its first
+    tokens (the prefix is scored, as Hugging Face's truncation does) and counted in a
+    warning."""
+    if not max_len:
+        return examples
+    out, cut = [], 0
+    for i, e in enumerate(examples):
+        sides = {"targets": len(e.targets) - (0 if e.inputs is not None else 1)}
+        if e.inputs is not None:
+            sides["inputs"] = len(e.inputs)
+        side, length = max(sides.items(), key=lambda kv: kv[1])
+        if length <= max_len:
+            out.append(e)
+            continue
+        if not truncate:
+            raise ValueError(
+                f"example {i}: '{side}' is {length} tokens, longer than the model's context "
+                f"of {max_len} (model.max_len, the longest sequence it was trained on); "
+                f"--truncate scores its first {max_len}"
+            )
+        cut += 1
+        if e.inputs is None:
+            out.append(Example(targets=e.targets[: max_len + 1]))
+        else:
+            out.append(Example(targets=e.targets[:max_len], inputs=e.inputs[:max_len]))
+    if cut:
+        log.warning("%d of %d examples cut to the model's context of %d tokens (--truncate)",
+                    cut, len(examples), max_len)  # fmt: skip
+    return out
+
+
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -165,19 +208,25 @@ def packed_batches(config, data_spec: str, tokenizer):
 
 
 def evaluate(
-    checkpoint: str, data_spec: str, config=None, per_example: bool = False, overrides=()
+    checkpoint: str,
+    data_spec: str,
+    config=None,
+    per_example: bool = False,
+    overrides=(),
+    truncate: bool = False,
 ) -> dict:
-    """Score `data_spec` with the parameters of `checkpoint`; returns the result dict."""
+    """Score `data_spec` with the parameters of `checkpoint`; returns the result dict, which
+    names the checkpoint step it scored. Sequences longer than the model's context are
+    refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
     from jaxmoe.config.validation import resolve_vocab_size
 
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
-    tokenizer = None
-    if config.data.tokenizer or not encoder_decoder or not data_spec.startswith("jsonl:"):
-        from jaxmoe.data.sources import load_tokenizer
-
-        tokenizer = load_tokenizer(config)
+    # Token-id data needs no tokenizer; text does (refused in one line without one).
+    tokenizer = checkpoint_tokenizer(
+        checkpoint, config, overrides, required=not data_spec.startswith("jsonl:")
+    )
     if config.model.vocab_size == 0:  # a training config (--config): sized as training did
         if tokenizer is None:
             raise ConfigError("model.vocab_size=0 needs a tokenizer: set --config.model.vocab_size")
@@ -191,6 +240,7 @@ def evaluate(
         examples = read_jsonl(
             data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
         )
+        examples = fit_examples(examples, config.model.get("max_len", 0), truncate)
         batches = batch_examples(examples, batch_size, encoder_decoder)
         num_examples = len(examples)
     else:
@@ -216,6 +266,13 @@ def evaluate(
             losses.append(out["nll_per_example"])
             counts.append(out["weight_per_example"])
     result = eval_metrics(totals)
+    if not math.isfinite(result["loss"]):
+        raise ValueError(
+            f"eval of {checkpoint}: the loss is {result['loss']} (the parameters give "
+            f"non-finite logits: check the checkpoint with `jaxmoe eval` on other data, or "
+            f"its conversion)"
+        )
+    result |= checkpoint_step(checkpoint)
     if per_example:
         if num_examples is None:
             raise ConfigError("--per_example needs jsonl:FILE data (one example per line)")

@@ -118,8 +118,12 @@ def generate_eval(
     overrides=(),
 ) -> dict:
     """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`."""
-    from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
-    from jaxmoe.data.sources import load_tokenizer
+    from jaxmoe.checkpoints.restore import (
+        checkpoint_config,
+        checkpoint_step,
+        checkpoint_tokenizer,
+        restore_on_mesh,
+    )
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.decode import Generator
     from jaxmoe.models.spec import model_spec
@@ -133,7 +137,7 @@ def generate_eval(
         raise ValueError("--num_beams > 1 searches; it does not sample (use --temperature=0)")
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
-    tokenizer = load_tokenizer(config)
+    tokenizer = checkpoint_tokenizer(checkpoint, config, overrides)
     mesh = make_mesh(config.mesh)
     spec = model_spec(config.model, mesh)
     params = restore_on_mesh(checkpoint, spec, mesh, config.model)
@@ -173,6 +177,7 @@ def generate_eval(
         "compile_s": total.compile_s,
         "seconds": seconds,
         "mesh": dict(mesh.shape),
+        **checkpoint_step(checkpoint),
     }
     if output:
         lines = [

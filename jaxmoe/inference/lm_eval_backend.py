@@ -107,8 +107,11 @@ class JaxmoeLM(TemplateLM):
         **config_overrides,
     ):
         super().__init__()
-        from jaxmoe.checkpoints.restore import checkpoint_config, restore_on_mesh
-        from jaxmoe.data.sources import load_tokenizer
+        from jaxmoe.checkpoints.restore import (
+            checkpoint_config,
+            checkpoint_tokenizer,
+            restore_on_mesh,
+        )
         from jaxmoe.storage.paths import absolute_path
 
         del device, max_batch_size  # the mesh decides placement; batches have one size
@@ -130,7 +133,7 @@ class JaxmoeLM(TemplateLM):
         # lm-eval's TemplateLM encodes an encoder-decoder's context and continuation apart.
         self.encoder_decoder = config.model.arch == "encoder_decoder"
         self.backend = "seq2seq" if self.encoder_decoder else "causal"
-        self.tokenizer = load_tokenizer(config)
+        self.tokenizer = checkpoint_tokenizer(self.checkpoint, config, overrides)
         self.mesh = make_mesh(config.mesh)
         self.spec = model_spec(config.model, self.mesh)
         params = restore_on_mesh(self.checkpoint, self.spec, self.mesh, config.model)

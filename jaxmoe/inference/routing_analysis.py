@@ -81,7 +81,7 @@ def analyze_routing(
     """
     import jax
 
-    from jaxmoe.checkpoints.restore import checkpoint_config
+    from jaxmoe.checkpoints.restore import checkpoint_config, checkpoint_tokenizer
     from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.inference.routing_counts import summarize
     from jaxmoe.inference.routing_plots import write_report
@@ -94,11 +94,9 @@ def analyze_routing(
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
     encoder_decoder = config.model.arch == "encoder_decoder"
-    tokenizer = None
-    if config.data.tokenizer or not encoder_decoder:
-        from jaxmoe.data.sources import load_tokenizer
-
-        tokenizer = load_tokenizer(config)
+    tokenizer = checkpoint_tokenizer(
+        checkpoint, config, overrides, required=not data_spec.startswith("jsonl:")
+    )
     if config.model.vocab_size == 0 and tokenizer is not None:  # a training config
         resolve_vocab_size(config, tokenizer.vocab_size)
     dp = data_parallel_size(make_mesh(config.mesh))

@@ -59,7 +59,7 @@ def keep_tokenizer_files(src: Path, checkpoint: Path) -> None:
     names = _present(src)
     if not names:
         return
-    (checkpoint / TOKENIZER_DIR).mkdir()
+    (checkpoint / TOKENIZER_DIR).mkdir(parents=True)
     for name in names:
         try:
             source = resolve_inside(src, name)
