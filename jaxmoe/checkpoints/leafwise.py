@@ -35,6 +35,7 @@ from orbax.checkpoint._src.serialization import ocdbt_utils
 from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
 from orbax.checkpoint._src.serialization import types as ts_types
 
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
     _quiet_orbax,
@@ -181,17 +182,19 @@ class StoredParams:
         starts = [range(0, n, c) for n, c in zip(view.shape, chunk, strict=True)]
         try:
             if all(len(axis) == 1 for axis in starts):  # within one chunk: no block copies
-                return view.read().result()
-            out = np.empty(view.shape, view.dtype.numpy_dtype)
-            for corner in itertools.product(*starts):
-                block = tuple(
-                    slice(b, min(b + c, n))
-                    for b, c, n in zip(corner, chunk, view.shape, strict=True)
-                )
-                out[block] = view[block].read().result()
+                out = view.read().result()
+            else:
+                out = np.empty(view.shape, view.dtype.numpy_dtype)
+                for corner in itertools.product(*starts):
+                    block = tuple(
+                        slice(b, min(b + c, n))
+                        for b, c, n in zip(corner, chunk, view.shape, strict=True)
+                    )
+                    out[block] = view[block].read().result()
         except Exception as error:
             raise CheckpointError(
                 f"checkpoint {str(self.step_dir)!r} is damaged: {'.'.join(path)}: "
                 f"{describe_error(error)}"
             ) from error
-        return out
+        # What is read is exported (export hf): NaN weights are refused there as on import.
+        return check_finite(out, f"checkpoint {str(self.step_dir)!r}: {'.'.join(path)}")

@@ -24,6 +24,7 @@ from ml_collections import ConfigDict
 from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
@@ -162,6 +163,8 @@ def _read_index(path: Path) -> dict[str, str]:
         weight_map = json.loads(path.read_text())["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: not a safetensors index ({error})") from None
+    except RecursionError:
+        raise CheckpointError(f"{path}: not a safetensors index (nested too deeply)") from None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
@@ -181,6 +184,8 @@ def read_hf_config(root: Path) -> dict:
         raise CheckpointError(f"{path}: missing (an HF checkpoint carries its config)") from None
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path}: unreadable JSON ({error})") from None
+    except RecursionError:  # json recurses per nesting level: 10**5 `[` exhaust the stack
+        raise CheckpointError(f"{path}: unreadable JSON (nested too deeply)") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     return config
@@ -242,15 +247,8 @@ def check_coverage(plan: ImportPlan, leaves: dict, what: str) -> None:
 
 
 def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
-    """Tensor `name`, refused if any value is NaN or infinite: such a model would only ever
-    produce NaN losses and garbage tokens, far from the file that caused them."""
-    value = folder.read(name)
-    if not np.isfinite(value).all():
-        bad = np.size(value) - int(np.isfinite(value).sum())
-        raise CheckpointError(
-            f"tensor {name} in {folder.file(name).name} holds {bad} NaN or infinite value(s)"
-        )
-    return value
+    """Tensor `name`, refused if any value is NaN or infinite (finite.py)."""
+    return check_finite(folder.read(name), f"tensor {name} in {folder.file(name).name}")
 
 
 def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> dict:
@@ -313,7 +311,7 @@ def convert_hf(
     check_plan(plan, leaves, folder)
     _check_tied_copies(plan, folder)
     with staged_directory(dst) as staging:  # DST never holds half a checkpoint
+        keep_tokenizer_files(src, staging)  # first: the config written next checks it
         params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
         save_params_leafwise(str(staging), params, config)
-        keep_tokenizer_files(src, staging)
     return config

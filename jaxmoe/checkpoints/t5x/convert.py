@@ -35,6 +35,7 @@ import orbax.checkpoint.experimental.v1 as ocp_v1
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
@@ -372,7 +373,9 @@ def convert_t5x(
     with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         for group in _groups(plan, out_dtype.itemsize):
             arrays = {
-                path: table.read(name).reshape(shape).astype(out_dtype, copy=False)
+                path: check_finite(table.read(name), f"{src}: tensor {name}")
+                .reshape(shape)
+                .astype(out_dtype, copy=False)
                 for path, name, shape in group
             }
             ocp_v1.partial.save(staging / "orbax", unflatten(arrays))

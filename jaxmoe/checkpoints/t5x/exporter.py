@@ -30,6 +30,7 @@ import numpy as np
 import tensorstore as ts
 
 from jaxmoe.checkpoints.dtypes import output_dtype
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, resolve_checkpoint
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import staged_directory
@@ -174,7 +175,8 @@ def export_t5x(
         target, param_states = {}, {}
         for path, shape in shapes.items():
             name = names[path]
-            value = _leaf(params, path).reshape(t5x_shape(path, shape)).astype(out_dtype)
+            value = check_finite(_leaf(params, path), f"{ckpt}: parameter {'.'.join(path)}")
+            value = value.reshape(t5x_shape(path, shape)).astype(out_dtype)
             target[tuple(name.split("/"))] = writer.write(f"target/{name}", value)
             for key, moment in moments[path].items():
                 keys = (*name.split("/"), key)

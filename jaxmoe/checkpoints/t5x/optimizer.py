@@ -12,6 +12,7 @@ import jax
 import numpy as np
 import optax
 
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.t5x.reader import T5xCheckpoint
 from jaxmoe.checkpoints.trees import unflatten
@@ -46,7 +47,7 @@ def adafactor_state(checkpoint: T5xCheckpoint, config, plan, src) -> object:
                 f"{src}: optimizer state {name} has shape {list(value.shape)} but "
                 f"t5x_adafactor keeps {list(want)} (factored with other rules?)"
             )
-        return value.astype(np.float32)
+        return check_finite(value, f"{src}: optimizer state {name}").astype(np.float32)
 
     def fill(keypath, node):
         if not isinstance(node, optax.FactoredState):
