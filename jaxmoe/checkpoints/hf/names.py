@@ -261,6 +261,11 @@ def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scal
 # ----------------------------------------------------------------------------- import
 
 
+# Above any real model's dimension (XLA indexes with int32); the sizes below it are checked
+# against the tensors in the files, whose bytes bound them.
+_MAX_SIZE = 2**31 - 1
+
+
 def _size(hf: dict, key: str, default=None) -> int:
     """A positive integer size from config.json (`default` when absent or null)."""
     value = hf.get(key)
@@ -271,6 +276,8 @@ def _size(hf: dict, key: str, default=None) -> int:
     # JSON true parses as a bool (an int subclass); "4096" and 4096.5 are not sizes either.
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise CheckpointError(f"config.json: {key}={value!r} is not a positive integer")
+    if value > _MAX_SIZE:
+        raise CheckpointError(f"config.json: {key}={value} is not a plausible size (> 2**31 - 1)")
     return value
 
 
@@ -290,8 +297,9 @@ def _check_layer_count(present: set[str], pattern: str, key: str, count: int) ->
     before anything is built per layer (a config claiming 10**6 layers would hang there)."""
     regex = re.compile(pattern)
     found = {int(match.group(1)) for name in present if (match := regex.match(name))}
-    if found != set(range(count)):
-        held = f"{len(found)} layers, indices {min(found)}..{max(found)}" if found else "none"
+    if len(found) != count or found != set(range(count)):  # no range of 10**9 built first
+        unit = "experts" if "experts" in key else "layers"
+        held = f"{len(found)} {unit}, indices {min(found)}..{max(found)}" if found else "none"
         raise CheckpointError(
             f"config.json: {key}={count}, but the checkpoint holds tensors of {held}"
         )
@@ -309,10 +317,9 @@ def _activation(hf_name: str, key: str) -> str:
 def _rope(hf: dict, m: ConfigDict) -> None:
     """The RoPE base and scaling: transformers 5.x's `rope_parameters` or 4.x's
     `rope_scaling` (+ top-level `rope_theta`); llama3 and linear scaling are implemented,
-    others (dynamic NTK, yarn, longrope...) refused."""
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    if not isinstance(params, dict):
-        raise CheckpointError(f"config.json: rope_parameters={params!r} is not an object")
+    others (dynamic NTK, yarn, longrope...) refused, and so are values transformers only
+    warns about (factor < 1, high_freq_factor <= low_freq_factor: a division by zero)."""
+    params = _rope_params(hf)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "linear", "llama3"):
         raise CheckpointError(
@@ -326,10 +333,39 @@ def _rope(hf: dict, m: ConfigDict) -> None:
     if rope_type == "default":
         return
     m.rope_factor = _number(params, "factor")
+    if m.rope_factor < 1:
+        raise CheckpointError(
+            f"config.json: {rope_type} RoPE factor={m.rope_factor} must be >= 1 (it stretches "
+            "positions; transformers warns about the same)"
+        )
     if rope_type == "llama3":
         m.rope_low_freq_factor = _number(params, "low_freq_factor")
         m.rope_high_freq_factor = _number(params, "high_freq_factor")
+        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+            raise CheckpointError(
+                f"config.json: llama3 RoPE high_freq_factor={m.rope_high_freq_factor} must be "
+                f"greater than low_freq_factor={m.rope_low_freq_factor}"
+            )
         m.rope_original_max_len = _size(params, "original_max_position_embeddings")
+
+
+def _rope_params(hf: dict) -> dict:
+    """`rope_parameters` or `rope_scaling`; both may be written (transformers 5.x keeps
+    the old name too), but not saying different things: which would apply is unclear."""
+    new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
+    for key, value in (("rope_parameters", new), ("rope_scaling", old)):
+        if value is not None and not isinstance(value, dict):
+            raise CheckpointError(f"config.json: {key}={value!r} is not an object")
+    if new and old:
+        kinds = [p.get("rope_type", p.get("type", "default")) for p in (new, old)]
+        differ = sorted(k for k in set(new) & set(old) if new[k] != old[k])
+        if kinds[0] != kinds[1] or differ:
+            what = ", ".join(differ) if differ else "rope_type"
+            raise CheckpointError(
+                f"config.json: rope_parameters={new!r} and rope_scaling={old!r} disagree "
+                f"({what}); keep one"
+            )
+    return new or old or {}
 
 
 def _sliding_window(hf: dict) -> int | None:
@@ -381,6 +417,9 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         k = _size(hf, "num_experts_per_tok")
         moe = m.moe
         moe.num_experts = _size(hf, "num_local_experts")
+        if not any(n.endswith(".experts.gate_up_proj") for n in present):  # one name each
+            experts = r"model\.layers\.0\.\w+\.experts\.(\d+)\.w1\."
+            _check_layer_count(present, experts, "num_local_experts", moe.num_experts)
         moe.every = 1
         moe.ffn_dim = m.ffn_dim
         moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
