@@ -12,6 +12,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,13 @@ _HEADER_PEEK = 4096  # bytes enough for flax's `[shape, dtype name, <bin header>
 # msgpack bin/str headers: marker -> width of the big-endian length that follows.
 _BYTES_MARKERS = {0xC4: 1, 0xC5: 2, 0xC6: 4, 0xD9: 1, 0xDA: 2, 0xDB: 4}
 _CHUNK_NAME = re.compile(r"\d+(\.\d+)*")
+# A zarr array may declare any shape; with a fill_value, chunks missing on disk decode to
+# it, so a few hundred bytes of spec can ask TensorStore for gigabytes. What the chunk files
+# present can decode to is bounded: deflate (gzip, zlib: what T5X writes) expands at most
+# 1032:1. An array declaring more than that (plus a little for small fill-only arrays) is
+# refused before anything is allocated; T5X itself writes no fill_value and every chunk.
+_MAX_EXPANSION = 1032
+_FILL_ONLY_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,11 +246,11 @@ class _ZarrLeaf:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return (self._spec_meta or self._metadata()).shape
+        return self._metadata().shape  # size-checked: converters build configs from it
 
     @property
     def dtype(self) -> np.dtype:
-        return (self._spec_meta or self._metadata()).dtype
+        return self._metadata().dtype
 
     def read(self) -> np.ndarray:
         meta = self._metadata()
@@ -289,8 +297,29 @@ class _ZarrLeaf:
                 f"tensor {self._path}: {zarray} is missing, so the array's shape and dtype "
                 "are unknown (a copy that dropped dotfiles? copy checkpoints with `cp -a`)"
             )
+        self._check_size(meta)
         self._meta = meta
         return meta
+
+    def _check_size(self, meta: _ZarrMeta) -> None:
+        """Refuses a declared size that the chunk files present cannot hold (see
+        _MAX_EXPANSION), before a shape this large reaches a config or an allocation."""
+        declared = math.prod(meta.shape) * meta.dtype.itemsize
+        if declared <= _FILL_ONLY_BYTES:
+            return
+        directory = _resolve(self._path, self._root, self._rel)
+        stored = sum(
+            (Path(folder) / name).stat().st_size
+            for folder, _, names in os.walk(directory)
+            for name in names
+            if not name.startswith(".")
+        )
+        if declared > _MAX_EXPANSION * stored + _FILL_ONLY_BYTES:
+            raise ValueError(
+                f"tensor {self._path}: shape {list(meta.shape)} {meta.dtype} needs "
+                f"{_bytes(declared)} but its chunk files hold {_bytes(stored)}, more than "
+                f"gzip can expand ({_MAX_EXPANSION}:1); refused before allocating"
+            )
 
     def _check_chunk_files(self, meta: _ZarrMeta) -> None:
         """Refuses chunks that escape the checkpoint, missing chunks and surplus chunks.
@@ -415,6 +444,13 @@ def _dict_values(node: Any) -> list:
     if not isinstance(node, dict):
         raise TypeError(f"{type(node).__name__} is not a dict")
     return [node[str(i)] for i in range(len(node))]
+
+
+def _bytes(count: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if count >= size:
+            return f"{count / size:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def one_line(error: BaseException) -> str:
