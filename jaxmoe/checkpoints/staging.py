@@ -52,6 +52,14 @@ def check_writable(path: str | os.PathLike) -> Path:
     return path
 
 
+def check_new_directory(dst: str | os.PathLike) -> Path:
+    """`dst` made absolute; CheckpointError unless a directory can be made (or renamed)
+    there: an existing `dst` needs a writable parent, a new one a creatable path."""
+    dst = Path(dst).absolute()
+    check_writable(dst.parent if dst.exists() else dst)
+    return dst
+
+
 def refuse_existing(dst: str | os.PathLike) -> Path:
     """`dst` made absolute; CheckpointError if it exists and is not an empty directory, if
     its folder cannot be written, or if another conversion is writing it. Called before the
@@ -59,7 +67,7 @@ def refuse_existing(dst: str | os.PathLike) -> Path:
     dst = Path(dst).absolute()
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise CheckpointError(f"{dst}: already exists; converting writes a new directory")
-    check_writable(dst.parent)
+    check_new_directory(dst)
     if dst.parent.is_dir():
         with _claimed(dst):
             pass
@@ -72,16 +80,23 @@ def staged_directory(dst: str | os.PathLike) -> Iterator[Path]:
     make it itself); renames it to `dst` when the block ends without an exception."""
     dst = check_writable(Path(dst).absolute().parent) / Path(dst).name
     staging = dst.parent / f".{dst.name}.converting-{os.getpid()}"
+    made = not dst.parent.exists()
     dst.parent.mkdir(parents=True, exist_ok=True)
-    with terminate_as_interrupt(), _claimed(dst):
-        try:
-            yield staging
-            if dst.exists():
-                dst.rmdir()  # only an empty directory may be replaced: never a checkpoint
-            staging.rename(dst)
-        finally:
-            with _signals_held():  # a second Ctrl-C must not stop the cleanup half way
-                shutil.rmtree(staging, ignore_errors=True)
+    try:
+        with terminate_as_interrupt(), _claimed(dst):
+            try:
+                yield staging
+                if dst.exists():
+                    dst.rmdir()  # only an empty directory may be replaced: never a checkpoint
+                staging.rename(dst)
+            finally:
+                with _signals_held():  # a second Ctrl-C must not stop the cleanup half way
+                    shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        if made:  # e.g. export t5x's OUT: not left behind, empty, by a failed export
+            with contextlib.suppress(OSError):
+                dst.parent.rmdir()
+        raise
 
 
 @contextlib.contextmanager

@@ -19,6 +19,8 @@ a converted SRC's own tokenizer folder is copied into DST (stored_tokenizer.py).
 """
 
 import logging
+import math
+import os
 import shutil
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from ml_collections import ConfigDict
 
+from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
     read_config,
@@ -230,7 +233,10 @@ def _restore(src: str):
     validate(config)
     mesh = make_mesh(_CONVERT_MESH)
     spec = model_spec(unrolled_config(config.model), mesh)
-    return config, restore_on_mesh(src, spec, mesh, config.model), mesh
+    params = restore_on_mesh(src, spec, mesh, config.model)
+    for path, leaf in flatten(params).items():  # counted on the devices, never gathered
+        check_finite(leaf, f"{src}: parameter {'.'.join(path)}")
+    return config, params, mesh
 
 
 def _write(src: str, dst: str, params: dict, config: ConfigDict, mesh) -> None:
@@ -265,6 +271,22 @@ def _check_dst(src: str, dst: str) -> None:
         raise CheckpointError(f"{target}: DST is the source checkpoint")
 
 
+def _check_fits_host(config: ConfigDict, num_experts: int) -> None:
+    """The upcycled parameters are gathered on the host whole before they are written
+    (`_write`): refuse an expert count whose parameters would not fit in its RAM, before
+    any is made, instead of a crash (or the OOM killer) after the restore."""
+    from jaxmoe.models.spec import abstract_params
+
+    leaves = flatten(abstract_params(unrolled_config(config.model))).values()
+    need = sum(math.prod(a.shape) * jnp.dtype(a.dtype).itemsize for a in leaves)
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > host:
+        raise ValueError(
+            f"--num_experts={num_experts}: the upcycled parameters would take "
+            f"{need / 2**30:,.1f} GiB, more than this host's {host / 2**30:,.1f} GiB of RAM"
+        )
+
+
 def convert_gqa(
     src: str,
     dst: str,
@@ -290,6 +312,7 @@ def convert_upcycle(
     """Write DST: dense SRC with every `every`-th FFN made `num_experts` experts."""
     _check_dst(src, dst)
     new_config = upcycle_config(read_config(src), num_experts, every, gating)
+    _check_fits_host(new_config, num_experts)
     _, params, mesh = _restore(src)
     moe_spec = model_spec(unrolled_config(new_config.model), mesh)
     new_params = upcycle_params(params, moe_spec.abstract_params, seed)

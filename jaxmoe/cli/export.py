@@ -9,7 +9,11 @@ from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
 from jaxmoe.checkpoints.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
 from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.staging import check_writable, interrupts_in_one_line
+from jaxmoe.checkpoints.staging import (
+    check_new_directory,
+    check_writable,
+    interrupts_in_one_line,
+)
 from jaxmoe.checkpoints.t5x.exporter import export_t5x
 from jaxmoe.storage.paths import absolute_path
 
@@ -31,7 +35,7 @@ def export_hf_summary(
 ) -> int:
     """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
     JSON line."""
-    check_writable(Path(dst).absolute().parent)  # before any work: the write comes last
+    check_new_directory(dst)  # before any work: the write comes last
     if Path(dst).is_file():
         raise CheckpointError(
             f"{Path(dst).absolute()}: already exists; exporting writes a new directory"
