@@ -136,15 +136,20 @@ def infer_model(
     """The `model.*` values of a T5.1.1 checkpoint, inferred from its tensor shapes; "moe"
     holds the `model.moe.*` values (num_experts 0 for a dense checkpoint)."""
     names = table.names()
-    layers = {"encoder": 0, "decoder": 0}
+    indices = {"encoder": set(), "decoder": set()}
     for name in names:
         if match := _LAYER.match(name):
-            stack, index = match.group(1), int(match.group(2))
-            layers[stack] = max(layers[stack], index + 1)
+            indices[match.group(1)].add(int(match.group(2)))
+    layers = {stack: max(found, default=-1) + 1 for stack, found in indices.items()}
     for stack, count in layers.items():
         if not count:
             raise CheckpointError(
                 f"{src}: no {stack}/layers_<i>/... tensors: not a T5 encoder-decoder checkpoint"
+            )
+        if len(indices[stack]) != count:  # a layers_999999999 would build 10**9 layers
+            raise CheckpointError(
+                f"{src}: {stack} layers are numbered up to layers_{count - 1} but only "
+                f"{len(indices[stack])} of them have tensors"
             )
     moe = infer_moe(table, src, layers)
     vocab, d_model = _shape(table, _EMBEDDING, src, "the vocabulary and width")
