@@ -200,7 +200,8 @@ def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path, cache):
     result = jaxmoe(args)
     assert result.returncode == 2
     message = result.stderr.strip().splitlines()[-1]
-    assert "non-finite loss" in message and "at step" in message
+    # lr 1e30 blows the parameters up: the next gradient is NaN while the loss is finite.
+    assert "non-finite gradient" in message and "at step" in message
     saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit())
     bad_step = int(message.split("at step ")[1].split(";")[0])
     assert saved and max(saved) < bad_step

@@ -83,7 +83,8 @@ def base_config() -> ConfigDict:
     t.max_to_keep = 3  # checkpoints kept on disk
     t.init_from = ""  # checkpoint to take parameters from (fresh optimizer state)
     t.init_optimizer = False  # with init_from: also take its optimizer state (moments, steps)
-    t.nonfinite = "stop"  # on a non-finite loss: stop | skip
+    t.nonfinite = "stop"  # on a non-finite loss or gradient: stop | skip (the step)
+    t.max_skipped_steps = 10  # nonfinite=skip: stop after this many skipped steps in a row
     t.profile_steps = ""  # "START:END": trace steps START+1..END into WORKDIR/profile
     t.peak_flops = 0.0  # FLOP/s of one device for `mfu` (0 = from the device kind, if known)
     t.wandb = ""  # Weights & Biases PROJECT[/RUN_NAME] ("" = off; WANDB_MODE=offline works)
@@ -124,6 +125,8 @@ def base_config() -> ConfigDict:
     d.text_key = "text"  # tfds feature, jsonl field or parquet column holding the text
     d.vocab_size = 1024  # SentencePiece vocabulary when training one
     d.tokenizer = ""  # SentencePiece .model, HF tokenizer.json or its folder ("" = train one)
+    # EOS of a tokenizer.json without tokenizer_config.json ("" = its </s>, <|endoftext|>...).
+    d.eos_token = ""
     d.cache_dir = ""  # tokenizer / token cache ("" = ~/.cache/jaxmoe)
     d.prepare_timeout_s = 3600  # other processes wait this long for process 0 to prepare
     d.data_dir = ""  # TFDS data_dir ("" = under cache_dir)

@@ -167,6 +167,26 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
         raise
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def nonfinite_params(step: int, state: dict) -> str | None:
+    """Why the state after `step` must not be saved (non-finite parameters), or None.
+
+    A step whose loss and gradient are finite can still overflow in its update; once per
+    save, one reduction over the parameters keeps such a state out of every checkpoint.
+    """
+    if bool(jax.device_get(_all_finite(state["params"]))):
+        return None
+    return (
+        f"non-finite parameters after the update of step {step} (lower "
+        f"optimizer.learning_rate); stopped without saving them (the last completed "
+        f"checkpoint is intact)"
+    )
+
+
 def _train(
     config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool, closers: list
 ) -> dict:
@@ -198,7 +218,9 @@ def _train(
     # Installs its epoch order before set_state below; None (no hooks) for curriculum none.
     curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
-    checkpoints = TrainCheckpoints(str(workdir_path), config.train.max_to_keep)
+    checkpoints = TrainCheckpoints(
+        str(workdir_path), config.train.max_to_keep, tokenizer=data.tokenizer
+    )
     closers.append(checkpoints.close)
     restored = checkpoints.restore_latest(abstract_state)
     if restored is not None:
@@ -244,6 +266,7 @@ def _train(
     )
     preemption = _Preemption()
     pending = None  # (step, metrics) of the last dispatched step, read one step late
+    save_due = False  # a checkpoint waits for the end of a run of skipped steps
     compiled = None
     last_eval = None
     stop_reason = None
@@ -294,15 +317,24 @@ def _train(
             if config.train.eval_every and step % config.train.eval_every == 0:
                 last_eval = evaluate(step)
             preempted = preemption.reached(step)
-            if preempted or (
-                config.train.checkpoint_every and step % config.train.checkpoint_every == 0
+            if (
+                preempted
+                or save_due
+                or (config.train.checkpoint_every and step % config.train.checkpoint_every == 0)
             ):
                 # Never save a state produced by a non-finite step.
                 stop_reason = step_log.check(pending)
                 pending = None
                 if stop_reason:
                     break
-                save(step, state)
+                # In a run of skipped steps (nonfinite=skip) the save waits for a step that
+                # trains: if the run goes on until it stops, the last checkpoint predates it.
+                save_due = step_log.skipped_in_a_row > 0 and not preempted
+                if not save_due:
+                    stop_reason = nonfinite_params(step, state)
+                    if stop_reason:
+                        break
+                    save(step, state)
             if preempted:
                 stop_reason = "preempted"
                 break
@@ -310,7 +342,9 @@ def _train(
             stop_reason = step_log.check(pending, force=True)
         profile.stop(state)
         if stop_reason in (None, "preempted") and checkpoints.latest_step() != step:
-            save(step, state, force=True)
+            stop_reason = nonfinite_params(step, state) or stop_reason
+            if stop_reason in (None, "preempted"):
+                save(step, state, force=True)
         with goodput.phase("checkpoint"):
             checkpoints.wait()
         if stop_reason is None and (last_eval is None or step % max(config.train.eval_every, 1)):
@@ -352,9 +386,17 @@ class _IntervalTimer:
         return (time.perf_counter() - self.start) / max(self.steps, 1)
 
 
+def describe_nonfinite(loss: float, grad_norm: float) -> str:
+    """What was non-finite in a step: its loss, else its gradient."""
+    if not np.isfinite(loss):
+        return f"non-finite loss ({float(loss)})"
+    return f"non-finite gradient (norm {float(grad_norm)}; the loss, {float(loss):.4f}, is finite)"
+
+
 class _StepLog:
     """Reads a finished step's scalars (one step late), logs them with speed and MFU, and
-    says when to stop (a non-finite loss)."""
+    says when to stop: a non-finite step (nonfinite=stop), or `train.max_skipped_steps`
+    skipped in a row (nonfinite=skip)."""
 
     def __init__(self, config, writer: MetricsWriter, example_batch: dict, goodput: Goodput):
         self.config, self.writer, self.goodput = config, writer, goodput
@@ -370,17 +412,20 @@ class _StepLog:
         )
         peak = device_peak_flops(override=config.train.peak_flops)
         self.peak_total = peak * jax.device_count() if peak else None
+        self.skipped_in_a_row = 0  # of the steps checked last (nonfinite=skip)
 
     def check(self, pending, force: bool = False) -> str | None:
         step, metrics = pending
         with self.goodput.phase("step"):  # waits for the device to finish that step
-            loss, finite = jax.device_get((metrics["loss"], metrics["finite"]))
-        if not finite and self.config.train.nonfinite == "stop":
-            return (
-                f"non-finite loss ({float(loss)}) at step {step}; stopped without saving it "
-                f"(the last completed checkpoint is intact; --config.train.nonfinite=skip "
-                f"skips such steps instead)"
+            loss, grad_norm, finite = jax.device_get(
+                (metrics["loss"], metrics["grad_norm"], metrics["finite"])
             )
+        if not finite:
+            stop = self._nonfinite(step, describe_nonfinite(loss, grad_norm))
+            if stop:
+                return stop
+        else:
+            self.skipped_in_a_row = 0
         if step % self.config.train.log_every == 0 or force:
             scalars = jax.device_get(
                 {k: v for k, v in metrics.items() if k != "routing_BM" and jnp.ndim(v) == 0}
@@ -397,3 +442,30 @@ class _StepLog:
             self.writer.write(step, "train", scalars)
             self.writer.progress(step, float(loss), scalars["tokens_per_s"], scalars.get("mfu"))
         return None
+
+    def _nonfinite(self, step: int, what: str) -> str | None:
+        """Stops on a non-finite step (nonfinite=stop); counts and logs one skipped step
+        (nonfinite=skip), stopping at train.max_skipped_steps in a row."""
+        if self.config.train.nonfinite == "stop":
+            return (
+                f"{what} at step {step}; stopped without saving it (the last completed "
+                f"checkpoint is intact; --config.train.nonfinite=skip skips such steps instead)"
+            )
+        self.skipped_in_a_row += 1
+        limit = self.config.train.max_skipped_steps
+        log.warning(
+            "step %d skipped: %s; %d of train.max_skipped_steps=%d in a row",
+            step,
+            what,
+            self.skipped_in_a_row,
+            limit,
+        )
+        if self.skipped_in_a_row < limit:
+            return None
+        first = step - self.skipped_in_a_row + 1
+        steps = f"step {step} was" if first == step else f"steps {first} to {step} were all"
+        return (
+            f"{steps} skipped, the last for a {what}: train.max_skipped_steps={limit} in a "
+            f"row, so the model no longer trains; stopped without saving any of them (the "
+            f"last completed checkpoint, if any, predates them; lower optimizer.learning_rate)"
+        )
