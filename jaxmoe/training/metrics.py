@@ -3,14 +3,16 @@
 Only process 0 writes. Values arrive as host numbers (the loop fetches them one step late).
 
 A resumed run continues the file: rows after the restored step (written by the run that was
-interrupted, and trained again now) are dropped first, so each step has one row. Object
-stores (gs://) cannot append: there the file is rewritten whole, prior rows included, by
-`flush()` (the loop calls it before each checkpoint, so every row up to a checkpoint's step
-is stored before the checkpoint is) and at most every `REMOTE_FLUSH_S` seconds.
+interrupted, and trained again now) are dropped first, so each step has one row, and so are
+damaged lines (a torn write), with one warning. Object stores (gs://) cannot append: there
+the file is rewritten whole, prior rows included, by `flush()` (the loop calls it before
+each checkpoint, so every row up to a checkpoint's step is stored before the checkpoint is)
+and at most every `REMOTE_FLUSH_S` seconds.
 """
 
 import hashlib
 import json
+import logging
 import math
 import re
 import time
@@ -20,20 +22,28 @@ from etils import epath
 
 from jaxmoe.storage.paths import is_remote
 
+log = logging.getLogger("jaxmoe")
+
 REMOTE_FLUSH_S = 30.0
 
 
-def kept_rows(text: str, last_step: int) -> str:
-    """The lines of a metrics file whose step is <= `last_step` (a torn last line goes)."""
-    kept = []
-    for line in text.splitlines():
+def kept_rows(data: bytes, last_step: int) -> tuple[str, int]:
+    """The lines of a metrics file whose step is <= `last_step`, and how many lines were
+    damaged (not a JSON row with an integer step: a line torn by a kill, bytes of a torn
+    write) and dropped."""
+    kept, damaged = [], 0
+    for raw in data.split(b"\n"):
+        if not raw.strip():
+            continue
         try:
-            step = json.loads(line)["step"]
-        except (ValueError, TypeError, KeyError):
-            continue  # a line cut short by a kill
-        if step <= last_step:
-            kept.append(line + "\n")
-    return "".join(kept)
+            step = json.loads(raw.decode("utf-8"))["step"]
+        except (ValueError, TypeError, KeyError, IndexError):
+            step = None
+        if not isinstance(step, int) or isinstance(step, bool):
+            damaged += 1
+        elif step <= last_step:
+            kept.append(raw.decode("utf-8") + "\n")
+    return "".join(kept), damaged
 
 
 def wandb_options(config) -> dict | None:
@@ -67,7 +77,7 @@ class MetricsWriter:
 
         # purge_step: TensorBoard hides the interrupted run's events after the restored step.
         self._tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None)
-        prior = kept_rows(self.path.read_text(), start_step) if self.path.exists() else ""
+        prior = self._prior_rows(start_step)
         self._remote = is_remote(workdir)
         if self._remote:
             self._rows, self._stored = [prior], True
@@ -87,6 +97,21 @@ class MetricsWriter:
                 dynamic_ncols=True,
                 smoothing=0.1,
             )
+
+    def _prior_rows(self, start_step: int) -> str:
+        """The rows a resumed run keeps; damaged lines go with one warning."""
+        if not start_step or not self.path.exists():
+            return ""
+        prior, damaged = kept_rows(self.path.read_bytes(), start_step)
+        if damaged:
+            log.warning(
+                "%s: dropped %d damaged line%s (a torn write), kept its rows up to step %d",
+                self.path,
+                damaged,
+                "" if damaged == 1 else "s",
+                start_step,
+            )
+        return prior
 
     def write(self, step: int, split: str, values: dict) -> None:
         if not self.enabled:
