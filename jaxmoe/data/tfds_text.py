@@ -8,6 +8,8 @@ array_record format nor `tfds.data_source` needs TensorFlow.
 
 import contextlib
 import io
+import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import tensorflow_datasets as tfds
@@ -77,6 +79,26 @@ def _quiet_build():
         tfds.display_progress_bar(previous)
 
 
+@contextlib.contextmanager
+def _own_tempdir():
+    """Points `tempfile` at a folder of our own for the duration, removed after.
+
+    Each tfds builder of a dataset that is not prepared yet asks the TFDS bucket for its
+    metadata through a fresh `tempfile.mkdtemp()` folder it never removes (in
+    DatasetInfo.initialize_from_bucket): without this, every build, and every failed open,
+    left an empty folder in the user's temp directory. Data preparation runs before any
+    other thread of ours starts, so nothing else is handed this folder meanwhile.
+    """
+    folder = tempfile.mkdtemp(prefix="jaxmoe-tfds-")
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def local_dataset_prepared(data_dir: str) -> bool:
     version = str(LocalTextBuilder.VERSION)
     return (epath.Path(data_dir) / LOCAL_DATASET_NAME / version / "dataset_info.json").exists()
@@ -88,10 +110,11 @@ def prepare_local_dataset(
     """Builds the array_record dataset under `data_dir` unless it is already there."""
     if local_dataset_prepared(data_dir):
         return
-    builder = LocalTextBuilder(documents=documents, splits=splits, data_dir=data_dir)
     config = tfds.download.DownloadConfig(try_download_gcs=False)
+    builder = None
     try:
-        with _quiet_build():
+        with _own_tempdir(), _quiet_build():
+            builder = LocalTextBuilder(documents=documents, splits=splits, data_dir=data_dir)
             builder.download_and_prepare(download_config=config, file_format="array_record")
     except OSError:
         # tfds writes into a temporary folder and renames it: if another process finished
@@ -100,7 +123,8 @@ def prepare_local_dataset(
             raise
     except AssertionError:
         # tfds refuses to write an empty split; say which one, in one line.
-        empty = [split for split, count in builder.documents_written.items() if count == 0]
+        written = builder.documents_written if builder is not None else {}
+        empty = [split for split, count in written.items() if count == 0]
         if not empty:
             raise
         raise ValueError(f"split {empty[0]!r} has no documents") from None
@@ -114,7 +138,10 @@ class TextSource:
 
     def __init__(self, name: str, split: str, data_dir: str | None, text_key: str = "text"):
         try:
-            self._source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+            with _own_tempdir():
+                self._source = tfds.data_source(
+                    name, split=split, data_dir=data_dir, download=False
+                )
         except Exception as e:  # tfds raises several types, with multi-line messages
             first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ValueError(
