@@ -5,7 +5,10 @@ Special tokens come from the tokenizer's own files, the way `transformers` reads
 `tokenizer_config.json` (then `special_tokens_map.json`) next to `tokenizer.json` names the
 BOS, EOS and pad tokens and may say `add_bos_token`. Without that key, the tokenizer's own
 post-processor decides: the single token it puts before a text is the BOS every document and
-prompt starts with (Llama 3's `<|begin_of_text|>`), none for Qwen. Text is encoded without
+prompt starts with (Llama 3's `<|begin_of_text|>`), none for Qwen. EOS likewise: the
+config's, else the single token the post-processor appends, else the first of
+`CONVENTIONAL_EOS` the vocabulary holds (a bare tokenizer.json); `data.eos_token` names it
+outright. Text is encoded without
 the post-processor (documents are packed as [BOS] text EOS by the caller). Generation stops
 at EOS and at the further ids of a `generation_config.json` next to the tokenizer
 (`eos_token_id`, one id or a list: Llama 3 Instruct's `<|eot_id|>`...).
@@ -21,6 +24,9 @@ from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# EOS names of the common model families (T5/Llama 2, GPT-2/Qwen, Llama 3, Gemma), in the
+# order tried when no config names one.
+CONVENTIONAL_EOS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
 
 
 def tokenizer_file(path: str) -> str:
@@ -60,7 +66,8 @@ def _template(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]]:
 class HFTokenizer:
     """A Hugging Face `tokenizer.json`. encode(str) -> list[int]; decode(list[int]) -> str."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, eos_token: str = ""):
+        """`eos_token` (data.eos_token): the EOS token, over what the files say ("" = theirs)."""
         file = tokenizer_file(path)
         if not os.path.isfile(file):
             where = f"has no {TOKENIZER_FILE}" if os.path.isdir(path) else "does not exist"
@@ -77,14 +84,7 @@ class HFTokenizer:
         self.path = os.path.abspath(file)
         config = _read_configs(os.path.dirname(self.path), path)
         prefix, suffix = _template(self._tok)
-        self.eos_id = self._special(config, "eos_token", path)
-        if self.eos_id is None and len(suffix) == 1:
-            self.eos_id = suffix[0]
-        if self.eos_id is None:
-            raise ValueError(
-                f"data.tokenizer={path!r} defines no EOS token (no eos_token in "
-                f"{_CONFIG_FILES[0]} and no single token appended by its post-processor)"
-            )
+        self.eos_id = self._eos(config, suffix, eos_token, path)
         if "add_bos_token" in config:
             wanted = bool(config["add_bos_token"])
             self.bos_id = self._special(config, "bos_token", path) if wanted else None
@@ -99,6 +99,30 @@ class HFTokenizer:
         # The id stream depends on the file and on the special ids resolved from the configs.
         specials = f"|bos={self.bos_id}|eos={self.eos_id}|pad={self.pad_id}".encode()
         self.sha256 = hashlib.sha256(raw + specials).hexdigest()
+
+    def _eos(self, config: dict, suffix: list[int], eos_token: str, culprit: str) -> int:
+        if eos_token:
+            token_id = self._tok.token_to_id(eos_token)
+            if token_id is None:
+                raise ValueError(
+                    f"data.eos_token={eos_token!r} is not a token of data.tokenizer={culprit!r}"
+                )
+            return token_id
+        token_id = self._special(config, "eos_token", culprit)
+        if token_id is None and len(suffix) == 1:
+            token_id = suffix[0]
+        for name in CONVENTIONAL_EOS if token_id is None else ():
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                break
+        if token_id is None:
+            raise ValueError(
+                f"data.tokenizer={culprit!r} defines no EOS token (no eos_token in "
+                f"{_CONFIG_FILES[0]}, no single token appended by its post-processor, none of "
+                f"{' '.join(CONVENTIONAL_EOS)} in its vocabulary): name it with "
+                f"--config.data.eos_token=TOKEN"
+            )
+        return token_id
 
     def _special(self, config: dict, key: str, culprit: str) -> int | None:
         text = _token_text(config.get(key))

@@ -144,7 +144,9 @@ def load_tokenizer(config) -> Tokenizer:
     mixture's first source when `data.mixture` is set)."""
     inherit_tokenizer(config)
     if config.data.tokenizer:
-        return open_tokenizer(absolute_path(config.data.tokenizer))
+        return open_tokenizer(
+            absolute_path(config.data.tokenizer), config.data.get("eos_token", "")
+        )
     from jaxmoe.data.mixture import primary_config
 
     train = open_split(primary_config(config), "train_split")
