@@ -42,9 +42,12 @@ def dense_config(tmp: Path, *overrides: str):
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    """A parameters-only checkpoint of a tiny dense decoder (vocabulary 512)."""
+    """A parameters-only checkpoint of a tiny dense decoder (vocabulary 512) holding the
+    512-piece tokenizer trained on the embedded corpus."""
     tmp = tmp_path_factory.mktemp("bad_input")
-    config = dense_config(tmp)
+    from jaxmoe.data.sources import load_tokenizer
+
+    config = dense_config(tmp, f"data.tokenizer={load_tokenizer(dense_config(tmp)).path}")
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))
     save_params(str(tmp / "ckpt"), jax.device_get(params), config)
     return tmp / "ckpt"

@@ -97,6 +97,7 @@ def test_nonsense_flag_is_one_line(capsys, argv, line):
         ("train.steps=0", "train.steps=0 must be positive"),
         ("train.seed=-1", "train.seed=-1 must be >= 0"),
         ("train.log_every=0", "train.log_every=0 must be positive"),
+        ("train.max_skipped_steps=0", "train.max_skipped_steps=0 must be positive"),
         ("train.eval_every=-5", "train.eval_every=-5 must be >= 0"),
         ("train.checkpoint_every=-1", "train.checkpoint_every=-1 must be >= 0"),
         ("train.eval_batches=-1", "train.eval_batches=-1 must be >= 0"),

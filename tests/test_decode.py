@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.cli import main as cli_main
+from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.decode import (
     Generator,
     Sampling,
@@ -250,6 +251,7 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
         "mesh.data=-1",
         f"data.cache_dir={tmp_path / 'cache'}",
     )
+    config.data.tokenizer = load_tokenizer(config).path  # copied into the checkpoint
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
     save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
     (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")

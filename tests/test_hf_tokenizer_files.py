@@ -19,7 +19,7 @@ from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, save_params
 from jaxmoe.checkpoints.surgery import convert_gqa
 from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
-from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer
+from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer, train_sentencepiece
 from jaxmoe.inference.decode_text import decode_main
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_data_sources import build_bpe
@@ -89,9 +89,15 @@ def test_converted_checkpoint_keeps_and_uses_its_tokenizer(hf_llama_with_tokeniz
     got = jaxmoe_decode(tmp_path / "ckpt", 8)
     assert got["tokens"] == [want] and got["ended"]
     assert got["texts"][0] == hf_tok.decode(want[:-1], skip_special_tokens=True)
-    # An override still wins; training from the checkpoint inherits its tokenizer.
-    convert_hf(str(src), str(tmp_path / "other"), overrides=["--config.data.tokenizer=x.model"])
-    assert read_config(str(tmp_path / "other")).data.tokenizer.endswith("/x.model")
+    # An override still wins (and is copied in); training from the checkpoint inherits it.
+    from pydoc_data.topics import topics
+
+    named = tmp_path / "x.model"
+    named.write_bytes(train_sentencepiece(iter(list(topics.values())[:60]), 400))
+    convert_hf(str(src), str(tmp_path / "other"), overrides=[f"--config.data.tokenizer={named}"])
+    own = tmp_path / "other" / "tokenizer" / "tokenizer.model"
+    assert read_config(str(tmp_path / "other")).data.tokenizer == str(own)
+    assert own.read_bytes() == named.read_bytes()
     train = tiny_config(f"train.init_from={tmp_path / 'ckpt'}")
     inherit_tokenizer(train)
     assert train.data.tokenizer == str(kept)
@@ -234,10 +240,10 @@ def test_moved_checkpoint_keeps_its_tokenizer(hf_llama_with_tokenizer, tmp_path)
     assert train.data.tokenizer == str(moved / "tokenizer")
 
 
-def test_checkpoint_config_cannot_point_outside_it(hf_llama_with_tokenizer, tmp_path, caplog):
-    """A checkpoint's config is untrusted: a relative data.tokenizer with `..`, a URL or a
-    symlink out of it is refused in one line naming the config; an absolute one is read
-    with a warning; the user's --config.data.tokenizer still wins."""
+def test_checkpoint_config_cannot_point_outside_it(hf_llama_with_tokenizer, tmp_path):
+    """A checkpoint's config is untrusted: a relative data.tokenizer with `..`, a URL, an
+    absolute path outside it or a symlink out of it is refused in one line; the user's
+    --config.data.tokenizer still wins."""
     src, _ = hf_llama_with_tokenizer
     ckpt = tmp_path / "ckpt"
     convert_hf(str(src), str(ckpt))
@@ -248,22 +254,20 @@ def test_checkpoint_config_cannot_point_outside_it(hf_llama_with_tokenizer, tmp_
         ("../outside", "has a '..' component"),
         ("tokenizer/../../outside", "has a '..' component"),
         ("file:tokenizer", "is absolute or a URL"),
-        ("evil", "outside"),
+        (str(outside), "lies outside the checkpoint"),
     ]:
         _set_stored_tokenizer(ckpt, value)
-        if value == "evil":
-            (ckpt / "evil").symlink_to(outside)
         with pytest.raises(CheckpointError) as error:
             read_config(str(ckpt))
         message = str(error.value)
         assert config_file in message and reason in message and "\n" not in message
     # The user's override is used, and the stored value is not looked at.
     assert jaxmoe_decode_with(ckpt, [f"--config.data.tokenizer={ckpt / 'tokenizer'}"])
-    # An absolute path outside the checkpoint (a training run's tokenizer) is read, loudly.
-    _set_stored_tokenizer(ckpt, str(outside))
-    with caplog.at_level(logging.WARNING):
-        assert read_config(str(ckpt)).data.tokenizer == str(outside)
-    assert "lies outside it" in caplog.text
+    # A symlink out of the checkpoint is refused before anything in it is read.
+    _set_stored_tokenizer(ckpt, "evil")
+    (ckpt / "evil").symlink_to(outside)
+    with pytest.raises(CheckpointError, match=r"'evil' is a symlink to .*outside"):
+        read_config(str(ckpt))
 
 
 def jaxmoe_decode_with(checkpoint, overrides) -> list:

@@ -471,22 +471,21 @@ def save_params(path: str, params, config: ConfigDict) -> None:
 def write_config(root: epath.Path, config: ConfigDict) -> None:
     """The config file of a converted checkpoint (the last of CONFIG_FILES), with the
     checkpoint's tokenizer: one named by path (`--config.data.tokenizer=FILE` at
-    conversion) is copied into root/tokenizer/ and stored by that name; either way it is
-    opened, and refused when its ids exceed the model's vocabulary."""
+    conversion) is copied into root/tokenizer/ and stored by that name, after it is opened
+    and refused if its ids exceed the model's vocabulary."""
+    from jaxmoe.checkpoints.restore import check_tokenizer_fits
+    from jaxmoe.data.tokenizer import open_tokenizer
+
     stored = ConfigDict(config.to_dict())
     path = stored.data.tokenizer
-    if path:
-        from jaxmoe.checkpoints.restore import check_tokenizer_fits
-        from jaxmoe.data.tokenizer import open_tokenizer
-
-        inside = not (is_remote(path) or os.path.isabs(path))
-        tokenizer = open_tokenizer(
-            str(root / path) if inside else path, eos_token=stored.data.get("eos_token", "")
-        )
+    inside = not (is_remote(path) or os.path.isabs(path))
+    # A copy of its own (convert hf, gqa, upcycle) is written after the parameters by the
+    # converter, which checks it: only a tokenizer named by path is opened and copied here.
+    if path and not inside:
+        tokenizer = open_tokenizer(path, eos_token=stored.data.get("eos_token", ""))
         check_tokenizer_fits(tokenizer, stored.model.vocab_size, f"data.tokenizer={path}")
-        if not inside:
-            files = tokenizer_files(tokenizer)
-            write_tokenizer_files(root / TOKENIZER_DIR, files)
-            stored.data.tokenizer = stored_name(files)
+        files = tokenizer_files(tokenizer)
+        write_tokenizer_files(root / TOKENIZER_DIR, files)
+        stored.data.tokenizer = stored_name(files)
     (root / "config").mkdir(parents=True, exist_ok=True)
     (root / "config" / "config.json").write_text(json.dumps(stored.to_dict(), indent=1))

@@ -18,11 +18,10 @@ import os
 from etils import epath
 
 from jaxmoe.checkpoints.safe_paths import join_inside
+from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR
 from jaxmoe.storage.paths import is_remote
 
 log = logging.getLogger(__name__)
-
-TOKENIZER_DIR = "tokenizer"  # inside a converted checkpoint
 
 
 def resolve_stored_tokenizer(step_dir, stored: str) -> str:

@@ -117,6 +117,8 @@ def validate(config: ConfigDict) -> None:
         )
     for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
         need(t[key] > 0, f"train.{key}={t[key]} must be positive")
+    skipped = t.get("max_skipped_steps", 1)
+    need(skipped > 0, f"train.max_skipped_steps={skipped} must be positive")
     need(
         t.batch_size % t.grad_accum == 0,
         f"train.batch_size={t.batch_size} is not divisible by train.grad_accum={t.grad_accum}",

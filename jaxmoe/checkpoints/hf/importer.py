@@ -29,12 +29,15 @@ from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.restore import check_tokenizer_fits
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
+from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
+from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
 
@@ -307,11 +310,15 @@ def convert_hf(
     if kept and config.data.tokenizer == str(dst / kept):
         config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
     validate(config)
+    if kept and config.data.tokenizer == kept:  # the copy made below: checked before any work
+        own = src if kept == TOKENIZER_DIR else src / "tokenizer.model"
+        check_tokenizer_fits(open_tokenizer(str(own)), config.model.vocab_size, f"{own}")
     leaves = flatten(abstract_params(unrolled_config(config.model)))
     check_plan(plan, leaves, folder)
     _check_tied_copies(plan, folder)
     with staged_directory(dst) as staging:  # DST never holds half a checkpoint
-        keep_tokenizer_files(src, staging)  # first: the config written next checks it
         params = _lazy_leaves(plan, leaves, folder, out_dtype, config.model)
         save_params_leafwise(str(staging), params, config)
+        if config.data.tokenizer == kept:  # else the named one, copied in with the config
+            keep_tokenizer_files(src, staging)
     return config
