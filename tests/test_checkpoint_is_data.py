@@ -419,3 +419,25 @@ def test_nan_weights_never_print_a_loss(received, tmp_path, capsys):
         f"give non-finite logits: check the checkpoint with `jaxmoe eval` on other data, or "
         f"its conversion)"
     )
+
+
+def test_a_directory_or_binary_file_as_data_is_one_line(received, tmp_path, capsys):
+    (tmp_path / "bin.txt").write_bytes(b"\x00\xff\xfe")
+    line = one_line_error(capsys, "eval", "--checkpoint", str(received), "--data",
+                          f"jsonl:{tmp_path}")  # fmt: skip
+    assert line == (
+        f"jaxmoe eval: error: --data jsonl:{tmp_path}: is a directory (jsonl:FILE names one "
+        f"file)"
+    )
+    line = one_line_error(capsys, "eval", "--checkpoint", str(received), "--data",
+                          f"jsonl:{tmp_path / 'bin.txt'}")  # fmt: skip
+    assert line == (
+        f"jaxmoe eval: error: --data jsonl:{tmp_path / 'bin.txt'}: not UTF-8 text (byte 1: "
+        f"invalid start byte)"
+    )
+    line = one_line_error(capsys, "decode", "--checkpoint", str(received), "--prompts_file",
+                          str(tmp_path / "bin.txt"))  # fmt: skip
+    assert line == (
+        f"jaxmoe decode: error: --prompts_file '{tmp_path / 'bin.txt'}': not UTF-8 text (byte "
+        f"1: invalid start byte)"
+    )

@@ -61,6 +61,10 @@ def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:
             prompts = [line.rstrip("\n") for line in f if line.strip()]
     except OSError as error:
         raise ValueError(f"--prompts_file {prompts_file!r}: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--prompts_file {prompts_file!r}: not UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
     if not prompts:
         raise ValueError(f"--prompts_file {prompts_file!r} holds no prompts")
     return prompts

@@ -71,7 +71,15 @@ def jsonl_records(path: str):
     file = epath.Path(path)
     if not file.exists():
         raise ValueError(f"--data jsonl:{path}: no such file")
-    for line_no, line in enumerate(file.read_text().splitlines(), 1):
+    if file.is_dir():
+        raise ValueError(f"--data jsonl:{path}: is a directory (jsonl:FILE names one file)")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(
+            f"--data jsonl:{path}: not UTF-8 text (byte {error.start}: {error.reason})"
+        ) from None
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
