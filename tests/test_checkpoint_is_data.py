@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from pydoc_data.topics import topics
 
 import jax
 import numpy as np
@@ -35,6 +36,8 @@ from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ROOT / "tests" / "lm_eval_tasks"
+# English prose every CPython ships (its help topics): tokenizers and training data.
+PROSE = [line for text in topics.values() for line in text.splitlines() if line.strip()]
 TINY = (
     "--config.model.num_layers=2",
     "--config.model.d_model=32",
@@ -81,7 +84,7 @@ def moved_run(tmp_path_factory) -> Path:
     here = tmp_path_factory.mktemp("trained")
     home = here / "home"
     home.mkdir()
-    texts = [line for line in (ROOT / "README.md").read_text().splitlines() if line.strip()]
+    texts = PROSE[:2000]
     (here / "train.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     result = jaxmoe("train", "--config", str(ROOT / "configs/default.py"), "--workdir", "run",
                     "--config.data.source=jsonl:train.jsonl", *TINY,
@@ -196,7 +199,7 @@ def received(tmp_path_factory) -> Path:
     """A tiny dense checkpoint that holds a 512-piece tokenizer of its own."""
     tmp = tmp_path_factory.mktemp("received")
     model_file = tmp / "spm.model"
-    lines = (ROOT / "README.md").read_text().splitlines() * 4
+    lines = PROSE
     model_file.write_bytes(train_sentencepiece(iter(lines), VOCAB))
     config = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}",
                          "train.seq_len=32", f"data.tokenizer={model_file}")  # fmt: skip
@@ -352,7 +355,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_conversion_and_use(
     bare, tmp_path, capsys
 ):
     big = tmp_path / "big.model"
-    big.write_bytes(train_sentencepiece(iter((ROOT / "README.md").read_text().splitlines()), 1024))
+    big.write_bytes(train_sentencepiece(iter(PROSE), 1024))
     config = read_config(str(bare))
     config.data.tokenizer = str(big)
     with pytest.raises(ConfigError) as refused:
@@ -426,8 +429,7 @@ def test_a_directory_or_binary_file_as_data_is_one_line(received, tmp_path, caps
     line = one_line_error(capsys, "eval", "--checkpoint", str(received), "--data",
                           f"jsonl:{tmp_path}")  # fmt: skip
     assert line == (
-        f"jaxmoe eval: error: --data jsonl:{tmp_path}: is a directory (jsonl:FILE names one "
-        f"file)"
+        f"jaxmoe eval: error: --data jsonl:{tmp_path}: is a directory (jsonl:FILE names one file)"
     )
     line = one_line_error(capsys, "eval", "--checkpoint", str(received), "--data",
                           f"jsonl:{tmp_path / 'bin.txt'}")  # fmt: skip
@@ -440,4 +442,28 @@ def test_a_directory_or_binary_file_as_data_is_one_line(received, tmp_path, caps
     assert line == (
         f"jaxmoe decode: error: --prompts_file '{tmp_path / 'bin.txt'}': not UTF-8 text (byte "
         f"1: invalid start byte)"
+    )
+
+
+def test_resuming_with_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path):
+    """Edit the training file and rerun: data.* now trains another tokenizer, and going on
+    with the old model's embeddings under new ids would be silently wrong."""
+    from jaxmoe.training.loop import train
+
+    data = tmp_path / "train.jsonl"
+    lines = PROSE[:2000]
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in lines))
+    overrides = (f"data.source=jsonl:{data}", f"data.cache_dir={tmp_path / 'cache'}",
+                 "train.steps=2", "train.checkpoint_every=2", "train.eval_batches=1")  # fmt: skip
+    train(tiny_config(*overrides, "model.vocab_size=0"), str(tmp_path / "run"), progress=False)
+    data.write_text("".join(json.dumps({"text": t.upper()}) + "\n" for t in lines))
+    with pytest.raises(ConfigError) as refused:
+        train(tiny_config(*overrides, "model.vocab_size=0", "train.steps=4"),
+              str(tmp_path / "run"), progress=False)  # fmt: skip
+    step = tmp_path / "run" / "checkpoints" / "2"
+    assert str(refused.value) == (
+        f"checkpoint '{step}' was trained with another tokenizer than data.* gives now "
+        f"(tokenizer.model differs): resume with the data it was started with, or a copy of "
+        f"'{step / 'tokenizer' / 'tokenizer.model'}' as --config.data.tokenizer, or start a "
+        f"new --workdir"
     )

@@ -25,10 +25,12 @@ from jaxmoe.checkpoints.safe_paths import check_no_symlink_out
 from jaxmoe.checkpoints.tokenizer_item import (
     TOKENIZER_DIR,
     TokenizerFilesSave,
+    check_tokenizer_fits,
     stored_name,
     tokenizer_files,
     write_tokenizer_files,
 )
+from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import absolute_path, finished_steps, is_remote
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,24 @@ class TrainCheckpoints:
                 continue
             return step, state, meta
         return None
+
+    def check_same_tokenizer(self, step: int) -> None:
+        """ConfigError when this run's tokenizer is not the one checkpoint `step` holds: a
+        resumed run whose data.* now gives another tokenizer (its training file edited, a
+        different data.tokenizer) would go on with other ids, silently."""
+        folder = self.directory / str(step) / TOKENIZER_DIR
+        if not self._tokenizer or not folder.exists():
+            return  # a checkpoint from before checkpoints held their tokenizer
+        for name, data in self._tokenizer.items():
+            stored = folder / name
+            if not stored.exists() or stored.read_bytes() != data:
+                main = folder / next(iter(self._tokenizer))
+                raise ConfigError(
+                    f"checkpoint {str(folder.parent)!r} was trained with another tokenizer "
+                    f"than data.* gives now ({name} differs): resume with the data it was "
+                    f"started with, or a copy of {str(main)!r} as --config.data.tokenizer, or "
+                    f"start a new --workdir"
+                )
 
     def _set_aside(self, step: int) -> str:
         """Rename a damaged step out of Orbax's sight, so the resumed run can save that step
@@ -473,7 +493,6 @@ def write_config(root: epath.Path, config: ConfigDict) -> None:
     checkpoint's tokenizer: one named by path (`--config.data.tokenizer=FILE` at
     conversion) is copied into root/tokenizer/ and stored by that name, after it is opened
     and refused if its ids exceed the model's vocabulary."""
-    from jaxmoe.checkpoints.restore import check_tokenizer_fits
     from jaxmoe.data.tokenizer import open_tokenizer
 
     stored = ConfigDict(config.to_dict())

@@ -12,6 +12,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import read_config, resolve_checkpoint, restore_params
+from jaxmoe.checkpoints.tokenizer_item import check_tokenizer_fits
 from jaxmoe.errors import ConfigError
 
 # Stored keys that name places to read or write: the sender's, not the reader's.
@@ -67,16 +68,6 @@ def checkpoint_tokenizer(checkpoint: str, config, overrides=(), required: bool =
     tokenizer = open_tokenizer(path, eos_token=config.data.get("eos_token", ""))
     check_tokenizer_fits(tokenizer, config.model.vocab_size, where)
     return tokenizer
-
-
-def check_tokenizer_fits(tokenizer, model_vocab: int, where: str) -> None:
-    """ConfigError when `tokenizer` has ids the model's `model_vocab` rows cannot embed."""
-    if model_vocab and tokenizer.vocab_size > model_vocab:
-        raise ConfigError(
-            f"{where} ({tokenizer.path}) has {tokenizer.vocab_size} ids, more than the "
-            f"model's vocabulary of {model_vocab} (model.vocab_size): its ids past "
-            f"{model_vocab - 1} have no embedding"
-        )
 
 
 def checkpoint_step(checkpoint: str) -> dict:

@@ -18,6 +18,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import is_remote
 
 TOKENIZER_DIR = "tokenizer"
@@ -69,6 +70,16 @@ def copy_tokenizer_dir(src_checkpoint, dst_checkpoint) -> bool:
     }
     write_tokenizer_files(epath.Path(dst_checkpoint) / TOKENIZER_DIR, files)
     return True
+
+
+def check_tokenizer_fits(tokenizer, model_vocab: int, where: str) -> None:
+    """ConfigError when `tokenizer` has ids the model's `model_vocab` rows cannot embed."""
+    if model_vocab and tokenizer.vocab_size > model_vocab:
+        raise ConfigError(
+            f"{where} ({tokenizer.path}) has {tokenizer.vocab_size} ids, more than the "
+            f"model's vocabulary of {model_vocab} (model.vocab_size): its ids past "
+            f"{model_vocab - 1} have no embedding"
+        )
 
 
 class TokenizerFilesHandler(ocp.handlers.CheckpointHandler):

@@ -9,9 +9,7 @@ stops at every EOS id of the tokenizer, and printed with tokens/s.
 import json
 import logging
 
-from jaxmoe.inference.decode import Generator, Sampling, without_stop
-from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.inference.decode import Sampling, without_stop
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +89,15 @@ def decode_main(
     "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
     (then `overrides` are already applied to it).
     """
-    from jaxmoe.checkpoints.restore import (
-        checkpoint_config,
-        checkpoint_step,
-        checkpoint_tokenizer,
-        restore_on_mesh,
-    )
-    from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.data.tokenizer import with_bos
+    from jaxmoe.inference.trained_model import TrainedModel
 
     sampling = Sampling(temperature, top_k, top_p)
     texts = read_prompts(prompt, prompts_file)
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    encoder_decoder = config.model.arch == "encoder_decoder"
-    tokenizer = checkpoint_tokenizer(checkpoint, config, overrides)
-    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
-        resolve_vocab_size(config, tokenizer.vocab_size)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
-    generator = Generator.for_tokenizer(config.model, params, mesh, tokenizer, spec=spec)
+    model = TrainedModel.open(checkpoint, config=config, overrides=overrides)
+    config, tokenizer, mesh = model.config, model.tokenizer, model.mesh
+    encoder_decoder = model.encoder_decoder
+    generator = model.generator()
     # The encoder reads the input followed by EOS, as in training and evaluation.
     # Prompts start like training documents: with BOS when the tokenizer has one.
     eos = [tokenizer.eos_id] if encoder_decoder else []
@@ -133,7 +119,8 @@ def decode_main(
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
-        **checkpoint_step(checkpoint),
+        "checkpoint": model.checkpoint,
+        "step": model.step,
     }
     print_fn(
         f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "

@@ -17,16 +17,9 @@ import numpy as np
 from etils import epath
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.restore import (
-    checkpoint_config,
-    checkpoint_step,
-    checkpoint_tokenizer,
-    restore_on_mesh,
-)
 from jaxmoe.errors import ConfigError
-from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.mesh import make_mesh
-from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, strict_param_check
+from jaxmoe.inference.trained_model import TrainedModel
+from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import eval_metrics, eval_step
 
 log = logging.getLogger(__name__)
@@ -226,22 +219,13 @@ def evaluate(
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict, which
     names the checkpoint step it scored. Sequences longer than the model's context are
     refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
-    from jaxmoe.config.validation import resolve_vocab_size
-
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    encoder_decoder = config.model.arch == "encoder_decoder"
     # Token-id data needs no tokenizer; text does (refused in one line without one).
-    tokenizer = checkpoint_tokenizer(
-        checkpoint, config, overrides, required=not data_spec.startswith("jsonl:")
+    text = not data_spec.startswith("jsonl:")
+    model = TrainedModel.open(
+        checkpoint, config=config, overrides=overrides, tokenizer=text, strict_mesh=True
     )
-    if config.model.vocab_size == 0:  # a training config (--config): sized as training did
-        if tokenizer is None:
-            raise ConfigError("model.vocab_size=0 needs a tokenizer: set --config.model.vocab_size")
-        resolve_vocab_size(config, tokenizer.vocab_size)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    strict_param_check(spec, mesh)
+    config, tokenizer, mesh, spec = model.config, model.tokenizer, model.mesh, model.spec
+    encoder_decoder = model.encoder_decoder
     dp = data_parallel_size(mesh)
     batch_size = _round_up(config.train.batch_size, dp)
     if data_spec.startswith("jsonl:"):
@@ -257,7 +241,7 @@ def evaluate(
         batches = packed_batches(config, data_spec, tokenizer)
         num_examples = None
 
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    params = model.params  # read after the data: a bad file fails before a long restore
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()
@@ -280,7 +264,7 @@ def evaluate(
             f"non-finite logits: check the checkpoint with `jaxmoe eval` on other data, or "
             f"its conversion)"
         )
-    result |= checkpoint_step(checkpoint)
+    result |= {"checkpoint": model.checkpoint, "step": model.step}
     if per_example:
         if num_examples is None:
             raise ConfigError("--per_example needs jsonl:FILE data (one example per line)")

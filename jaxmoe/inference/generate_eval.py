@@ -118,16 +118,8 @@ def generate_eval(
     overrides=(),
 ) -> dict:
     """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`."""
-    from jaxmoe.checkpoints.restore import (
-        checkpoint_config,
-        checkpoint_step,
-        checkpoint_tokenizer,
-        restore_on_mesh,
-    )
     from jaxmoe.data.tokenizer import with_bos
-    from jaxmoe.inference.decode import Generator
-    from jaxmoe.models.spec import model_spec
-    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.inference.trained_model import TrainedModel
 
     if not data_spec.startswith("jsonl:"):
         raise ValueError(f"--task generate reads --data jsonl:FILE, got {data_spec!r}")
@@ -135,14 +127,10 @@ def generate_eval(
     sampling = Sampling(temperature, top_k, top_p)
     if num_beams > 1 and temperature > 0:
         raise ValueError("--num_beams > 1 searches; it does not sample (use --temperature=0)")
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    tokenizer = checkpoint_tokenizer(checkpoint, config, overrides)
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
-    generator = Generator.for_tokenizer(config.model, params, mesh, tokenizer, spec=spec)
-    encoder_decoder = config.model.arch == "encoder_decoder"
+    model = TrainedModel.open(checkpoint, config=config, overrides=overrides)
+    config, tokenizer, mesh = model.config, model.tokenizer, model.mesh
+    generator = model.generator()
+    encoder_decoder = model.encoder_decoder
     # As `jaxmoe decode` and training: BOS first when the tokenizer has one; an encoder
     # reads the input followed by EOS.
     eos = [tokenizer.eos_id] if encoder_decoder else []
@@ -177,7 +165,8 @@ def generate_eval(
         "compile_s": total.compile_s,
         "seconds": seconds,
         "mesh": dict(mesh.shape),
-        **checkpoint_step(checkpoint),
+        "checkpoint": model.checkpoint,
+        "step": model.step,
     }
     if output:
         lines = [

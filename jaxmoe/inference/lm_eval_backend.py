@@ -41,9 +41,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.inference.decode import Generator, Sampling, bucket, without_stop
-from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.inference.decode import Sampling, bucket, without_stop
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import forward
 
@@ -107,11 +105,7 @@ class JaxmoeLM(TemplateLM):
         **config_overrides,
     ):
         super().__init__()
-        from jaxmoe.checkpoints.restore import (
-            checkpoint_config,
-            checkpoint_tokenizer,
-            restore_on_mesh,
-        )
+        from jaxmoe.inference.trained_model import TrainedModel
         from jaxmoe.storage.paths import absolute_path
 
         del device, max_batch_size  # the mesh decides placement; batches have one size
@@ -128,18 +122,13 @@ class JaxmoeLM(TemplateLM):
         overrides = [f"{k}={v}" for k, v in config_overrides.items()]
         overrides += mesh_overrides(mesh) if mesh else []
         self.checkpoint = absolute_path(checkpoint)
-        config = checkpoint_config(self.checkpoint, overrides)
-        self.config = config
+        model = TrainedModel.open(self.checkpoint, overrides=overrides)
+        self.config = config = model.config
         # lm-eval's TemplateLM encodes an encoder-decoder's context and continuation apart.
-        self.encoder_decoder = config.model.arch == "encoder_decoder"
+        self.encoder_decoder = model.encoder_decoder
         self.backend = "seq2seq" if self.encoder_decoder else "causal"
-        self.tokenizer = checkpoint_tokenizer(self.checkpoint, config, overrides)
-        self.mesh = make_mesh(config.mesh)
-        self.spec = model_spec(config.model, self.mesh)
-        params = restore_on_mesh(self.checkpoint, self.spec, self.mesh, config.model)
-        self.generator = Generator.for_tokenizer(
-            config.model, params, self.mesh, self.tokenizer, spec=self.spec
-        )
+        self.tokenizer, self.mesh, self.spec = model.tokenizer, model.mesh, model.spec
+        self.generator = model.generator()
         self.params = self.generator.params
         dp = data_parallel_size(self.mesh)
         self.rows = -(-_batch_size(batch_size) // dp) * dp

@@ -81,33 +81,28 @@ def analyze_routing(
     """
     import jax
 
-    from jaxmoe.checkpoints.restore import checkpoint_config, checkpoint_tokenizer
-    from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.inference.routing_counts import summarize
     from jaxmoe.inference.routing_plots import write_report
     from jaxmoe.inference.routing_probe import collect_counts
-    from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.inference.trained_model import TrainedModel
     from jaxmoe.parallel.sharding import data_parallel_size
 
     if gate not in GATE_CHOICES:
         raise ValueError(f"--gate={gate!r}: expected one of {GATE_CHOICES}")
-    if config is None:
-        config = checkpoint_config(checkpoint, overrides)
-    encoder_decoder = config.model.arch == "encoder_decoder"
-    tokenizer = checkpoint_tokenizer(
-        checkpoint, config, overrides, required=not data_spec.startswith("jsonl:")
+    text = not data_spec.startswith("jsonl:")
+    model = TrainedModel.open(
+        checkpoint, config=config, overrides=overrides, tokenizer=text, strict_mesh=True
     )
-    if config.model.vocab_size == 0 and tokenizer is not None:  # a training config
-        resolve_vocab_size(config, tokenizer.vocab_size)
-    dp = data_parallel_size(make_mesh(config.mesh))
-    batches = _data_batches(config, data_spec, tokenizer, dp)
-    counts, num_batches = collect_counts(config, checkpoint, batches, gate, max_batches)
+    config, tokenizer, encoder_decoder = model.config, model.tokenizer, model.encoder_decoder
+    batches = _data_batches(config, data_spec, tokenizer, data_parallel_size(model.mesh))
+    counts, num_batches = collect_counts(model, batches, gate, max_batches)
     summary = summarize(
         counts, piece_namer(tokenizer, encoder_decoder), min_count=min_count, top_n=top_n
     )
     moe = config.model.moe
     summary |= {
-        "checkpoint": str(checkpoint),
+        "checkpoint": model.checkpoint,
+        "step": model.step,
         "data": data_spec,
         "gate": moe.gating if gate == "train" else (moe.eval_gating or moe.gating),
         "threshold": float(moe.threshold),

@@ -98,14 +98,12 @@ def _count_batch(counts: RoutingCounts, batch: dict, masks: dict) -> None:
         counts.add(stack, tokens_BL, valid_BL, top2_MBL)
 
 
-def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int = 0):
-    """RoutingCounts of `checkpoint` over `batches` (an iterable of global host batches),
-    computed on the mesh of `config.mesh`; returns (counts, number of batches)."""
-    from jaxmoe.checkpoints.restore import restore_on_mesh
-    from jaxmoe.models.spec import model_spec
-    from jaxmoe.parallel.mesh import make_mesh
-    from jaxmoe.parallel.sharding import batch_spec, strict_param_check
+def collect_counts(model, batches, gate: str, max_batches: int = 0):
+    """RoutingCounts of `model` (an opened TrainedModel) over `batches` (an iterable of
+    global host batches), computed on its mesh; returns (counts, number of batches)."""
+    from jaxmoe.parallel.sharding import batch_spec
 
+    config, mesh, spec = model.config, model.mesh, model.spec
     layers = moe_layers(config)
     if not layers:
         raise ValueError(
@@ -117,10 +115,7 @@ def collect_counts(config, checkpoint: str, batches, gate: str, max_batches: int
             f"model.vocab_size={config.model.vocab_size}: the analysis needs the trained size "
             f"(use the config stored with the checkpoint, or set --config.model.vocab_size)"
         )
-    mesh = make_mesh(config.mesh)
-    spec = model_spec(config.model, mesh)
-    strict_param_check(spec, mesh)
-    params = restore_on_mesh(checkpoint, spec, mesh, config.model)
+    params = model.params
     # Replicated outputs: every process can read the whole batch's masks.
     step = jax.jit(
         lambda p, b: routing_masks(p, b, spec.graphdef, gate, spec.rest),

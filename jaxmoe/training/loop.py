@@ -225,6 +225,7 @@ def _train(
     restored = checkpoints.restore_latest(abstract_state)
     if restored is not None:
         start, state, meta = restored
+        checkpoints.check_same_tokenizer(start)  # resumed on the ids it was trained with
         data.train.set_state(meta["data"])
     else:
         start = 0

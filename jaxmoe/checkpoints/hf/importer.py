@@ -29,10 +29,9 @@ from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.restore import check_tokenizer_fits
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
-from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR
+from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR, check_tokenizer_fits
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
