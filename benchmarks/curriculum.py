@@ -18,7 +18,7 @@ dropless MoE runs its expert blocks in loops whose trip counts are traced values
 executable serves batches of any top-2 share: a bucketed-capacity layer would instead
 compile once per capacity bucket the curriculum visits.
 
-Writes DIR/curriculum.md (a table for the README) and DIR/curriculum.json.
+Writes DIR/curriculum.md (a table for docs/moe.md) and DIR/curriculum.json.
 """
 
 import argparse

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
         "--top2_fraction",
         type=float,
         default=0.25,
-        help="share of tokens routed to two experts (README: 0.21-0.28 when trained)",
+        help="share of tokens routed to two experts (0.21-0.28 when trained)",
     )
     args, rest = parser.parse_known_args(argv)
     overrides = [a.removeprefix("--config.") for a in rest]

@@ -58,15 +58,15 @@ def get_config(variant: str | None = None) -> ConfigDict:
     # dropless exchange then runs in rounds (more, shorter exchanges per layer). The step
     # measured 10.82 GiB per chip on v5p-256 this way against 11.05 padded and 12.33 at the
     # default factor 2; since the weight casts stay in the layer loop, 10.37 vs 10.36
-    # padded (libtpu 0.0.42.1; README "Side by side with MaxText").
+    # padded (libtpu 0.0.42.1; docs/results/2026-12-01_maxtext_compile.md).
     moe.ep_buffer_factor = 0.5
 
     t = c.train
     # 2M tokens per step as 1024 x 2048, in 8 micro-batches: one 2048-token sequence per chip
     # at a time. One sequence per chip without micro-batches (batch_size=128, grad_accum=1)
     # compiles for v5p-256 at 10.40 GiB per chip with libtpu 0.0.42.1, 7.79 GiB with libtpu
-    # 0.0.52 (MaxText: 9.09), and at 12.16 / 9.06 GiB with 4096-token sequences (README,
-    # "Side by side with MaxText").
+    # 0.0.52 (MaxText: 9.09), and at 12.16 / 9.06 GiB with 4096-token sequences
+    # (docs/results/2026-12-01_maxtext_compile.md).
     t.batch_size = 1024
     t.seq_len = 2048
     t.grad_accum = 8
