@@ -8,6 +8,7 @@ import argparse
 import logging
 import os
 import sys
+import warnings
 
 from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepare, train
 from jaxmoe.cli import compile as compile_command  # not the builtins
@@ -82,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
             error = f"no space left on {where or 'the device'}"
         elif not isinstance(error, ConfigError | ValueError | FileNotFoundError | RuntimeError):
             raise
+        _silence_abandoned_reads()  # first: the collector may report them while printing
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
-        _silence_abandoned_reads()
         return 2
 
 
@@ -91,8 +92,10 @@ def _silence_abandoned_reads() -> None:
     """After a failed checkpoint read, TensorStore still completes the reads Orbax had
     started, on its own threads, into an asyncio loop that is already closed; each prints a
     traceback at exit that would bury the one error line above; asyncio logs the futures
-    nobody awaits any more, and the garbage collector reports their coroutines."""
+    nobody awaits any more, and the garbage collector reports their coroutines (as
+    RuntimeWarnings, when an interrupt stopped Orbax between creating and awaiting one)."""
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
+    warnings.filterwarnings("ignore", message="coroutine .* was never awaited")
     sys.unraisablehook = lambda unraisable: None
     previous = sys.excepthook
 
