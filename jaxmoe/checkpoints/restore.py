@@ -45,8 +45,8 @@ def checkpoint_config(checkpoint: str, overrides=()):
 
 
 def checkpoint_tokenizer(checkpoint: str, config, overrides=(), required: bool = True):
-    """The tokenizer to use with `checkpoint`: the one named on the command line
-    (`--config.data.tokenizer`, or a `--config` file's), else the checkpoint's own copy.
+    """The tokenizer to use with `checkpoint`: the one named by `--config.data.tokenizer`,
+    else the checkpoint's own copy, else the one a `--config` file names.
     Without either: a ConfigError saying how to name one, or None when not `required`
     (token-id data needs none). A tokenizer with more ids than the model's embedding
     table is refused: those ids would silently index past it."""
