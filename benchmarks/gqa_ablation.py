@@ -23,10 +23,10 @@ from pathlib import Path
 
 import jax
 
-from jaxmoe.checkpoints.surgery import METHODS, convert_gqa
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
+from jaxmoe.conversions.surgery import METHODS, convert_gqa
 from jaxmoe.inference.evaluate import evaluate
 from jaxmoe.training.loop import train
 

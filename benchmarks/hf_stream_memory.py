@@ -115,7 +115,7 @@ def peak_rss(args: list[str]) -> int:
 
 def largest_tensor(hf_dir: Path) -> int:
     """Bytes of the largest tensor in an HF safetensors directory (headers only)."""
-    from jaxmoe.checkpoints.hf.importer import SafetensorsFolder
+    from jaxmoe.conversions.hf.importer import SafetensorsFolder
 
     folder = SafetensorsFolder(hf_dir)
     return max(4 * int(np.prod(folder.shape(n), dtype=np.int64)) for n in folder.names)

@@ -21,8 +21,8 @@ Variant `:mha` keeps 64 KV heads in the decoder (the paper's MHA-XXL baseline).
 
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.t5x.convert import t5_1_1_recipe
 from jaxmoe.config.defaults import base_config
+from jaxmoe.conversions.t5x.convert import t5_1_1_recipe
 
 VARIANTS = ("mha",)
 T5_1_1_STEPS = 1_000_000  # T5.1.1's pre-training steps

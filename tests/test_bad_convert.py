@@ -22,14 +22,14 @@ import pytest
 from flax import nnx
 from safetensors.numpy import load_file, save_file
 
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import save_params
-from jaxmoe.checkpoints.surgery import convert_gqa, convert_upcycle
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
-from jaxmoe.checkpoints.t5x.exporter import export_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.cli import main
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import convert_hf
+from jaxmoe.conversions.surgery import convert_gqa, convert_upcycle
+from jaxmoe.conversions.t5x.convert import convert_t5x
+from jaxmoe.conversions.t5x.exporter import export_t5x
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from tests.helpers import tiny_config

@@ -17,10 +17,10 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxmoe.checkpoints.hf.importer import abstract_params, convert_hf
 from jaxmoe.checkpoints.manager import CheckpointError, restore_params, save_params
-from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.config.validation import validate
+from jaxmoe.conversions.hf.importer import abstract_params, convert_hf
+from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference.evaluate import evaluate, read_jsonl
 from jaxmoe.models import build_model

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.hf.importer import abstract_params
+from jaxmoe.conversions.hf.importer import abstract_params
 from jaxmoe.inference.beam_search import beam_search, brevity_penalty
 from jaxmoe.inference.decode import Generator
 from jaxmoe.models import build_model

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
-from jaxmoe.checkpoints.surgery import convert_gqa, gqa_params, pool_kv_heads
+from jaxmoe.conversions.surgery import convert_gqa, gqa_params, pool_kv_heads
 from jaxmoe.models import build_model
 from jaxmoe.models.attention import Attention
 from jaxmoe.models.spec import model_params, model_spec

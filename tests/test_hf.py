@@ -32,11 +32,11 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from jaxmoe.checkpoints.hf.export_config import export_plan
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import abstract_params, convert_hf
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
 from jaxmoe.cli import build_parser
+from jaxmoe.conversions.hf.export_config import export_plan
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import abstract_params, convert_hf
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import str_keys
 from tests.helpers import tiny_config

@@ -20,10 +20,10 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config
-from jaxmoe.checkpoints.surgery import gqa_params
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import convert_hf
+from jaxmoe.conversions.surgery import gqa_params
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference.decode import Generator
 from jaxmoe.parallel.mesh import make_mesh

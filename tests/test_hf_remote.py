@@ -9,9 +9,9 @@ import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import read_config, save_params
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import convert_hf
 from tests.helpers import tiny_config, unit_scale_params
 from tests.test_hf import IDS, assert_close, hf_logits, jaxmoe_logits, load_converted
 

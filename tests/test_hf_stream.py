@@ -17,8 +17,6 @@ from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.hf.exporter import export_hf, parse_size, plan_shards
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.leafwise import StoredParams
 from jaxmoe.checkpoints.manager import (
     TrainCheckpoints,
@@ -27,6 +25,8 @@ from jaxmoe.checkpoints.manager import (
     save_params,
 )
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.conversions.hf.exporter import export_hf, parse_size, plan_shards
+from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, unrolled_config
 from tests import test_hf

@@ -7,7 +7,7 @@ import io
 import pytest
 import sentencepiece as spm
 
-from jaxmoe.checkpoints.hf.tokenizer import tokenizer_json, write_hf_tokenizer
+from jaxmoe.conversions.hf.tokenizer import tokenizer_json, write_hf_tokenizer
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer
 from tests.helpers import tiny_config

@@ -14,10 +14,10 @@ import sentencepiece as spm
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, save_params
-from jaxmoe.checkpoints.surgery import convert_gqa
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import convert_hf
+from jaxmoe.conversions.surgery import convert_gqa
 from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer, train_sentencepiece
 from jaxmoe.inference.decode_text import decode_main

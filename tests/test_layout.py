@@ -7,6 +7,11 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "jaxmoe"
 
+BELOW_CONVERSIONS = (
+    *("jaxmoe.checkpoints", "jaxmoe.training", "jaxmoe.models", "jaxmoe.data"),
+    *("jaxmoe.inference", "jaxmoe.aot", "jaxmoe.parallel", "jaxmoe.storage"),
+)
+
 # Packages a package must never import (directly), by the order above.
 FORBIDDEN = {
     "jaxmoe.models": ("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
@@ -18,6 +23,8 @@ FORBIDDEN = {
     "jaxmoe.inference": ("jaxmoe.cli",),
     "jaxmoe.aot": ("jaxmoe.cli", "jaxmoe.inference"),
     "jaxmoe.errors": ("jaxmoe.",),
+    # Conversions (T5X, HF, checkpoint surgery) sit above checkpoints and training.
+    **{low: ("jaxmoe.conversions",) for low in BELOW_CONVERSIONS},
 }
 
 

@@ -22,9 +22,9 @@ pytest.importorskip("lm_eval")
 import lm_eval
 from lm_eval.tasks import TaskManager
 
-from jaxmoe.checkpoints.hf.exporter import export_hf
-from jaxmoe.checkpoints.hf.importer import abstract_params
 from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.conversions.hf.exporter import export_hf
+from jaxmoe.conversions.hf.importer import abstract_params
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.lm_eval_backend import JaxmoeLM, mesh_overrides
 from jaxmoe.models import build_model

@@ -202,9 +202,9 @@ def _restore_unrolled(path, config):
 def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
     """convert gqa / upcycle and export hf give the same model from either layout, and a
     scanned source gives a scanned (stacked on disk) result."""
-    from jaxmoe.checkpoints.hf.exporter import export_hf
     from jaxmoe.checkpoints.manager import save_params
-    from jaxmoe.checkpoints.surgery import convert_gqa, convert_upcycle
+    from jaxmoe.conversions.hf.exporter import export_hf
+    from jaxmoe.conversions.surgery import convert_gqa, convert_upcycle
 
     dense = ("model.moe.num_experts=0", "model.num_kv_heads=4", "model.num_layers=3")
     results = {}

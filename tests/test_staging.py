@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.hf import importer
 from jaxmoe.checkpoints.manager import read_config
+from jaxmoe.conversions.hf import importer
 from tests.test_hf import randomize
 
 # The T5X fixture of test_t5x_convert.py (imported from there, a missing one would skip all).
@@ -68,7 +68,7 @@ def test_failed_hf_conversion_leaves_nothing(hf_src, tmp_path, monkeypatch, prem
 def test_failed_t5x_conversion_leaves_nothing(tmp_path, monkeypatch):
     if not TINY.exists():
         pytest.skip(f"T5X fixture not found at {TINY}")
-    from jaxmoe.checkpoints.t5x import convert
+    from jaxmoe.conversions.t5x import convert
 
     seen = []
 

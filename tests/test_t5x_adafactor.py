@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.checkpoints.trees import unflatten
+from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.training.adafactor import matrix_view, t5x_adafactor
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))

@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxmoe.checkpoints.manager import CheckpointError, read_config
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
-from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.cli import build_parser
+from jaxmoe.conversions.t5x.convert import convert_t5x
+from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.inference.evaluate import evaluate
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))

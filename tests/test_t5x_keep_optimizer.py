@@ -18,9 +18,9 @@ import orbax.checkpoint as ocp
 import pytest
 
 from jaxmoe.checkpoints.manager import restore_opt_state
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
-from jaxmoe.checkpoints.t5x.reader import open_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.conversions.t5x.convert import convert_t5x
+from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.training.loop import train
 from jaxmoe.training.optimizer import make_optimizer
 from tests.test_t5x_adafactor import jaxmoe_layout, reference_step

@@ -26,8 +26,8 @@ import tensorstore
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.models import build_model
 from jaxmoe.training.loop import train
 from jaxmoe.training.steps import forward

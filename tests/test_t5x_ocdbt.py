@@ -16,8 +16,8 @@ import pytest
 from flax import traverse_util
 
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
-from jaxmoe.checkpoints.t5x.reader import open_t5x
+from jaxmoe.conversions.t5x.convert import convert_t5x
+from jaxmoe.conversions.t5x.reader import open_t5x
 from tests.test_t5x_reader import KERNEL, TINY, TINY_T5, kernel_by_hand
 
 

@@ -19,7 +19,7 @@ import pytest
 import tensorstore
 
 from jaxmoe.checkpoints.safe_paths import resolve_inside
-from jaxmoe.checkpoints.t5x.reader import open_t5x
+from jaxmoe.conversions.t5x.reader import open_t5x
 
 FIXTURES = Path(os.environ.get("JAXMOE_T5X_FIXTURES", "/work/shared/fixtures/t5x"))
 if not FIXTURES.is_dir():

@@ -21,10 +21,10 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
+from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout

@@ -23,8 +23,8 @@ import pytest
 from flax import traverse_util
 
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
-from jaxmoe.checkpoints.t5x.exporter import chunk_shape, export_t5x
+from jaxmoe.conversions.t5x.convert import convert_t5x
+from jaxmoe.conversions.t5x.exporter import chunk_shape, export_t5x
 from tests.test_t5x_keep_optimizer import t5_1_1_params, write_t5x_with_moments
 from tests.test_t5x_ocdbt import jaxmoe_arrays
 from tests.test_t5x_reader import TINY, TINY_T5

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.hf.export_config import export_plan
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x.exporter import check_exportable
+from jaxmoe.conversions.hf.export_config import export_plan
+from jaxmoe.conversions.t5x.exporter import check_exportable
 from jaxmoe.models.layers import MLP, activation_fn, ungated_gate_fn
 from jaxmoe.models.moe.layer import MoE
 from tests.helpers import tiny_config

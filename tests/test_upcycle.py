@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
-from jaxmoe.checkpoints.surgery import convert_upcycle, upcycle_config, upcycle_params
+from jaxmoe.conversions.surgery import convert_upcycle, upcycle_config, upcycle_params
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params, model_spec
 from jaxmoe.parallel.mesh import make_mesh

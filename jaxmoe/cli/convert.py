@@ -12,11 +12,11 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.checkpoints.hf.importer import convert_hf
 from jaxmoe.checkpoints.staging import interrupts_in_one_line
-from jaxmoe.checkpoints.surgery import METHODS, convert_gqa, convert_upcycle
-from jaxmoe.checkpoints.t5x.convert import convert_t5x
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.conversions.hf.importer import convert_hf
+from jaxmoe.conversions.surgery import METHODS, convert_gqa, convert_upcycle
+from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
 from jaxmoe.storage.paths import absolute_path

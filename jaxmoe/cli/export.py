@@ -6,15 +6,15 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.checkpoints.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
-from jaxmoe.checkpoints.hf.tokenizer_files import TOKENIZER_FILES
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.staging import (
     check_new_directory,
     check_writable,
     interrupts_in_one_line,
 )
-from jaxmoe.checkpoints.t5x.exporter import export_t5x
+from jaxmoe.conversions.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
+from jaxmoe.conversions.hf.tokenizer_files import TOKENIZER_FILES
+from jaxmoe.conversions.t5x.exporter import export_t5x
 from jaxmoe.storage.paths import absolute_path
 
 

@@ -18,8 +18,8 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.checkpoints.manager import save_params
-from jaxmoe.checkpoints.t5x.convert import build_config
-from jaxmoe.checkpoints.t5x.exporter import export_t5x
+from jaxmoe.conversions.t5x.convert import build_config
+from jaxmoe.conversions.t5x.exporter import export_t5x
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import str_keys
 from jaxmoe.models.stack import unrolled_config

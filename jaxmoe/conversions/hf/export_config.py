@@ -7,9 +7,9 @@ else is refused with the reason (a CheckpointError).
 
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.hf.names import TensorMap, decoder_maps, t5_maps
-from jaxmoe.checkpoints.hf.remote import remote_fields, stock_top_k
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.conversions.hf.names import TensorMap, decoder_maps, t5_maps
+from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
 
 _ACT_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
 

@@ -14,8 +14,8 @@ import optax
 
 from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.t5x.reader import T5xCheckpoint
 from jaxmoe.checkpoints.trees import unflatten
+from jaxmoe.conversions.t5x.reader import T5xCheckpoint
 
 
 def adafactor_state(checkpoint: T5xCheckpoint, config, plan, src) -> object:

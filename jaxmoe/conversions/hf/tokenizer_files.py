@@ -21,10 +21,10 @@ from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.hf.tokenizer import write_hf_tokenizer
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR
+from jaxmoe.conversions.hf.tokenizer import write_hf_tokenizer
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID, open_tokenizer
 
 log = logging.getLogger(__name__)

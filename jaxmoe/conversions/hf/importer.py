@@ -25,8 +25,6 @@ from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.finite import check_finite
-from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap, import_plan
-from jaxmoe.checkpoints.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.checkpoints.leafwise import LazyArray, save_params_leafwise
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
@@ -36,6 +34,8 @@ from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
+from jaxmoe.conversions.hf.names import ImportPlan, TensorMap, import_plan
+from jaxmoe.conversions.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
 from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config

@@ -38,10 +38,10 @@ from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
-from jaxmoe.checkpoints.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
-from jaxmoe.checkpoints.t5x.reader import TensorTable, open_t5x
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
+from jaxmoe.conversions.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
+from jaxmoe.conversions.t5x.reader import TensorTable, open_t5x
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
 
@@ -370,7 +370,7 @@ def convert_t5x(
     plan = plan_conversion(table, config.model, src)
     opt_state = None
     if keep_optimizer:
-        from jaxmoe.checkpoints.t5x.optimizer import adafactor_state
+        from jaxmoe.conversions.t5x.optimizer import adafactor_state
 
         opt_state = adafactor_state(table, config, plan, src)
         config.train.init_optimizer = True  # uptraining from DST continues these moments

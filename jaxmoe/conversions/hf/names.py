@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.models.ffn import is_moe_layer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5", "jaxmoe_moe")

@@ -25,15 +25,15 @@ from pathlib import Path
 import numpy as np
 
 from jaxmoe.checkpoints.dtypes import output_dtype
-from jaxmoe.checkpoints.hf.export_config import export_plan
-from jaxmoe.checkpoints.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
-from jaxmoe.checkpoints.hf.names import ImportPlan, TensorMap
-from jaxmoe.checkpoints.hf.remote import write_modeling_file
-from jaxmoe.checkpoints.hf.tokenizer_files import export_tokenizer
 from jaxmoe.checkpoints.leafwise import Index, StoredParams
 from jaxmoe.checkpoints.manager import CheckpointError, check_params_match, read_config
 from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.conversions.hf.export_config import export_plan
+from jaxmoe.conversions.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
+from jaxmoe.conversions.hf.names import ImportPlan, TensorMap
+from jaxmoe.conversions.hf.remote import write_modeling_file
+from jaxmoe.conversions.hf.tokenizer_files import export_tokenizer
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
 from jaxmoe.storage.paths import absolute_path

@@ -34,8 +34,8 @@ from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError, read_config, resolve_checkpoint
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import staged_directory
-from jaxmoe.checkpoints.t5x.convert import t5x_name, t5x_shape
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.conversions.t5x.convert import t5x_name, t5x_shape
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
 

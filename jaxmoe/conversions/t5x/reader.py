@@ -30,8 +30,8 @@ import numpy as np
 import tensorstore as ts
 
 from jaxmoe.checkpoints.safe_paths import resolve_inside
-from jaxmoe.checkpoints.t5x.leaves import Ext, Leaf, LeafMaker, is_leaf_dict, one_line
-from jaxmoe.checkpoints.t5x.ocdbt import orbax_item, read_orbax_tree
+from jaxmoe.conversions.t5x.leaves import Ext, Leaf, LeafMaker, is_leaf_dict, one_line
+from jaxmoe.conversions.t5x.ocdbt import orbax_item, read_orbax_tree
 
 
 def open_t5x(path: str | Path) -> "T5xCheckpoint":
