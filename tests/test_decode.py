@@ -1,5 +1,5 @@
-"""KV-cache decoding against the full forward pass, greedy decoding against a no-cache loop,
-and top-k / top-p filtering against sets computed by hand in numpy."""
+"""Greedy decoding against a no-cache loop, and top-k / top-p filtering against sets computed
+by hand in numpy (cached logits against the full forward pass: tests/test_one_forward.py)."""
 
 import json
 
@@ -21,40 +21,13 @@ from jaxmoe.inference.decode import (
 )
 from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.models import build_model
-from jaxmoe.models.kv_cache import (
-    decoder_forward,
-    encode_for_decoding,
-    encoder_decoder_forward,
-    init_caches,
-)
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
 from tests.helpers import tiny_config
 
-ATOL = 2e-4
-
 
 def decoder_config(*extra):
     return tiny_config("model.moe.num_experts=0", "model.num_kv_heads=2", *extra).model
-
-
-def t5_config(*extra):
-    return tiny_config(
-        "model.moe.num_experts=0",
-        "model.arch=encoder_decoder",
-        "model.activation=gelu",
-        "model.rope_theta=0.0",
-        "model.num_kv_heads=2",
-        "model.relpos_buckets=8",
-        "model.relpos_max_distance=16",
-        *extra,
-    ).model
-
-
-# The scanned stack (model.scan_layers) with 3 layers: decoding walks its sliced rows.
-SCAN = pytest.mark.parametrize(
-    "extra", [(), ("model.scan_layers=true", "model.num_layers=3")], ids=["unrolled", "scanned"]
-)
 
 
 def full_forward(model, length=16):
@@ -71,84 +44,6 @@ def full_forward(model, length=16):
         return [logits[row, : len(seq)] for row, seq in enumerate(seqs)]
 
     return logits_of
-
-
-@SCAN
-def test_cached_decoder_matches_full_forward_at_every_position(extra):
-    """Left-padded prefill, then one token per step (teacher forced), batch of 2 lengths."""
-    cfg = decoder_config(*extra)
-    model = build_model(cfg, rngs=nnx.Rngs(0))
-    graphdef, params = model_params(model)
-    rng = np.random.default_rng(0)
-    lengths, prompt_lengths, cache_len = [11, 7], [3, 5], 16
-    seqs = [rng.integers(3, cfg.vocab_size, size=n) for n in lengths]
-    full = full_forward(model)(seqs)
-
-    @jax.jit
-    def step(params, tokens_BL, caches, index, pad_B):
-        return decoder_forward(nnx.merge(graphdef, params), tokens_BL, caches, index, pad_B)
-
-    width = max(prompt_lengths)
-    pad = np.array([width - p for p in prompt_lengths], np.int32)
-    prompt = np.zeros((2, width), np.int32)
-    for row, (s, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
-        prompt[row, width - p :] = s[:p]
-    caches = init_caches(cfg, 2, cache_len)
-    logits, caches = step(params, prompt, caches, 0, pad)
-    for row, p in enumerate(prompt_lengths):
-        np.testing.assert_allclose(logits[row, width - p :], full[row][:p], atol=ATOL)
-    for t in range(max(lengths) - min(prompt_lengths)):
-        # Row r feeds its token number prompt_r + t (or a dummy once its sequence is over).
-        tokens = np.array(
-            [
-                [s[p + t] if p + t < len(s) else 0]
-                for s, p in zip(seqs, prompt_lengths, strict=True)
-            ],
-            np.int32,
-        )
-        logits, caches = step(params, tokens, caches, width + t, pad)
-        for row, (s, p) in enumerate(zip(seqs, prompt_lengths, strict=True)):
-            if p + t < len(s):
-                np.testing.assert_allclose(logits[row, 0], full[row][p + t], atol=ATOL)
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        (),
-        ("model.scan_layers=true", "model.num_layers=3"),
-        # Switch Base-style: ungated ReLU FFNs, MoE every other layer, tied output layer.
-        ("model.ffn_gated=false", "model.activation=relu", "model.tie_embeddings=true",
-         "model.moe.num_experts=4", "model.moe.every=2", "model.moe.gating=top1"),
-    ],
-    ids=["unrolled", "scanned", "switch_base"],
-)  # fmt: skip
-def test_cached_encoder_decoder_matches_full_forward_at_every_position(extra):
-    cfg = t5_config(*extra)
-    model = build_model(cfg, rngs=nnx.Rngs(1))
-    graphdef, params = model_params(model)
-    rng = np.random.default_rng(1)
-    encoder = rng.integers(3, cfg.vocab_size, size=(2, 9)).astype(np.int32)
-    encoder[1, 6:] = 0  # padding, masked in both attentions
-    decoder = np.concatenate(
-        [np.zeros((2, 1), np.int32), rng.integers(3, cfg.vocab_size, size=(2, 7))], axis=1
-    ).astype(np.int32)
-    full = np.asarray(jax.jit(lambda e, d: model(e, d)[0])(encoder, decoder))
-
-    @jax.jit
-    def encode(params, encoder):
-        return encode_for_decoding(nnx.merge(graphdef, params), encoder)
-
-    @jax.jit
-    def step(params, tokens_B1, caches, cross, valid, index):
-        model = nnx.merge(graphdef, params)
-        return encoder_decoder_forward(model, tokens_B1, caches, cross, valid, index)
-
-    cross, valid = encode(params, encoder)
-    caches = init_caches(cfg, 2, 16)
-    for t in range(decoder.shape[1]):
-        logits, caches = step(params, decoder[:, t : t + 1], caches, cross, valid, t)
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=ATOL)
 
 
 def greedy_without_cache(forward, prompt, steps):

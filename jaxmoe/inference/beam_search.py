@@ -19,8 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.inference.decode import Generation, bucket, cut_at_stop
-from jaxmoe.models.kv_cache import LayerCache, decoder_forward, encoder_decoder_forward
+from jaxmoe.inference.decode import Generation, bucket, cached_step, cut_at_stop
+from jaxmoe.models.kv_cache import cache_length, reorder_rows
 
 NEG_INF = -1.0e30  # finite, so that sums and divisions stay ordered and never make NaN
 
@@ -28,14 +28,6 @@ NEG_INF = -1.0e30  # finite, so that sums and divisions stay ordered and never m
 def brevity_penalty(alpha: float, length):
     """T5X's length normalisation: ((5 + length) / 6) ** alpha."""
     return ((5.0 + length) / 6.0) ** alpha
-
-
-def _reorder(cache: LayerCache, source_R) -> LayerCache:
-    """Rows of `cache` (N = R * KV heads) taken from sequences `source_R`."""
-    rows = source_R.shape[0]
-    return LayerCache(
-        *(x.reshape(rows, -1, *x.shape[1:])[source_R].reshape(x.shape) for x in cache)
-    )
 
 
 def _beam_loop(
@@ -46,13 +38,6 @@ def _beam_loop(
     stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
     rows = state["logits_BV"].shape[0]
     prompts = rows // beams
-
-    def forward(tokens_R1, caches, index):
-        if "cross" in state:
-            return encoder_decoder_forward(
-                model, tokens_R1, caches, state["cross"], state["encoder_valid_BS"], index
-            )
-        return decoder_forward(model, tokens_R1, caches, index, state["pad_B"])
 
     def body(t, carry):
         logits_RV, caches, live_seqs, live_logp, fin_seqs, fin_scores = carry
@@ -77,9 +62,9 @@ def _beam_loop(
         live_seqs = jnp.take_along_axis(seqs, keep[..., None], axis=1)
         parent = jnp.take_along_axis(parent, keep, axis=1)
         source_R = (jnp.arange(prompts)[:, None] * beams + parent).reshape(rows)
-        caches = [constrain(_reorder(c, source_R)) for c in caches]
+        caches = [constrain(c) for c in reorder_rows(caches, source_R)]
         tokens_R1 = jnp.take_along_axis(token, keep, axis=1).reshape(rows, 1)
-        logits_R1V, caches = forward(tokens_R1, caches, state["index"] + t)
+        logits_R1V, caches = cached_step(model, tokens_R1, caches, state["index"] + t, state)
         caches = [constrain(c) for c in caches]
         return logits_R1V[:, -1], caches, live_seqs, live_logp, fin_seqs, fin_scores
 
@@ -117,7 +102,7 @@ def beam_search(
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start - compile_prefill
     start = time.perf_counter()
-    cache_len = state["caches"][0].v.shape[1]
+    cache_len = cache_length(state["caches"][0])
     fn = functools.partial(
         _beam_loop,
         graphdef=generator.spec.graphdef,

@@ -20,14 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
-from jaxmoe.models.kv_cache import (
-    LayerCache,
-    cache_length,
-    decoder_forward,
-    encode_for_decoding,
-    encoder_decoder_forward,
-    init_caches,
-)
+from jaxmoe.models.kv_cache import DecodeCache, LayerCache, cache_length, init_cache
 from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
@@ -116,25 +109,42 @@ def without_stop(new: list[int], stop_ids) -> tuple[list[int], bool]:
 
 def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
     model = merge_model(graphdef, params, rest)
-    caches = init_caches(cfg, prompt_BP.shape[0], cache_len, constrain)
-    logits, caches = decoder_forward(model, prompt_BP, caches, 0, pad_B, last_only=True)
-    index = jnp.asarray(prompt_BP.shape[1], jnp.int32)
-    return {"logits_BV": logits[:, -1], "caches": caches, "index": index, "pad_B": pad_B}
+    cache = init_cache(cfg, prompt_BP.shape[0], cache_len, pad_B, constrain)
+    logits, _, cache = model(prompt_BP, cache=cache, last_only=True)
+    index = cache.index
+    return {"logits_BV": logits[:, -1], "caches": cache.layers, "index": index, "pad_B": pad_B}
 
 
 def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, rest, cfg, cache_len, constrain):
     model = merge_model(graphdef, params, rest)
-    cross, valid_BS = encode_for_decoding(model, encoder_BS)
-    caches = init_caches(cfg, encoder_BS.shape[0], cache_len, constrain)
+    cache = init_cache(cfg, encoder_BS.shape[0], cache_len, constrain=constrain)
     start_B1 = jnp.zeros((encoder_BS.shape[0], 1), jnp.int32)  # T5's decoder start token
-    logits, caches = encoder_decoder_forward(model, start_B1, caches, cross, valid_BS, 0)
+    logits, _, cache = model(encoder_BS, start_B1, cache=cache)  # runs the encoder once
     return {
         "logits_BV": logits[:, -1],
-        "caches": caches,
-        "index": jnp.asarray(1, jnp.int32),
-        "cross": cross,
-        "encoder_valid_BS": valid_BS,
+        "caches": cache.layers,
+        "index": cache.index,
+        "cross": cache.cross,
+        "encoder_valid_BS": cache.encoder_valid_BS,
     }
+
+
+def cached_step(model, tokens_BL, caches: list, index, state: dict):
+    """The model's own call on L new tokens per row at cache slot `index`, with the rest of
+    the request's cache from a prefill `state`: (logits [B, L, V] f32, updated caches)."""
+    pad_B = state.get("pad_B", jnp.zeros((tokens_BL.shape[0],), jnp.int32))
+    cache = DecodeCache(
+        caches,
+        jnp.asarray(index, jnp.int32),
+        pad_B,
+        state.get("cross"),
+        state.get("encoder_valid_BS"),
+    )
+    if cache.cross is None:
+        logits, _, cache = model(tokens_BL, cache=cache)
+    else:
+        logits, _, cache = model(None, tokens_BL, cache=cache)
+    return logits, cache.layers
 
 
 def _decode_loop(
@@ -161,13 +171,6 @@ def _decode_loop(
     model = merge_model(graphdef, params, rest)  # rest: RNG streams, unused at decode
     stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
 
-    def forward(tokens_B1, caches, index):
-        if "cross" in state:
-            return encoder_decoder_forward(
-                model, tokens_B1, caches, state["cross"], state["encoder_valid_BS"], index
-            )
-        return decoder_forward(model, tokens_B1, caches, index, state["pad_B"])
-
     b = state["logits_BV"].shape[0]
     key, sub = jax.random.split(key)
     # Only ids the tokenizer knows may be drawn (T5 pads its 32100 pieces to 32128 logits).
@@ -181,7 +184,8 @@ def _decode_loop(
 
     def body(carry):
         t, prev_B, caches, tokens_BN, done_B, key = carry
-        logits_B1V, caches = forward(prev_B[:, None], caches, state["index"] + t - 1)
+        index = state["index"] + t - 1
+        logits_B1V, caches = cached_step(model, prev_B[:, None], caches, index, state)
         caches = [constrain(c) for c in caches]
         key, sub = jax.random.split(key)
         next_B = sample_tokens(logits_B1V[:, -1, :vocab_limit], sub, sampling)
@@ -254,10 +258,12 @@ class Generator:
         batch_axes = axes(logical_to_spec(("batch",), (batch,), sizes)[0])
         head_axes = axes(logical_to_spec(("kv_heads",), (self.cfg.num_kv_heads,), sizes)[0])
         rows = (*batch_axes, *head_axes)
-        sharding = NamedSharding(self.mesh, PartitionSpec(rows or None, None, None))
-        return lambda cache: LayerCache(
-            *(jax.lax.with_sharding_constraint(x, sharding) for x in cache)
-        )
+
+        def place(x):  # a stacked cache [P, N, ...] keeps its layer axis whole
+            spec = PartitionSpec(*([None] * (x.ndim - 3)), rows or None, None, None)
+            return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
+
+        return lambda cache: LayerCache(*(place(x) for x in cache))
 
     def _compile(self, name, fn, *args, donate=()):
         """AOT-compile `fn` for these argument shapes once; returns (compiled, seconds)."""

@@ -41,9 +41,8 @@ class RopeScaling:
 
     @classmethod
     def from_config(cls, cfg) -> "RopeScaling | None":
-        """The model config's scaling, or None for plain RoPE (also configs older than
-        these keys)."""
-        rope_type = cfg.get("rope_type", "default")
+        """The model config's scaling, or None for plain RoPE."""
+        rope_type = cfg.rope_type
         if rope_type == "default":
             return None
         return cls(

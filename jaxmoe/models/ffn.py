@@ -23,5 +23,5 @@ def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
         from jaxmoe.models.moe.layer import MoE  # the MoE module pulls in dispatch code
 
         return MoE(cfg, rngs=rngs)
-    mlp = GatedMLP if cfg.get("ffn_gated", True) else MLP
+    mlp = GatedMLP if cfg.ffn_gated else MLP
     return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)

@@ -28,7 +28,7 @@ def experts_per_token(moe_cfg) -> float:
 def ffn_macs_per_token(cfg, layer_index: int) -> float:
     """Multiply-adds per token of the FFN slot of layer `layer_index` (gated: 3 matrices,
     ungated: 2; the model's FLOPs, not the extra matmul ungated experts run, moe.py)."""
-    matrices = 3 if cfg.get("ffn_gated", True) else 2
+    matrices = 3 if cfg.ffn_gated else 2
     if is_moe_layer(cfg, layer_index):
         moe = cfg.moe
         router = cfg.d_model * moe.num_experts
@@ -60,7 +60,7 @@ def forward_macs_per_sequence(cfg, seq_len: int, encoder_seq_len: int | None = N
             macs += length * per_token + _score_macs(cfg, length, length)
         return macs
     source = encoder_seq_len or seq_len
-    encoder_kv_heads = cfg.get("encoder_num_kv_heads", 0) or cfg.num_heads
+    encoder_kv_heads = cfg.encoder_num_kv_heads or cfg.num_heads
     macs = output_layer
     for i in range(cfg.num_encoder_layers or cfg.num_layers):
         per_token = _projection_macs(cfg, encoder_kv_heads) + ffn_macs_per_token(cfg, i)

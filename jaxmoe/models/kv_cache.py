@@ -1,4 +1,8 @@
-"""KV caches and the cached forward passes used for autoregressive decoding.
+"""KV caches for autoregressive decoding: their layouts, creation, update and attention read.
+
+There is no forward pass here: `DecoderLM.__call__` and `EncoderDecoderLM.__call__` take a
+`DecodeCache` (`cache=`) and run the same embedding, blocks and output layer as training,
+with each block's self-attention writing its new keys/values into its cache slot.
 
 A cache holds, per attention layer, the keys and values of the K KV heads only, so its size
 and the bandwidth each decode step spends reading it scale with K, not with the H query
@@ -17,17 +21,16 @@ S is fixed per request (prompt bucket + new-token bucket) and new entries are wr
 place with `lax.dynamic_update_slice`, so a whole generation runs inside one compiled loop
 with static shapes.
 
+The caches mirror the layer stack (`stack.stack_modules`): one `LayerCache` per unrolled
+block; a scanned stack's period blocks hold theirs STACKED [P, ...] along the layer axis
+(P = number of periods) and carried through the same `lax.scan` as training, each layer
+writing and reading its row in place, so the decode program does not grow with depth.
+
 Decoder-only prompts are left-padded: every row then writes the same cache slot at each
 step (one shared index) and keys in the padding are masked out, so a padded row gives the
 same logits as its unpadded sequence alone. Rotary positions count from each row's first
 real token (`positions = slot - pad`); rotary attention depends only on relative positions,
 so this keeps the angles small rather than changing the result.
-
-The cached forward passes call the models' own blocks, with a `CacheSlot` (the layer's
-cache and the slot to write) for self-attention and precomputed cross-attention K/V: the
-block code of training is the block code of decoding. tests/test_decode.py checks them
-against the full forward pass at every position. The layers are walked one by one (a
-scanned stack's rows sliced out), so the decode program still grows with depth.
 """
 
 from typing import NamedTuple
@@ -36,14 +39,32 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
-from jaxmoe.models.stack import unrolled_blocks
+from jaxmoe.models.stack import ScannedStack, period_of
 
 
 class LayerCache(NamedTuple):
-    """One attention layer's cache: keys k [N, d, S], values v [N, S, d]; N = B * K rows."""
+    """One attention layer's cache: keys k [N, d, S], values v [N, S, d]; N = B * K rows.
+    A scanned period block's cache has a leading layer axis: [P, N, d, S] / [P, N, S, d]."""
 
     k: jax.Array
     v: jax.Array
+
+
+class DecodeCache(NamedTuple):
+    """What a cached model call reads and returns updated.
+
+    layers: self-attention caches, one per stack module (stack.stack_modules order).
+    index: int32 [], the slot the first new token is written to (advanced by each call).
+    pad_B: int32 [B], left padding per row (decoder-only; zeros for encoder-decoder).
+    cross: encoder-decoder only: the encoder output's cross-attention K/V, laid out like
+        `layers` (projected once, by the first cached call), and encoder_valid_BS its mask.
+    """
+
+    layers: list
+    index: jax.Array
+    pad_B: jax.Array
+    cross: list | None = None
+    encoder_valid_BS: jax.Array | None = None
 
 
 def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
@@ -53,11 +74,20 @@ def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
 
 
 def cache_length(cache: LayerCache) -> int:
-    return cache.v.shape[1]
+    return cache.v.shape[-2]
+
+
+def stacked_counts(model_cfg) -> list[int | None]:
+    """Per stack module of the decoder: its layer count P when scanned, None when a block."""
+    if not model_cfg.scan_layers:
+        return [None] * model_cfg.num_layers
+    k = period_of(model_cfg)
+    periods = model_cfg.num_layers // k
+    return [periods] * (k if periods else 0) + [None] * (model_cfg.num_layers - periods * k)
 
 
 def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[LayerCache]:
-    """Zeroed self-attention caches for every decoder layer.
+    """Zeroed self-attention caches laid out like the decoder stack (`stacked_counts`).
 
     `constrain` (LayerCache -> LayerCache, e.g. sharding constraints) places the buffers.
     """
@@ -65,9 +95,32 @@ def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[Laye
     dtype = jnp.dtype(model_cfg.dtype)
     constrain = constrain or (lambda cache: cache)
     return [
-        constrain(LayerCache(*(jnp.zeros(shape, dtype) for shape in shapes)))
-        for _ in range(model_cfg.num_layers)
+        constrain(LayerCache(*(jnp.zeros((*lead, *s), dtype) for s in shapes)))
+        for lead in ([] if p is None else [p] for p in stacked_counts(model_cfg))
     ]
+
+
+def init_cache(model_cfg, batch: int, length: int, pad_B=None, constrain=None) -> DecodeCache:
+    """An empty DecodeCache of `length` slots; `pad_B` left padding (None: none)."""
+    if pad_B is None:
+        pad_B = jnp.zeros((batch,), jnp.int32)
+    layers = init_caches(model_cfg, batch, length, constrain)
+    return DecodeCache(layers, jnp.zeros((), jnp.int32), jnp.asarray(pad_B, jnp.int32))
+
+
+def check_matches_stack(caches: list, stack, what: str) -> None:
+    """A one-line ValueError when `caches` is not laid out like `stack` (e.g. caches made
+    for the unrolled model given to the scanned one)."""
+    if isinstance(stack, ScannedStack):
+        want = [stack.num_periods] * len(stack.period) + [None] * len(stack.tail)
+    else:
+        want = [None] * len(stack)
+    got = [None if c.k.ndim == 3 else c.k.shape[0] for c in caches]
+    if got != want:
+        raise ValueError(
+            f"{what}: caches laid out as {got} (layer counts per stack module, None = one "
+            f"layer), the model's stack as {want}: build them with init_caches(model.cfg, ...)"
+        )
 
 
 def cached_attention(q_BLHd, k_NdS, v_NSd, mask=None, bias_bHLS=None, scale=None):
@@ -107,8 +160,33 @@ def to_cache_layout(k_BSKd, v_BSKd) -> LayerCache:
     return LayerCache(k_NdS, v_NSd)
 
 
+class CacheSlot(NamedTuple):
+    """What a block's self-attention needs to decode: its cache, the first slot the new
+    tokens are written to, and (a stacked cache [P, ...]) the row of this layer, else None."""
+
+    cache: LayerCache
+    index: jax.Array
+    row: jax.Array | None = None
+
+
+def layer_view(cache: LayerCache, row) -> LayerCache:
+    """The [N, ...] cache of one layer: row `row` of a stacked cache (None: `cache` itself)."""
+    if row is None:
+        return cache
+    return LayerCache(*(jax.lax.dynamic_index_in_dim(x, row, keepdims=False) for x in cache))
+
+
+def _write(buffer, new, starts, row):
+    """`new` written into `buffer` at `starts` (in row `row` of a stacked buffer), in place."""
+    zero = jnp.zeros((), jnp.int32)
+    starts = tuple(zero if s is None else s for s in starts)
+    if row is None:
+        return jax.lax.dynamic_update_slice(buffer, new.astype(buffer.dtype), starts)
+    return jax.lax.dynamic_update_slice(buffer, new[None].astype(buffer.dtype), (row, *starts))
+
+
 def attend_with_cache(
-    attn: Attention, x_BLD, cache: LayerCache, index, mask_BLS, positions_BL=None, bias=None
+    attn: Attention, x_BLD, slot: CacheSlot, mask_BLS, positions_BL=None, bias=None
 ):
     """Self-attention of L new tokens at cache slots index..index+L-1 over the whole cache.
 
@@ -116,19 +194,14 @@ def attend_with_cache(
     """
     q_BLHd = attn.project_q(x_BLD, positions_BL)
     new = to_cache_layout(*attn.project_kv(x_BLD, positions_BL))
-    zero, index = jnp.zeros((), jnp.int32), jnp.asarray(index, jnp.int32)
-    k_NdS = jax.lax.dynamic_update_slice(cache.k, new.k.astype(cache.k.dtype), (zero, zero, index))
-    v_NSd = jax.lax.dynamic_update_slice(cache.v, new.v.astype(cache.v.dtype), (zero, index, zero))
-    o_BLHd = cached_attention(q_BLHd, k_NdS, v_NSd, mask_BLS, bias, attn.scale)
-    return attn.project_out(o_BLHd), LayerCache(k_NdS, v_NSd)
-
-
-class CacheSlot(NamedTuple):
-    """What a block's self-attention needs to decode: its layer's cache and the first slot
-    the new tokens are written to."""
-
-    cache: LayerCache
-    index: jax.Array
+    index = jnp.asarray(slot.index, jnp.int32)
+    cache = LayerCache(
+        _write(slot.cache.k, new.k, (None, None, index), slot.row),
+        _write(slot.cache.v, new.v, (None, index, None), slot.row),
+    )
+    mine = layer_view(cache, slot.row)
+    o_BLHd = cached_attention(q_BLHd, mine.k, mine.v, mask_BLS, bias, attn.scale)
+    return attn.project_out(o_BLHd), cache
 
 
 def self_attention(attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None, slot=None):
@@ -136,91 +209,53 @@ def self_attention(attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None
     tokens' keys/values written to the cache and attended over it."""
     if slot is None:
         return attn(x_BLD, mask=mask, bias=bias, positions_BL=positions_BL), None
-    return attend_with_cache(attn, x_BLD, slot.cache, slot.index, mask, positions_BL, bias)
+    return attend_with_cache(attn, x_BLD, slot, mask, positions_BL, bias)
 
 
 def cross_attention(attn: Attention, x_BLD, encoded_BSD, *, mask, cross_kv=None):
-    """Cross-attention to the encoder output, or to its keys/values `cross_kv` projected
-    once for decoding (encode_for_decoding)."""
+    """Cross-attention to the encoder output, or to its keys/values `cross_kv` (one layer's
+    LayerCache) projected once for decoding."""
     if cross_kv is None:
         return attn(x_BLD, mask=mask, kv_BSD=encoded_BSD)
     o_BLHd = cached_attention(attn.project_q(x_BLD), cross_kv.k, cross_kv.v, mask, scale=attn.scale)
     return attn.project_out(o_BLHd)
 
 
-def _slots(index, length: int):
-    return jnp.asarray(index, jnp.int32) + jnp.arange(length, dtype=jnp.int32)
+def new_slots(cache: DecodeCache, length: int):
+    """Cache slots [L] int32 of `length` new tokens."""
+    return cache.index + jnp.arange(length, dtype=jnp.int32)
 
 
-def decoder_forward(model, tokens_BL, caches: list[LayerCache], index, pad_B, *, last_only=False):
-    """`DecoderLM` on L new tokens at slots index.. with left padding `pad_B` per row.
-
-    Returns (logits [B, L or 1, V] f32, updated caches). `last_only` computes the output layer
-    for the last position only (prefill needs no more).
-    """
-    cfg = model.cfg
-    l = tokens_BL.shape[1]
-    s = cache_length(caches[0])
-    slots_L = _slots(index, l)
-    positions_BL = jnp.maximum(slots_L[None, :] - pad_B[:, None], 0)
-    key_slots_S = jnp.arange(s, dtype=jnp.int32)
+def decoder_mask(cache: DecodeCache, length: int):
+    """(mask bool [B, L, S], rotary positions [B, L]) of `length` new decoder-only tokens:
+    causal over the cache slots, left padding masked, positions from each row's first token."""
+    slots_L = new_slots(cache, length)
+    key_slots_S = jnp.arange(cache_length(cache.layers[0]), dtype=jnp.int32)
     causal_LS = key_slots_S[None, :] <= slots_L[:, None]
-    not_padding_BS = key_slots_S[None, :] >= pad_B[:, None]
-    mask_BLS = causal_LS[None] & not_padding_BS[:, None, :]
-    x_BLD = model.embed(tokens_BL, jnp.dtype(cfg.dtype))
-    new_caches = []
-    for layer, cache in zip(unrolled_blocks(model.layers), caches, strict=True):
-        slot = CacheSlot(cache, jnp.asarray(index, jnp.int32))
-        x_BLD, aux = layer(x_BLD, mask=mask_BLS, positions_BL=positions_BL, train=False, slot=slot)
-        new_caches.append(aux["cache"])
-    if last_only:
-        x_BLD = x_BLD[:, -1:]
-    return model.logits(x_BLD), new_caches
+    not_padding_BS = key_slots_S[None, :] >= cache.pad_B[:, None]
+    positions_BL = jnp.maximum(slots_L[None, :] - cache.pad_B[:, None], 0)
+    return causal_LS[None] & not_padding_BS[:, None, :], positions_BL
 
 
-def encode_for_decoding(model, encoder_tokens_BS):
-    """Run the encoder once; return (cross-attention K/V per decoder layer, valid_BS).
-
-    The cross-attention keys and values depend only on the encoder output, so they are
-    projected once here and read by every decode step.
-    """
-    encoded_BSD, _ = model.encode(encoder_tokens_BS, train=False)
-    cross = [
-        to_cache_layout(*layer.cross_attn.project_kv(encoded_BSD))
-        for layer in unrolled_blocks(model.decoder_layers)
-    ]
-    return cross, encoder_tokens_BS != 0
+def causal_cache_mask(cache: DecodeCache, length: int):
+    """Causal mask bool [1, L, S] of `length` new tokens over the cache slots."""
+    key_slots_S = jnp.arange(cache_length(cache.layers[0]), dtype=jnp.int32)
+    return (key_slots_S[None, :] <= new_slots(cache, length)[:, None])[None]
 
 
-def encoder_decoder_forward(
-    model, tokens_BL, caches: list[LayerCache], cross: list[LayerCache], encoder_valid_BS, index
-):
-    """`EncoderDecoderLM.decode` on L new decoder tokens at slots index...
+def advanced(cache: DecodeCache, layers: list, length: int, **changes) -> DecodeCache:
+    """`cache` with updated layer caches and its index moved past `length` new tokens."""
+    return cache._replace(layers=layers, index=cache.index + length, **changes)
 
-    Returns (logits [B, L, V] f32, updated self-attention caches).
-    """
-    b, l = tokens_BL.shape
-    s = cache_length(caches[0])
-    slots_L = _slots(index, l)
-    key_slots_S = jnp.arange(s, dtype=jnp.int32)
-    self_mask_1LS = (key_slots_S[None, :] <= slots_L[:, None])[None]
-    cross_mask_BLS = jnp.broadcast_to(
-        encoder_valid_BS[:, None, :], (b, l, encoder_valid_BS.shape[1])
-    )
-    bias_1HLS = model.decoder_relpos(l, s, query_offset=slots_L[0])
-    x_BLD = model.token_embed(tokens_BL, jnp.dtype(model.cfg.dtype))
-    new_caches = []
-    blocks = unrolled_blocks(model.decoder_layers)
-    for layer, cache, kv in zip(blocks, caches, cross, strict=True):
-        x_BLD, aux = layer(
-            x_BLD,
-            None,
-            self_mask=self_mask_1LS,
-            cross_mask=cross_mask_BLS,
-            bias=bias_1HLS,
-            train=False,
-            slot=CacheSlot(cache, jnp.asarray(index, jnp.int32)),
-            cross_kv=kv,
-        )
-        new_caches.append(aux["cache"])
-    return model.decoder_logits(x_BLD), new_caches
+
+def reorder_rows(caches: list[LayerCache], source_B) -> list[LayerCache]:
+    """Caches whose sequence b is sequence source_B[b] of `caches` (beam search), for
+    per-layer [N, ...] and stacked [P, N, ...] caches alike."""
+
+    def take(x):
+        lead = x.shape[: x.ndim - 3]
+        rows = source_B.shape[0]
+        split = x.reshape(*lead, rows, -1, *x.shape[-2:])
+        return jnp.take(split, source_B, axis=len(lead)).reshape(x.shape)
+
+    return [LayerCache(*(take(x) for x in cache)) for cache in caches]

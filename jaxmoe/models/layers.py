@@ -82,7 +82,7 @@ def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True):
     T5X shares one mask along the sequence axis (broadcast_dims=(-2,)) everywhere except
     after the encoder's final norm; its RNG stream is reseeded every step (steps.py).
     """
-    rate = float(cfg.get("dropout_rate", 0.0))
+    rate = float(cfg.dropout_rate)
     if not rate:
         return None
     return nnx.Dropout(rate, broadcast_dims=(-2,) if share_along_length else (), rngs=rngs)

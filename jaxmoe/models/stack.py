@@ -79,21 +79,26 @@ def _stacked(template: nnx.Module, members: list[nnx.Module]) -> nnx.Module:
 
 def build_stack(cfg, make_block: Callable, num_layers: int, rngs: nnx.Rngs):
     """An nnx.List of blocks, or a ScannedStack when `cfg.scan_layers`."""
-    if cfg.get("scan_layers", False):
+    if cfg.scan_layers:
         return ScannedStack(make_block, num_layers, period_of(cfg), rngs=rngs)
     return nnx.List([make_block(i, rngs) for i in range(num_layers)])
 
 
-def run_stack(stack, x, apply: Callable, remat, name: Callable[[int], object]):
+def run_stack(stack, x, apply: Callable, remat, name: Callable[[int], object], states=None):
     """Run every block of `stack` on x in layer order.
 
-    apply(block, x) -> (x, aux dict, empty for a dense FFN); remat: the model.remat value;
-    name(i): the aux key of layer i. Returns (x, {name(i): aux of layer i}) in layer order.
+    apply(block, x, state, row) -> (x, aux dict (empty for a dense FFN), new state).
+    states: None (training, eval) or one pytree per stack module (`stack_modules` order),
+    e.g. KV caches. A scanned period block's state has a leading [P] layer axis and is
+    carried through the scan: `row` (the scan step) tells the block which row is its own,
+    to read and write in place; row is None for unrolled and tail blocks.
+    remat: the model.remat value; name(i): the aux key of layer i.
+    Returns (x, {name(i): aux of layer i} in layer order, new states or None).
     """
     policy_name = remat_name(remat)
     if isinstance(stack, ScannedStack):
-        return _run_scanned(stack, x, apply, policy_name, name)
-    return _run_blocks(list(stack), 0, x, apply, policy_name, name)
+        return _run_scanned(stack, x, apply, policy_name, name, states)
+    return _run_blocks(list(stack), 0, x, apply, policy_name, name, states)
 
 
 def _checkpointed(fn, policy_name: str):
@@ -102,59 +107,74 @@ def _checkpointed(fn, policy_name: str):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
 
 
-def _run_blocks(blocks, first_index: int, x, apply, policy_name, name):
-    aux = {}
+def _run_blocks(blocks, first_index: int, x, apply, policy_name, name, states):
+    aux, new_states = {}, []
     for offset, block in enumerate(blocks):
-        x, layer_aux = _apply_pure(block, x, apply, policy_name)
+        state = None if states is None else states[offset]
+        x, layer_aux, state = _apply_pure(block, x, state, apply, policy_name)
+        new_states.append(state)
         if layer_aux:
             aux[name(first_index + offset)] = layer_aux
-    return x, aux
+    return x, aux, None if states is None else new_states
 
 
-def _apply_pure(block, x, apply, policy_name):
-    """apply(block, x), rematted as a pure function of the block's state.
+def _apply_pure(block, x, state, apply, policy_name):
+    """apply(block, x, state, None), rematted as a pure function of the block's state.
 
     The block's non-parameter state (RNG counters of router jitter) is written back.
     """
     if policy_name == "none":
-        return apply(block, x)
+        return apply(block, x, state, None)
     graphdef, params, rest = nnx.split(block, nnx.Param, ...)
 
-    def fn(x, params, rest):
+    def fn(x, state, params, rest):
         live = nnx.merge(graphdef, params, rest)
-        x, layer_aux = apply(live, x)
-        return x, layer_aux, nnx.split(live, nnx.Param, ...)[2]
+        x, layer_aux, state = apply(live, x, state, None)
+        return x, layer_aux, state, nnx.split(live, nnx.Param, ...)[2]
 
-    x, layer_aux, new_rest = _checkpointed(fn, policy_name)(x, params, rest)
+    x, layer_aux, state, new_rest = _checkpointed(fn, policy_name)(x, state, params, rest)
     nnx.update(block, new_rest)
-    return x, layer_aux
+    return x, layer_aux, state
 
 
-def _run_scanned(stack: ScannedStack, x, apply, policy_name, name):
+def _run_scanned(stack: ScannedStack, x, apply, policy_name, name, states):
+    k = len(stack.period)
+    tail_states = None if states is None else states[k:]
     if not stack.num_periods:
-        return _run_blocks(list(stack.tail), 0, x, apply, policy_name, name)
+        return _run_blocks(list(stack.tail), 0, x, apply, policy_name, name, tail_states)
     graphdef, params, rest = nnx.split(stack.period, nnx.Param, ...)
 
-    def body(x, slices):
-        period = nnx.merge(graphdef, *slices)
-        auxes = []
-        for block in period:
-            x, layer_aux = apply(block, x)
+    def body(carry, slices):
+        x, period_states = carry
+        row, params_p, rest_p = slices
+        period = nnx.merge(graphdef, params_p, rest_p)
+        auxes, new_states = [], []
+        for j, block in enumerate(period):
+            state = None if period_states is None else period_states[j]
+            x, layer_aux, state = apply(block, x, state, row)
             auxes.append(layer_aux)
-        return x, (auxes, nnx.split(period, nnx.Param, ...)[2])
+            new_states.append(state)
+        new_states = None if period_states is None else new_states
+        return (x, new_states), (auxes, nnx.split(period, nnx.Param, ...)[2])
 
-    x, (auxes, new_rest) = jax.lax.scan(_checkpointed(body, policy_name), x, (params, rest))
+    rows = jnp.arange(stack.num_periods, dtype=jnp.int32)
+    period_states = None if states is None else states[:k]
+    (x, period_states), (auxes, new_rest) = jax.lax.scan(
+        _checkpointed(body, policy_name), (x, period_states), (rows, params, rest)
+    )
     nnx.update(stack.period, new_rest)
-    period = len(auxes)
     aux = {}
     # Per-layer outputs come out stacked [num_periods, ...]; layer p * k + j is row p of j.
     for p in range(stack.num_periods):
         for j, stacked in enumerate(auxes):
             if stacked:
-                aux[name(p * period + j)] = jax.tree.map(lambda a, p=p: a[p], stacked)
-    first_tail = stack.num_periods * period
-    x, tail_aux = _run_blocks(list(stack.tail), first_tail, x, apply, policy_name, name)
-    return x, aux | tail_aux
+                aux[name(p * k + j)] = jax.tree.map(lambda a, p=p: a[p], stacked)
+    first_tail = stack.num_periods * k
+    x, tail_aux, tail_states = _run_blocks(
+        list(stack.tail), first_tail, x, apply, policy_name, name, tail_states
+    )
+    new_states = None if states is None else [*period_states, *tail_states]
+    return x, aux | tail_aux, new_states
 
 
 def stack_modules(stack) -> list[nnx.Module]:
@@ -165,20 +185,20 @@ def stack_modules(stack) -> list[nnx.Module]:
     return list(stack)
 
 
-def unrolled_blocks(stack) -> list[nnx.Module]:
-    """Every block of a stack as its own module, in layer order (a scanned stack is sliced).
-
-    For code that walks layers one by one in Python (the KV-cache decode loop); the slices
-    are views inside a trace, not copies of the parameters on the host.
-    """
+def map_stack(stack, fn: Callable) -> list:
+    """[fn(block) per stack module]; for a scanned stack's period blocks fn runs under one
+    scan over the periods and its results come out stacked [P, ...] (layer axis first)."""
     if not isinstance(stack, ScannedStack):
-        return list(stack)
-    graphdef, state = nnx.split(stack.period)
-    blocks = []
-    for p in range(stack.num_periods):
-        period = nnx.merge(graphdef, jax.tree.map(lambda a, p=p: a[p], state))
-        blocks.extend(period)
-    return blocks + list(stack.tail)
+        return [fn(block) for block in stack]
+    out = []
+    if stack.num_periods:
+        graphdef, state = nnx.split(stack.period)
+
+        def body(_, state_p):
+            return None, [fn(block) for block in nnx.merge(graphdef, state_p)]
+
+        out = list(jax.lax.scan(body, None, state)[1])
+    return out + [fn(block) for block in stack.tail]
 
 
 def stack_sizes(cfg) -> dict[str, int]:

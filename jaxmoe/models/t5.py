@@ -13,9 +13,19 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.attention import AUTO, Attention
+from jaxmoe.models.attention import Attention
 from jaxmoe.models.ffn import build_ffn
-from jaxmoe.models.kv_cache import cross_attention, self_attention
+from jaxmoe.models.kv_cache import (
+    CacheSlot,
+    DecodeCache,
+    advanced,
+    causal_cache_mask,
+    check_matches_stack,
+    cross_attention,
+    layer_view,
+    self_attention,
+    to_cache_layout,
+)
 from jaxmoe.models.layers import (
     Embed,
     RMSNorm,
@@ -27,7 +37,7 @@ from jaxmoe.models.layers import (
     matmul_2d,
     normal_init,
 )
-from jaxmoe.models.stack import build_stack, run_stack
+from jaxmoe.models.stack import build_stack, map_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
 
 
@@ -92,7 +102,7 @@ def _attention(cfg, kv_heads, rngs, causal_block=0):
 
 class EncoderBlock(nnx.Module):
     def __init__(self, cfg, layer_index, *, rngs):
-        kv_heads = cfg.get("encoder_num_kv_heads", 0) or cfg.num_heads
+        kv_heads = cfg.encoder_num_kv_heads or cfg.num_heads
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.attn = _attention(cfg, kv_heads, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -108,9 +118,7 @@ class EncoderBlock(nnx.Module):
 class DecoderBlock(nnx.Module):
     def __init__(self, cfg, layer_index, *, rngs):
         self.self_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.self_attn = _attention(
-            cfg, cfg.num_kv_heads, rngs, causal_block=cfg.get("attention_block", AUTO)
-        )
+        self.self_attn = _attention(cfg, cfg.num_kv_heads, rngs, causal_block=cfg.attention_block)
         self.cross_attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.cross_attn = _attention(cfg, cfg.num_kv_heads, rngs)
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -130,9 +138,10 @@ class DecoderBlock(nnx.Module):
         cross_kv=None,
         token_mask_BL=None,
     ):
-        """(x, aux). Decoding passes `slot` (kv_cache.CacheSlot: aux["cache"] is the updated
-        self-attention cache) and `cross_kv` (the encoder's projected K/V) for `encoded`.
-        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
+        """(x, aux, cache). Decoding passes `slot` (kv_cache.CacheSlot; `cache` is the
+        updated self-attention cache, else None) and `cross_kv` (this layer's projected
+        encoder K/V) for `encoded`. `token_mask_BL` (bool, None = all) marks the real
+        tokens for the MoE statistics."""
         h, cache = self_attention(
             self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
         )
@@ -143,7 +152,7 @@ class DecoderBlock(nnx.Module):
         x = x + dropout(self.dropout, h, train)
         y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         x = x + dropout(self.dropout, y, train)
-        return x, aux if cache is None else {**aux, "cache": cache}
+        return x, aux, cache
 
 
 class EncoderDecoderLM(nnx.Module):
@@ -195,11 +204,13 @@ class EncoderDecoderLM(nnx.Module):
         x = self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
 
-        def apply(layer, x):
+        def apply(layer, x, state, row):
             x, aux = layer(x, mask=mask, bias=bias, train=train, token_mask_BL=valid_BS)
-            return constrain_batch(x), aux
+            return constrain_batch(x), aux, None
 
-        x, aux = run_stack(self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}")
+        x, aux, _ = run_stack(
+            self.encoder_layers, x, apply, self.cfg.remat, lambda i: f"encoder_{i}"
+        )
         return dropout(self.encoder_out_dropout, self.encoder_norm(x), train), aux
 
     def decode(
@@ -210,32 +221,61 @@ class EncoderDecoderLM(nnx.Module):
         *,
         train: bool = False,
         token_mask_BL=None,
+        cache: DecodeCache | None = None,
     ):
         """(logits [B, L, V] f32, aux) given the encoder output; `token_mask_BL` (bool, None =
-        all) marks the real decoder positions for the MoE losses and statistics."""
-        l = decoder_tokens_BL.shape[1]
-        self_mask = jnp.tril(jnp.ones((l, l), bool))[None]
+        all) marks the real decoder positions for the MoE losses and statistics. With `cache`
+        (holding the cross-attention K/V, `encoded_BSD` unused) the tokens are the next L at
+        slots cache.index.. and the call returns (logits, aux, the advanced cache)."""
+        b, l = decoder_tokens_BL.shape
+        if cache is None:
+            self_mask = jnp.tril(jnp.ones((l, l), bool))[None]
+            bias = self.decoder_relpos(l, l)
+            states = None
+        else:
+            check_matches_stack(cache.layers, self.decoder_layers, "EncoderDecoderLM")
+            self_mask = causal_cache_mask(cache, l)
+            bias = self.decoder_relpos(l, cache.layers[0].v.shape[-2], query_offset=cache.index)
+            states = list(zip(cache.layers, cache.cross, strict=True))
         cross_mask = jnp.broadcast_to(
-            encoder_valid_BS[:, None, :], (encoder_valid_BS.shape[0], l, encoded_BSD.shape[1])
+            encoder_valid_BS[:, None, :], (b, l, encoder_valid_BS.shape[1])
         )
-        bias = self.decoder_relpos(l, l)
         x = self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
 
-        def apply(layer, x):
-            x, aux = layer(
+        def apply(layer, x, state, row):
+            slot = cross_kv = None
+            if state is not None:
+                slot = CacheSlot(state[0], cache.index, row)
+                cross_kv = layer_view(state[1], row)
+            x, aux, layer_cache = layer(
                 x,
                 encoded_BSD,
                 self_mask=self_mask,
                 cross_mask=cross_mask,
                 bias=bias,
                 train=train,
+                slot=slot,
+                cross_kv=cross_kv,
                 token_mask_BL=token_mask_BL,
             )
-            return constrain_batch(x), aux
+            return constrain_batch(x), aux, None if state is None else (layer_cache, state[1])
 
-        x, aux = run_stack(self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}")
-        return self.decoder_logits(x, train), aux
+        x, aux, states = run_stack(
+            self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}", states
+        )
+        logits = self.decoder_logits(x, train)
+        if cache is None:
+            return logits, aux
+        return logits, aux, advanced(cache, [s[0] for s in states], l)
+
+    def cross_kv(self, encoded_BSD) -> list:
+        """Every decoder layer's cross-attention K/V of the encoder output, laid out like
+        the decoder stack's caches (kv_cache.DecodeCache.cross): projected once per request."""
+        return map_stack(
+            self.decoder_layers,
+            lambda block: to_cache_layout(*block.cross_attn.project_kv(encoded_BSD)),
+        )
 
     def decoder_logits(self, x, train: bool = False):
         """The output layer on the last decoder block's output: logits [B, L, V] f32."""
@@ -245,10 +285,37 @@ class EncoderDecoderLM(nnx.Module):
         return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
 
     def __call__(
-        self, encoder_tokens_BS, decoder_tokens_BL, *, train: bool = False, token_mask_BL=None
+        self,
+        encoder_tokens_BS,
+        decoder_tokens_BL,
+        *,
+        train: bool = False,
+        token_mask_BL=None,
+        cache: DecodeCache | None = None,
     ):
         """Encoder padding (token 0) is known; `token_mask_BL` marks the decoder's real
-        positions (e.g. loss weights > 0) for the MoE losses, None = all."""
+        positions (e.g. loss weights > 0) for the MoE losses, None = all.
+
+        With `cache` (kv_cache.init_cache) the decoder tokens are the next L at slots
+        cache.index.. and the call returns (logits, aux, the advanced cache). A cache
+        without cross-attention K/V (a new request) runs the encoder on
+        `encoder_tokens_BS` and keeps its projected K/V in the returned cache; later calls
+        read them and may pass None for the encoder tokens."""
+        enc_aux = {}
+        if cache is not None and cache.cross is None:
+            encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
+            valid_BS = encoder_tokens_BS != 0
+            cache = cache._replace(cross=self.cross_kv(encoded), encoder_valid_BS=valid_BS)
+        if cache is not None:
+            logits, dec_aux, cache = self.decode(
+                decoder_tokens_BL,
+                None,
+                cache.encoder_valid_BS,
+                train=train,
+                token_mask_BL=token_mask_BL,
+                cache=cache,
+            )
+            return logits, enc_aux | dec_aux, cache
         encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
         logits, dec_aux = self.decode(
             decoder_tokens_BL,

@@ -3,9 +3,16 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.attention import AUTO, Attention, RopeScaling
+from jaxmoe.models.attention import Attention, RopeScaling
 from jaxmoe.models.ffn import build_ffn
-from jaxmoe.models.kv_cache import self_attention
+from jaxmoe.models.kv_cache import (
+    CacheSlot,
+    DecodeCache,
+    advanced,
+    check_matches_stack,
+    decoder_mask,
+    self_attention,
+)
 from jaxmoe.models.layers import (
     Embed,
     RMSNorm,
@@ -30,8 +37,8 @@ class DecoderBlock(nnx.Module):
             cfg.head_dim,
             rope_theta=cfg.rope_theta,
             rope_scaling=RopeScaling.from_config(cfg),
-            qkv_bias=cfg.get("qkv_bias", False),
-            causal_block=cfg.get("attention_block", AUTO),
+            qkv_bias=cfg.qkv_bias,
+            causal_block=cfg.attention_block,
             rngs=rngs,
         )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -39,20 +46,21 @@ class DecoderBlock(nnx.Module):
         self.dropout = make_dropout(cfg, rngs)
 
     def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None, token_mask_BL=None):
-        """(x, aux). With `slot` (kv_cache.CacheSlot, decoding) the self-attention reads and
-        writes the layer's KV cache and aux["cache"] is the updated cache. `token_mask_BL`
-        (bool, None = all) marks the real tokens for the MoE statistics and losses."""
+        """(x, aux, cache). With `slot` (kv_cache.CacheSlot, decoding) the self-attention
+        reads and writes the layer's KV cache and `cache` is the updated one (else None).
+        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
         h_BLD, cache = self_attention(
             self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)
         x_BLD = x_BLD + dropout(self.dropout, y_BLD, train)
-        return x_BLD, aux if cache is None else {**aux, "cache": cache}
+        return x_BLD, aux, cache
 
 
 class DecoderLM(nnx.Module):
-    """tokens [B, L] -> logits [B, L, V] (f32), plus per-layer MoE aux outputs."""
+    """tokens [B, L] -> logits [B, L, V] (f32), plus per-layer MoE aux outputs; with a KV
+    cache the same call prefills and decodes."""
 
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -67,30 +75,63 @@ class DecoderLM(nnx.Module):
                 rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
             )
 
-    def __call__(self, tokens_BL, *, train: bool = False, positions_BL=None, token_mask_BL=None):
+    def __call__(
+        self,
+        tokens_BL,
+        *,
+        train: bool = False,
+        positions_BL=None,
+        token_mask_BL=None,
+        cache: DecodeCache | None = None,
+        last_only: bool = False,
+    ):
         """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
         `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
-        MoE balance / z losses and routing statistics."""
+        MoE balance / z losses and routing statistics.
+
+        With `cache` (kv_cache.init_cache) the tokens are the next L of each sequence: they
+        attend to the cache and to each other, their keys/values are written at slots
+        cache.index.., positions count from each row's first real token (left padding
+        cache.pad_B), and the call returns (logits, aux, cache advanced by L): a prefill is
+        one call on the prompt, a decode step one call on one token. `last_only`: logits
+        of the last position only [B, 1, V] (a prefill needs no more).
+        """
         cfg = self.cfg
         b, l = tokens_BL.shape
-        if positions_BL is None:
-            positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
-        mask = jnp.tril(jnp.ones((l, l), bool))[None]
+        if cache is None:
+            mask = jnp.tril(jnp.ones((l, l), bool))[None]
+            if positions_BL is None:
+                positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
+            states = None
+        else:
+            check_matches_stack(cache.layers, self.layers, "DecoderLM")
+            mask, cache_positions_BL = decoder_mask(cache, l)
+            positions_BL = cache_positions_BL if positions_BL is None else positions_BL
+            states = cache.layers
         x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
         x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
 
-        def apply(layer, x_BLD):
-            x_BLD, aux = layer(
+        def apply(layer, x_BLD, layer_cache, row):
+            slot = None if cache is None else CacheSlot(layer_cache, cache.index, row)
+            x_BLD, aux, layer_cache = layer(
                 x_BLD,
                 mask=mask,
                 positions_BL=positions_BL,
                 train=train,
+                slot=slot,
                 token_mask_BL=token_mask_BL,
             )
-            return constrain_batch(x_BLD), aux
+            return constrain_batch(x_BLD), aux, layer_cache
 
-        x_BLD, aux = run_stack(self.layers, x_BLD, apply, cfg.remat, name=lambda i: i)
-        return self.logits(x_BLD, train), aux
+        x_BLD, aux, states = run_stack(
+            self.layers, x_BLD, apply, cfg.remat, name=lambda i: i, states=states
+        )
+        if last_only:
+            x_BLD = x_BLD[:, -1:]
+        logits = self.logits(x_BLD, train)
+        if cache is None:
+            return logits, aux
+        return logits, aux, advanced(cache, states, l)
 
     def logits(self, x_BLD, train: bool = False):
         """The output layer on the last block's output: logits [B, L, V] f32."""

@@ -72,11 +72,11 @@ def check_moe_config(cfg) -> None:
     for key in ("capacity_factor", "jitter"):
         if float(moe[key]) < 0:
             raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
-    if float(moe.get("ep_buffer_factor", 2.0)) <= 0:
+    if float(moe.ep_buffer_factor) <= 0:
         raise ValueError(
             f"model.moe.ep_buffer_factor: expected a number > 0, got {moe.ep_buffer_factor!r}"
         )
-    exchange = moe.get("ep_exchange", "auto")
+    exchange = moe.ep_exchange
     if exchange not in expert_parallel.EXCHANGES:
         raise ValueError(
             f"model.moe.ep_exchange: got {exchange!r}, expected "
@@ -102,7 +102,7 @@ class MoE(nnx.Module):
         moe = cfg.moe
         dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
         self.num_experts = num_experts
-        self.gated = bool(cfg.get("ffn_gated", True))
+        self.gated = bool(cfg.ffn_gated)
         self.act = activation_fn(cfg.activation) if self.gated else ungated_gate_fn(cfg.activation)
         self.train_gate = gate_config(moe, moe.gating)
         self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
@@ -110,13 +110,13 @@ class MoE(nnx.Module):
         self.impl = dispatch.resolve_dispatch(moe.dispatch, self.capacity_factor)
         self.block_size = int(moe.block_size)
         self.jitter = float(moe.jitter)
-        self.balance_fractions = str(moe.get("balance_fractions", "auto"))
-        self.ep_exchange = str(moe.get("ep_exchange", "auto"))
-        self.ep_buffer_factor = float(moe.get("ep_buffer_factor", 2.0))
+        self.balance_fractions = str(moe.balance_fractions)
+        self.ep_exchange = str(moe.ep_exchange)
+        self.ep_buffer_factor = float(moe.ep_buffer_factor)
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
         self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
-        if moe.get("router_bias", False):
+        if moe.router_bias:
             self.router_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
         expert_in = ("expert", "embed", "expert_mlp")
         if self.gated:
