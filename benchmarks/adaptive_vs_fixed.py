@@ -14,16 +14,17 @@ the share of tokens sent to two experts, and the final eval loss. Two settings:
   plain            configs/default.py as is (4 layers, training gate at evaluation)
 
 After training, the variants' final models take turns on the same batches in this one
-process (benchmarks/interleaved_steps.py): their step-time ratios are what load on a shared
+process (benchmarks.interleaved_steps): their step-time ratios are what load on a shared
 machine changes least. Writes into --out:
   adaptive_vs_fixed.json   every number, per seed and variant, and mean / std over seeds
   adaptive_vs_fixed.md     the table, next to the paper's numbers
   loss_vs_time.png         eval loss against training time and against training FLOPs
+and with --json also docs/results/YYYY-MM-DD-adaptive_vs_fixed.json.
 
-    python benchmarks/adaptive_vs_fixed.py --out runs/avf                 # paper, 3 seeds
-    python benchmarks/adaptive_vs_fixed.py --out runs/avf --variants adaptive_T0.1_gap_none
-    python benchmarks/adaptive_vs_fixed.py --setting plain --seeds 0 --out runs/avf_plain
-    python benchmarks/adaptive_vs_fixed.py --quick --out /tmp/avf        # ~2 min smoke test
+    python -m benchmarks adaptive_vs_fixed --out runs/avf                 # paper, 3 seeds
+    python -m benchmarks adaptive_vs_fixed --out runs/avf --variants adaptive_T0.1_gap_none
+    python -m benchmarks adaptive_vs_fixed --setting plain --seeds 0 --out runs/avf_plain
+    python -m benchmarks adaptive_vs_fixed --quick --out /tmp/avf        # ~2 min smoke test
 
 Training time is the sum of the logged per-step wall times (train.log_every = 1), where the
 steps that also carry a compilation (step 1) or an evaluation are counted at the run's median
@@ -47,13 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from benchmarks.results import add_json_flag, write_json
+from jaxmoe.config.loading import load_config
+from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.flops import ffn_macs_per_token, train_flops_per_step
 
-from jaxmoe.config.loading import load_config  # noqa: E402
-from jaxmoe.models.ffn import is_moe_layer  # noqa: E402
-from jaxmoe.models.flops import ffn_macs_per_token, train_flops_per_step  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 ADAPTIVE = ["model.moe.gating=adaptive", "model.moe.threshold=0.1"]
 CURRICULUM = ["data.curriculum=paper"]
@@ -508,6 +508,7 @@ def parse_args(argv):
         help="train nothing: report the finished runs under --workdir (others left out)",
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 4 steps: a smoke test")
+    add_json_flag(p)
     args = p.parse_args(argv)
     setting = SETTINGS[args.setting]
     args.steps = args.steps or (4 if args.quick else setting["steps"])
@@ -559,12 +560,11 @@ def run_seed(args, seed: int, runs: Path) -> dict | None:
     return {"target_loss": target, "target_rule": rule, "variants": results}
 
 
-def main(argv=None) -> dict:
+def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import jax
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from interleaved_steps import interleaved_step_times
+    from benchmarks.interleaved_steps import interleaved_step_times
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -636,8 +636,9 @@ def main(argv=None) -> dict:
     (out / "adaptive_vs_fixed.md").write_text(markdown(report))
     plot(report, out / "loss_vs_time.png")
     print(markdown(report))
-    return report
+    write_json("adaptive_vs_fixed", report, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

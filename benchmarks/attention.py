@@ -5,23 +5,20 @@ attention at several block sizes, with the tiny Mixtral's heads (8 query heads, 
 of 32) unless told otherwise. Each variant is compiled once; the variants are then timed in
 turns (`--rounds` of `--repeats` calls each), so a changing machine load hits all alike.
 
-    python benchmarks/attention.py                         # L=256, batch 8
-    python benchmarks/attention.py --length 1024 --batch 2 --blocks 32 64 128
+    python -m benchmarks attention                         # L=256, batch 8
+    python -m benchmarks attention --length 1024 --batch 2 --blocks 32 64 128 --json
 """
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a fresh clone
-
+from benchmarks.results import add_json_flag, publish, table_of_dicts
 from jaxmoe.models.attention import grouped_attention, resolve_causal_block
 
 
@@ -36,7 +33,7 @@ def attention_grad(block: int):
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=256)
@@ -46,7 +43,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, nargs="+", default=[16, 32, 64, 128])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
+    add_json_flag(parser)
+    args = parser.parse_args(argv)
 
     keys = jax.random.split(jax.random.key(0), 4)
     b, n, h, k, d = args.batch, args.length, args.heads, args.kv_heads, args.head_dim
@@ -77,8 +75,12 @@ def main() -> None:
         for name, t in times.items()
     ]
     auto = resolve_causal_block(-1, n)
-    print(json.dumps({"shape": dict(vars(args)), "auto_block": auto, "rows": rows}, indent=1))
+    shape = {k: v for k, v in vars(args).items() if k != "json"}
+    result = {"shape": shape, "auto_block": auto, "rows": rows}
+    table = f"{table_of_dicts(rows)}\n\nauto block (model.attention_block=-1): {auto}"
+    publish("attention", result, table, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,8 @@
 """The routing-complexity curriculum on the default adaptive-MoE job: none vs paper vs magnitude.
 
-    python benchmarks/curriculum.py --out runs/bench_curriculum            # 3 epochs each
-    python benchmarks/curriculum.py --out DIR --steps 600 --devices 8 --config.train.seed=1
-    python benchmarks/curriculum.py --out DIR --policies magnitude --source scoring_pass
+    python -m benchmarks curriculum --out runs/bench_curriculum            # 3 epochs each
+    python -m benchmarks curriculum --out DIR --steps 600 --devices 8 --config.train.seed=1
+    python -m benchmarks curriculum --out DIR --policies magnitude --source scoring_pass
 
 Each policy trains configs/default.py from scratch (same seed, data and number of tokens;
 only `data.curriculum` differs) through `jaxmoe.training.loop.train` with train.log_every=1, so
@@ -18,7 +18,8 @@ dropless MoE runs its expert blocks in loops whose trip counts are traced values
 executable serves batches of any top-2 share: a bucketed-capacity layer would instead
 compile once per capacity bucket the curriculum visits.
 
-Writes DIR/curriculum.md (a table for docs/moe.md) and DIR/curriculum.json.
+Writes DIR/curriculum.md (a table for docs/moe.md) and DIR/curriculum.json; with --json
+also docs/results/YYYY-MM-DD-curriculum.json.
 """
 
 import argparse
@@ -30,6 +31,8 @@ import shutil
 import sys
 import time
 from pathlib import Path
+
+from benchmarks.results import add_json_flag, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 POLICIES = ("none", "paper", "magnitude")
@@ -231,13 +234,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="re-analyse the runs already in --out (no training) and rewrite the report",
     )
+    add_json_flag(parser)
     args, rest = parser.parse_known_args(argv)
     overrides = [x.removeprefix("--") for x in rest]
     if any(not x.startswith("config.") for x in overrides):
         parser.error(f"unknown arguments {rest}; config overrides look like --config.a.b=v")
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    sys.path.insert(0, str(ROOT))
 
     import jax
 
@@ -276,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(results, args, overrides)
     (out / "curriculum.md").write_text(text)
     print(text)
+    write_json("curriculum", {**report, "results": results}, args.json)
     return 0
 
 

@@ -6,23 +6,21 @@ step during which the trainer waits with the GIL released. Reports the mean time
 `next(batches)` per step and its share of the step (wait / (wait + step)), for
 data.prefetch = 0 (batches built on the training thread) and the config's prefetch depth.
 
-    python benchmarks/data_wait.py --step_ms 10                                  # LM
-    python benchmarks/data_wait.py --step_ms 10 --config.model.arch=encoder_decoder  # T5
+    python -m benchmarks data_wait --step_ms 10                                  # LM
+    python -m benchmarks data_wait --step_ms 10 --config.model.arch=encoder_decoder  # T5
 
 Host-to-device copies are not included (they are the same with or without prefetching).
 """
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a fresh clone without installing
-    sys.path.insert(0, str(ROOT))
+from benchmarks.results import add_json_flag, markdown_table, publish
+from jaxmoe.config.loading import load_config
+from jaxmoe.data.pipeline import build_data
 
-from jaxmoe.config.loading import load_config  # noqa: E402
-from jaxmoe.data.pipeline import build_data  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def mean_wait_s(config, steps: int, step_s: float) -> float:
@@ -43,10 +41,12 @@ def mean_wait_s(config, steps: int, step_s: float) -> float:
 
 
 def main(argv=None) -> dict:
+    """{prefetch depth: (mean wait s, share of the step)}."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "default.py"))
     parser.add_argument("--step_ms", type=float, default=10.0, help="simulated device step")
     parser.add_argument("--steps", type=int, default=200)
+    add_json_flag(parser)
     args, overrides = parser.parse_known_args(argv)
     config = load_config(args.config, overrides)
     depth = int(config.data.prefetch) or 2
@@ -63,6 +63,16 @@ def main(argv=None) -> dict:
             f"arch={config.model.arch})",
             flush=True,
         )
+    rows = [[p, f"{w * 1e3:.3f}", f"{s:.1%}"] for p, (w, s) in result.items()]
+    table = markdown_table(["data.prefetch", "wait ms / step", "share of the step"], rows)
+    saved = {
+        "config": args.config,
+        "overrides": overrides,
+        "step_ms": args.step_ms,
+        "steps": args.steps,
+        "rows": [{"prefetch": p, "wait_s": w, "share": s} for p, (w, s) in result.items()],
+    }
+    publish("data_wait", saved, table, args.json)
     return result
 
 

@@ -8,8 +8,8 @@ forward steps. Variants: MHA (64 KV heads), GQA with 32, 16, 8, 4, 2 groups and 
 Each variant is also timed at a near-empty context, so the table splits a step into the
 part that reads the KV cache and the rest (weights, FFN, output layer).
 
-    python benchmarks/decode.py           # table
-    python benchmarks/decode.py --json    # one JSON object
+    python -m benchmarks decode           # table
+    python -m benchmarks decode --json    # + docs/results/DATE-decode.json
     python benchmarks/decode.py --batch 4 # a cache-dominated regime
 Variants are compiled first, then timed in interleaved rounds (min over rounds), so load
 from other processes on a shared machine hits every variant alike.
@@ -24,13 +24,14 @@ KV head on every model partition.
 """
 
 import argparse
-import json
+import sys
 import time
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from benchmarks.results import add_json_flag, markdown_table, publish
 from jaxmoe.config.defaults import base_config
 from jaxmoe.inference.decode import Generator, Sampling, bucket
 from jaxmoe.models import build_model
@@ -98,9 +99,9 @@ class Variant:
         return values * jnp.dtype(cfg.dtype).itemsize / 2**20
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--num_heads", type=int, default=64)
@@ -169,27 +170,30 @@ def main(argv: list[str] | None = None) -> None:
         "new_tokens": args.new_tokens,
         "devices": f"{jax.devices()[0].platform} x1",
     }
-    if args.json:
-        print(json.dumps(result))
-        return
-    print(
-        f"decode, context {args.context}, batch {args.batch}, {args.num_heads} query heads of "
-        f"{args.head_dim}, d_model {args.d_model}, {args.num_layers} layers, {args.dtype}"
-    )
-    print(
-        f"{'variant':<8} {'KV heads':>8} {'cache MiB':>10} {'ms/token':>9} "
-        f"{'ctx 16':>8} {'cache part':>10}"
-    )
-    for r in rows:
-        print(
-            f"{r['name']:<8} {r['num_kv_heads']:>8} {r['cache_mib']:>10.1f} "
-            f"{r['ms_per_token']:>9.2f} {r['ms_short_context']:>8.2f} "
-            f"{r['ms_reading_cache']:>10.2f}"
-        )
-    for key, value in ratios.items():
+    publish("decode", result, table(result), args.json)
+    return 0
+
+
+def table(result: dict) -> str:
+    m = result["model"]
+    lines = [
+        f"decode, context {result['context']}, batch {result['batch']}, {result['num_heads']} "
+        f"query heads of {m['head_dim']}, d_model {m['d_model']}, {m['num_layers']} layers, "
+        f"{m['dtype']}",
+        "",
+    ]
+    header = ["variant", "KV heads", "cache MiB", "ms/token", "ctx 16", "cache part"]
+    rows = [
+        [r["name"], r["num_kv_heads"], f"{r['cache_mib']:.1f}", f"{r['ms_per_token']:.2f}",
+         f"{r['ms_short_context']:.2f}", f"{r['ms_reading_cache']:.2f}"]
+        for r in result["rows"]
+    ]  # fmt: skip
+    lines += [markdown_table(header, rows), ""]
+    for key, value in result["ratios"].items():
         target = "<= 1.10" if key == "gqa8_over_mqa" else ">= 3"
-        print(f"{key}: {value:.2f} (target {target})")
+        lines.append(f"{key}: {value:.2f} (target {target})  ")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,14 +1,17 @@
-"""Hugging Face's side of `decode_peer.py`: `generate` (greedy) with a dynamic and a static
-KV cache, the faster one reported, in a process that never imports JAX. One JSON line per
-case.
+"""Hugging Face's side of `decode_peer`: greedy `generate` per case, never importing JAX.
 
-    python benchmarks/decode_hf.py --spec JSON --cases JSON --prompt_len 1024 --new_tokens 32
+With a dynamic and a static KV cache, the faster one reported; one JSON line per case
+(worker_protocol.emit).
+
+    python -m benchmarks.decode_hf --spec JSON --cases JSON --prompt_len 1024 --new_tokens 32
 """
 
 import argparse
 import json
 import sys
 import time
+
+from benchmarks.worker_protocol import emit, imported_frameworks
 
 
 def build(spec: dict, kv_heads: int, gating: str):
@@ -71,9 +74,8 @@ def main(argv=None) -> int:
             per_token = (t_n - t_1) / (args.new_tokens - 1)
             if best is None or per_token < best[0]:
                 best = (per_token, t_1, cache)
-        loaded = sorted(m for m in ("jax", "torch") if m in sys.modules)
-        print(json.dumps({**case, "ms_per_token": 1e3 * best[0], "prefill_s": best[1],
-                          "cache": best[2], "imported": loaded}), flush=True)  # fmt: skip
+        emit({**case, "ms_per_token": 1e3 * best[0], "prefill_s": best[1],
+              "cache": best[2], "imported": imported_frameworks()})  # fmt: skip
     return 0
 
 

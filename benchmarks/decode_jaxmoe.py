@@ -1,29 +1,27 @@
-"""jaxmoe's side of `decode_peer.py`: greedy KV-cache decoding timed per case, in a process
-that never imports torch. Prints one JSON line per case.
+"""jaxmoe's side of `decode_peer`: greedy KV-cache decoding per case, never importing torch.
 
-    python benchmarks/decode_jaxmoe.py --spec JSON --cases JSON --prompt_len 1024 --new_tokens 32
+Prints one JSON line per case (worker_protocol.emit).
+
+    python -m benchmarks.decode_jaxmoe --spec JSON --cases JSON --prompt_len 1024 --new_tokens 32
 """
 
 import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a fresh clone without installing
+import jax
+import numpy as np
+from flax import nnx
 
-import jax  # noqa: E402
-import numpy as np  # noqa: E402
-from flax import nnx  # noqa: E402
-
-from jaxmoe.config.defaults import base_config  # noqa: E402
-from jaxmoe.inference.decode import Generator, Sampling  # noqa: E402
-from jaxmoe.models import build_model  # noqa: E402
-from jaxmoe.models.spec import model_params  # noqa: E402
-from jaxmoe.parallel.host_memory import retain_freed_host_memory  # noqa: E402
-from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
-from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
+from benchmarks.worker_protocol import emit, imported_frameworks
+from jaxmoe.config.defaults import base_config
+from jaxmoe.inference.decode import Generator, Sampling
+from jaxmoe.models import build_model
+from jaxmoe.models.spec import model_params
+from jaxmoe.parallel.host_memory import retain_freed_host_memory
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.platforms import skip_absent_tpu
 
 
 def model_config(spec: dict, kv_heads: int, gating: str):
@@ -68,9 +66,8 @@ def main(argv=None) -> int:
         t_1 = min(seconds(generator, prompts, 1) for _ in range(2))
         t_n = min(seconds(generator, prompts, args.new_tokens) for _ in range(2))
         per_token = (t_n - t_1) / (args.new_tokens - 1)
-        loaded = sorted(m for m in ("jax", "torch") if m in sys.modules)
-        print(json.dumps({**case, "ms_per_token": 1e3 * per_token, "prefill_s": t_1,
-                          "imported": loaded}), flush=True)  # fmt: skip
+        emit({**case, "ms_per_token": 1e3 * per_token, "prefill_s": t_1,
+              "imported": imported_frameworks()})  # fmt: skip
     return 0
 
 

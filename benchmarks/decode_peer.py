@@ -6,26 +6,29 @@ compiled prefill and while_loop with the KV cache updated in place) and in trans
 MQA at batch 1 and 8 after a `--prompt_len` prompt, and an MoE variant (Mixtral-style FFNs)
 with top-2 and adaptive gating (jaxmoe only: transformers has no adaptive gate). Per token =
 (time of N new tokens - time of 1) / (N - 1), the best of two calls after a warm-up, so the
-prompt's prefill and compiles drop out. The two systems' workers (decode_jaxmoe.py,
-decode_hf.py) take turns for `--rounds` rounds; each case keeps its fastest round. The
-1-minute load average is sampled around every worker; a run with more than half the cores
-of load from elsewhere is flagged `"quiet": false`.
+prompt's prefill and compiles drop out. The two systems' workers (decode_jaxmoe,
+decode_hf, each run to its end by peer_harness.run_worker in its own process) take turns
+for `--rounds` rounds; each case keeps its fastest round. The 1-minute load average is
+sampled around every worker; a run with more than half the cores of load from elsewhere is
+flagged `"quiet": false`.
 
-    python benchmarks/decode_peer.py --peer hf            # table
-    python benchmarks/decode_peer.py --peer hf --json     # one JSON object
+    python -m benchmarks decode_peer --peer hf          # table
+    python -m benchmarks decode_peer --peer hf --json   # + docs/results/DATE-decode_peer.json
 """
 
 import argparse
 import json
 import os
-import subprocess
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from worker_protocol import NOT_QUIET, is_quiet, report  # noqa: E402
+from benchmarks.peer_harness import (
+    NOT_QUIET,
+    is_quiet,
+    load_average,
+    run_worker,
+    warn_unless_quiet,
+)
+from benchmarks.results import add_json_flag, markdown_table, publish
 
 SPEC = {
     "vocab": 8192, "d_model": 1024, "layers": 4, "heads": 16, "head_dim": 64, "ffn": 2816,
@@ -40,15 +43,6 @@ def cases(batches) -> list[dict]:
     return dense + moe
 
 
-def run_worker(script: str, argv: list[str]) -> list[dict]:
-    result = subprocess.run(
-        [sys.executable, str(HERE / script), *argv], capture_output=True, text=True, check=False
-    )
-    if result.returncode:
-        raise RuntimeError(f"{script} failed: {result.stderr.strip().splitlines()[-1:]}")
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-
-
 def key(case: dict) -> tuple:
     return case["kv_heads"], case["batch"], case.get("gating", "")
 
@@ -58,21 +52,21 @@ def run(args) -> dict:
               f"--new_tokens={args.new_tokens}"]  # fmt: skip
     dense_and_top2 = cases(args.batches)
     jax_cases = [*dense_and_top2, {**dense_and_top2[-1], "gating": "adaptive"}]
-    loads = [os.getloadavg()[0]]
+    loads = [load_average()]
     best: dict[tuple, dict] = {}
     for _ in range(args.rounds):
-        plans = [("jaxmoe", "decode_jaxmoe.py", jax_cases, [])]
+        plans = [("jaxmoe", "decode_jaxmoe", jax_cases, [])]
         if args.peer == "hf":
-            plans.append(("hf", "decode_hf.py", dense_and_top2, [f"--threads={args.threads}"]))
-        for system, script, todo, extra in plans:
-            for row in run_worker(script, [*common, f"--cases={json.dumps(todo)}", *extra]):
+            plans.append(("hf", "decode_hf", dense_and_top2, [f"--threads={args.threads}"]))
+        for system, module, todo, extra in plans:
+            for row in run_worker(module, [*common, f"--cases={json.dumps(todo)}", *extra]):
                 expected = ["jax"] if system == "jaxmoe" else ["torch"]
                 if row.pop("imported") != expected:
                     raise RuntimeError(f"{system} worker imported the other framework")
                 slot = (system, *key(row))
                 if slot not in best or row["ms_per_token"] < best[slot]["ms_per_token"]:
                     best[slot] = {"system": system, **row}
-            loads.append(os.getloadavg()[0])
+            loads.append(load_average())
     rows = sorted(best.values(), key=lambda r: (key(r), r["system"]))
     ratios = {}
     for row in rows:
@@ -100,19 +94,19 @@ def name_of(row: dict) -> str:
     return f"{heads}{gating} batch {row['batch']}"
 
 
-def print_table(result: dict) -> None:
-    print(f"{'case':28} {'system':7} {'ms/token':>9} {'prefill s':>10}")
-    for r in result["rows"]:
-        cache = f"  ({r['cache']} cache)" if "cache" in r else ""
-        print(
-            f"{name_of(r):28} {r['system']:7} {r['ms_per_token']:9.2f} {r['prefill_s']:10.3f}"
-            f"{cache}"
-        )
+def table(result: dict) -> str:
+    rows = [
+        [name_of(r), r["system"], f"{r['ms_per_token']:.2f}", f"{r['prefill_s']:.3f}",
+         r.get("cache")]
+        for r in result["rows"]
+    ]  # fmt: skip
+    lines = [markdown_table(["case", "system", "ms/token", "prefill s", "cache"], rows), ""]
     for name, value in result["jaxmoe_over_hf_ms_per_token"].items():
-        print(f"{name}: jaxmoe / hf ms per token = {value:.2f}")
-    print(f"adaptive / top-2 ms per token (jaxmoe): {result['adaptive_over_top2']:.2f}")
+        lines.append(f"{name}: jaxmoe / hf ms per token = {value:.2f}  ")
+    lines.append(f"adaptive / top-2 ms per token (jaxmoe): {result['adaptive_over_top2']:.2f}")
     if not result["quiet"]:
-        print(NOT_QUIET)
+        lines.append(NOT_QUIET)
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -124,9 +118,11 @@ def main(argv=None) -> int:
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
-    parser.add_argument("--json", action="store_true")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
-    report(run(args), args.json, print_table)
+    result = run(args)
+    warn_unless_quiet(result)
+    publish("decode_peer", result, table(result), args.json)
     return 0
 
 

@@ -10,18 +10,18 @@ per exchange (one direction of one micro-batch):
 with T the tokens a device holds per micro-batch, K the slots. Also each program's
 ragged-all-to-all count, temporaries and compile time (a loaded host slows the latter).
 
-    python benchmarks/ep_exchange.py [--config configs/moe16_gpt2_medium.py]
-        [--topology v5p-8] [--top2_fraction 0.25] [--config.model.num_layers=2 ...]
+    python -m benchmarks ep_exchange [--config configs/moe16_gpt2_medium.py]
+        [--topology v5p-8] [--top2_fraction 0.25] [--config.model.num_layers=2 ...] [--json]
 """
 
 import argparse
-import json
 import math
 import re
 import sys
 
 import jax
 
+from benchmarks.results import add_json_flag, markdown_table, publish
 from jaxmoe.aot import compile_check as compile_module
 from jaxmoe.config.loading import load_config
 
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
         default=0.25,
         help="share of tokens routed to two experts (0.21-0.28 when trained)",
     )
+    add_json_flag(parser)
     args, rest = parser.parse_known_args(argv)
     overrides = [a.removeprefix("--config.") for a in rest]
     jax.config.update("jax_platforms", "cpu")
@@ -99,8 +100,31 @@ def main(argv=None) -> int:
             "peak_hbm_gib": run["peak_hbm_bytes"] / 2**30,
             "compile_s": run["compile_s"],
         }
-    print(json.dumps(result, indent=1))
+    publish("ep_exchange", result, table(result), args.json)
     return 0
+
+
+def table(result: dict) -> str:
+    header = ["exchange", "rows per exchange", "MiB per exchange", "all_to_all ops",
+              "ragged_all_to_all ops", "temp GiB", "peak HBM GiB", "compile s"]  # fmt: skip
+    rows = []
+    for exchange, rows_key, mib_key in (
+        ("padded", "padded_rows", "padded_mib_per_exchange"),
+        ("ragged", "ragged_routed_rows", "ragged_routed_mib_per_exchange"),
+    ):
+        run = result[exchange]
+        rows.append(
+            [exchange, result[rows_key], result[mib_key], run["all_to_all_ops"],
+             run["ragged_all_to_all_ops"], run["temp_gib"], run["peak_hbm_gib"],
+             run["compile_s"]]
+        )  # fmt: skip
+    return (
+        f"{result['config']} on {result['topology']}, mesh {result['mesh']}, "
+        f"{result['tokens_per_device_per_microbatch']} tokens per device per micro-batch, "
+        f"top-2 share {result['top2_fraction']}\n\n{markdown_table(header, rows)}\n\n"
+        f"padded / ragged: {result['padded_over_ragged']:.2f}x; ragged receive bound "
+        f"{result['ragged_bound_rows']} rows ({result['ragged_bound_mib']:.2f} MiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -6,10 +6,11 @@
    (alpha = 0), and after uptraining for alpha x the original steps with the original recipe
    (configs/uptrain_gqa.py). The MHA model continued for the same steps is the control:
    what the extra steps alone buy.
-4. Write ablation.md, ablation.json and ablation.png into --out.
+4. Write ablation.md, ablation.json and ablation.png into --out (with --json also
+   docs/results/YYYY-MM-DD-gqa_ablation.json).
 
-    python benchmarks/gqa_ablation.py --out runs/gqa_ablation
-    python benchmarks/gqa_ablation.py --out /tmp/quick --steps 60 --alphas 0.1  # smoke run
+    python -m benchmarks gqa_ablation --out runs/gqa_ablation
+    python -m benchmarks gqa_ablation --out /tmp/quick --steps 60 --alphas 0.1  # smoke run
 
 Compiled programs are cached on disk under --out, so variants of one shape compile once.
 """
@@ -18,11 +19,13 @@ import argparse
 import importlib.util
 import json
 import shutil
+import sys
 import time
 from pathlib import Path
 
 import jax
 
+from benchmarks.results import add_json_flag, write_json
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
@@ -166,7 +169,7 @@ def plot(result: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", required=True, help="directory for the report and runs")
     parser.add_argument("--steps", type=int, default=300, help="MHA pre-training steps")
@@ -180,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq_len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="for --method=random")
     parser.add_argument("--cache_dir", default="", help="data.cache_dir (default: under --out)")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     args.alphas = [float(a) for a in args.alphas.split(",") if a]
     result = run(args)
@@ -188,7 +192,9 @@ def main(argv: list[str] | None = None) -> None:
     (out / "ablation.md").write_text(markdown(result))
     plot(result, out / "ablation.png")
     print(markdown(result))
+    write_json("gqa_ablation", result, args.json)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

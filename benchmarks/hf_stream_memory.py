@@ -8,12 +8,11 @@ a tiny model of the same architecture measure the fixed cost (interpreter, JAX, 
 TensorStore), so `peak - tiny peak` is what the model's tensors cost; streaming keeps it a
 small multiple of the largest single tensor, far below the model's size.
 
-    python benchmarks/hf_stream_memory.py [--preset 2.5GB] [--workdir DIR] [--keep]
+    python -m benchmarks hf_stream_memory [--preset 2.5GB] [--workdir DIR] [--keep] [--json]
 """
 
 import argparse
 import filecmp
-import json
 import os
 import shutil
 import subprocess
@@ -22,6 +21,8 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
+from benchmarks.results import add_json_flag, markdown_table, publish
 
 ROOT = Path(__file__).resolve().parent.parent
 MiB = 2**20
@@ -172,6 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--preset", default="2.5GB", choices=[p for p in PRESETS if p != "tiny"])
     parser.add_argument("--workdir", default=None, help="default: a temporary directory")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints written")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     base = Path(args.workdir or tempfile.mkdtemp(prefix="hf_stream_"))
     try:
@@ -183,13 +185,13 @@ def main(argv=None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
-    print(json.dumps(summary))
-    print(f"{'step':16} {'peak MiB':>9} {'tiny MiB':>9} {'+MiB':>6} {'x largest':>10}")
-    for step, row in summary["steps"].items():
-        print(
-            f"{step:16} {row['peak_MiB']:9} {row['tiny_peak_MiB']:9} {row['increase_MiB']:6} "
-            f"{row['increase_over_largest_tensor']:10}"
-        )
+    header = ["step", "peak MiB", "tiny MiB", "+MiB", "x largest"]
+    rows = [
+        [step, row["peak_MiB"], row["tiny_peak_MiB"], row["increase_MiB"],
+         row["increase_over_largest_tensor"]]
+        for step, row in summary["steps"].items()
+    ]  # fmt: skip
+    publish("hf_stream_memory", summary, markdown_table(header, rows), args.json)
     return 0
 
 

@@ -7,7 +7,7 @@ step with glibc's defaults and with the same four settings given as MALLOC_* env
 variables. Per step: wall time, user and kernel CPU time and minor page faults
 (getrusage), medians over rounds that alternate the cases.
 
-    python benchmarks/host_malloc.py [--steps 10] [--rounds 2] [--json]
+    python -m benchmarks host_malloc [--steps 10] [--rounds 2] [--json]
 """
 
 import argparse
@@ -15,15 +15,12 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from worker_protocol import is_quiet, report  # noqa: E402
+from benchmarks.peer_harness import is_quiet, load_average, run_worker, warn_unless_quiet
+from benchmarks.results import add_json_flag, markdown_table, publish
+from benchmarks.worker_protocol import emit
 
 # glibc's environment names for the settings jaxmoe applies with mallopt.
 GLIBC_ENV = {
@@ -47,10 +44,10 @@ def _runner(system: str):
 
         skip_absent_tpu()
         applied = retain_freed_host_memory()  # before the backend starts, as the CLI does
-        from throughput_jaxmoe import JaxRunner, variant_config
+        from benchmarks.throughput_jaxmoe import JaxRunner, variant_config
 
         return JaxRunner(variant_config("top2", []), 4), applied
-    from throughput_hf import HFRunner
+    from benchmarks.throughput_hf import HFRunner
 
     spec = json.loads(os.environ["HOST_MALLOC_SPEC"])
     return HFRunner(spec, "top2", 4, threads=os.cpu_count() or 1), None
@@ -63,55 +60,51 @@ def worker(system: str, steps: int) -> None:
     before = resource.getrusage(resource.RUSAGE_SELF)
     walls = [runner.step() for _ in range(steps)]
     after = resource.getrusage(resource.RUSAGE_SELF)
-    print(
-        json.dumps(
-            {
-                "wall_ms": 1e3 * statistics.median(walls),
-                "user_ms": 1e3 * (after.ru_utime - before.ru_utime) / steps,
-                "sys_ms": 1e3 * (after.ru_stime - before.ru_stime) / steps,
-                "faults": (after.ru_minflt - before.ru_minflt) / steps,
-                "mallopt_applied": applied,
-            }
-        )
+    emit(
+        {
+            "wall_ms": 1e3 * statistics.median(walls),
+            "user_ms": 1e3 * (after.ru_utime - before.ru_utime) / steps,
+            "sys_ms": 1e3 * (after.ru_stime - before.ru_stime) / steps,
+            "faults": (after.ru_minflt - before.ru_minflt) / steps,
+            "mallopt_applied": applied,
+        }
     )
+
+
+def spec_worker() -> None:
+    from benchmarks.throughput_jaxmoe import peer_spec, variant_config
+
+    emit(peer_spec(variant_config("top2", [])))
 
 
 def peer_spec() -> str:
     """The peer's model as JSON, from a jaxmoe process (the HF worker never imports JAX)."""
-    code = (
-        "import json, sys; sys.path.insert(0, sys.argv[1]);"
-        "from throughput_jaxmoe import peer_spec, variant_config;"
-        "print(json.dumps(peer_spec(variant_config('top2', []))))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(HERE)], capture_output=True, text=True, check=True
-    )
-    return out.stdout.strip().splitlines()[-1]
+    return json.dumps(run_worker("host_malloc", ["--worker", "spec"])[-1])
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--worker", choices=("jaxmoe", "hf"), help=argparse.SUPPRESS)
+    add_json_flag(parser)
+    parser.add_argument("--worker", choices=("jaxmoe", "hf", "spec"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker == "spec":
+        spec_worker()
+        return 0
     if args.worker:
         worker(args.worker, args.steps)
         return 0
     spec = peer_spec()
     runs = {name: [] for name in CASES}
-    loads = [os.getloadavg()[0]]
+    loads = [load_average()]
     for _ in range(args.rounds):
         for name, (system, extra) in CASES.items():
             env = {**os.environ, "HOST_MALLOC_SPEC": spec, **extra}
             env.setdefault("JAX_PLATFORMS", "cpu")
-            command = [sys.executable, __file__, "--worker", system, "--steps", str(args.steps)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True)
-            if out.returncode:
-                raise SystemExit(f"{name}: worker failed\n{out.stderr[-2000:]}")
-            runs[name].append(json.loads(out.stdout.strip().splitlines()[-1]))
-            loads.append(os.getloadavg()[0])
+            argv = ["--worker", system, "--steps", str(args.steps)]
+            runs[name].append(run_worker("host_malloc", argv, env=env)[-1])
+            loads.append(load_average())
             time.sleep(1)
     cases = {
         name: {
@@ -129,19 +122,21 @@ def main(argv=None) -> int:
         "load_1min": loads,
         "quiet": is_quiet(loads, own_threads=os.cpu_count() or 1),
     }
-    report(result, args.json, _table)
+    warn_unless_quiet(result)
+    publish("host_malloc", result, table(result), args.json)
     return 0
 
 
-def _table(result: dict) -> None:
-    print(f"{'case':34s} {'wall ms':>8s} {'user ms':>8s} {'sys ms':>7s} {'faults':>8s}")
-    for name, c in result["cases"].items():
-        print(
-            f"{name:34s} {c['wall_ms']:8.1f} {c['user_ms']:8.1f} {c['sys_ms']:7.1f} "
-            f"{c['faults']:8.0f}"
-        )
+def table(result: dict) -> str:
+    rows = [
+        [name, f"{c['wall_ms']:.1f}", f"{c['user_ms']:.1f}", f"{c['sys_ms']:.1f}",
+         f"{c['faults']:.0f}"]
+        for name, c in result["cases"].items()
+    ]  # fmt: skip
     quiet = "quiet" if result["quiet"] else "NOT QUIET"
-    print(f"load (1 min) {', '.join(f'{x:.1f}' for x in result['load_1min'])}: {quiet}")
+    loads = ", ".join(f"{x:.1f}" for x in result["load_1min"])
+    header = ["case", "wall ms", "user ms", "sys ms", "faults"]
+    return f"{markdown_table(header, rows)}\n\nload (1 min) {loads}: {quiet}"
 
 
 if __name__ == "__main__":

@@ -9,15 +9,15 @@ Times are normalised to the same layer and inputs under top-2 gating; the comput
 the share of (token, expert) assignments left. Also: jaxmoe's dropless top-2 layer against
 a GShard-style fixed-capacity (factor 1.25) top-2 layer.
 
-    python benchmarks/moe_layer.py           # table
-    python benchmarks/moe_layer.py --json    # one JSON object
+    python -m benchmarks moe_layer           # table
+    python -m benchmarks moe_layer --json    # + docs/results/DATE-moe_layer.json
 Each variant is compiled first, then timed in rounds, each run between two runs of the top-2
 layer; a ratio is the median over rounds of the run's time over the mean of its two
 neighbours (robust to the drifting load of a shared machine); times are minima.
 """
 
 import argparse
-import json
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.results import add_json_flag, markdown_table, publish
 from jaxmoe.config.loading import load_config
 from jaxmoe.models.moe.layer import MoE
 
@@ -149,24 +150,27 @@ def run(rounds: int, dispatch: str, block_size: int) -> dict:
     }
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--dispatch", default="auto", help="auto | blocks | ragged | dense")
     parser.add_argument("--block_size", type=int, default=256, help="model.moe.block_size")
     args = parser.parse_args(argv)
     result = run(args.rounds, args.dispatch, args.block_size)
-    if args.json:
-        print(json.dumps(result))
-        return
-    print("single-expert tokens | compute | MoE-layer time (fwd+bwd) | vs top-2")
-    for row in result["rows"]:
-        print(
-            f"{row['single_expert_share']:>19.0%}  | {row['compute_ratio']:7.2f} | "
-            f"{row['time_s'] * 1e3:20.1f} ms  | {row['time_ratio']:.2f}x"
-        )
-    print(
+    publish("moe_layer", result, table(result), args.json)
+    return 0
+
+
+def table(result: dict) -> str:
+    header = ["single-expert tokens", "compute", "MoE-layer time (fwd+bwd)", "vs top-2"]
+    rows = [
+        [f"{row['single_expert_share']:.0%}", f"{row['compute_ratio']:.2f}",
+         f"{row['time_s'] * 1e3:.1f} ms", f"{row['time_ratio']:.2f}x"]
+        for row in result["rows"]
+    ]  # fmt: skip
+    return (
+        f"{markdown_table(header, rows)}\n\n"
         f"dropless top-2 {result['top2_time_s'] * 1e3:.1f} ms vs fixed capacity 1.25 "
         f"{result['capacity_time_s'] * 1e3:.1f} ms (drops "
         f"{result['capacity_dropped_fraction']:.1%}): {result['dropless_top2_vs_capacity']:.2f}x"
@@ -174,4 +178,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -31,7 +31,8 @@ virtual environment (`--maxtext_venv`, default ~/.cache/maxtext_venv):
 
     python3.12 -m venv ~/.cache/maxtext_venv
     ~/.cache/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.5"
-    python benchmarks/pod_compile_peer.py [--cases mixtral_8x7b]   # a table, then one JSON line
+    python -m benchmarks pod_compile_peer [--cases mixtral_8x7b]   # a table
+    python -m benchmarks pod_compile_peer --json   # + docs/results/DATE-pod_compile_peer.json
 
 Without that venv the MaxText column is skipped with one line and jaxmoe is still measured.
 """
@@ -47,14 +48,17 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-
-from worker_protocol import is_quiet, report  # noqa: E402
+from benchmarks.peer_harness import (
+    DEFAULT_MAXTEXT_VENV,
+    ROOT,
+    is_quiet,
+    load_average,
+    venv_python,
+    warn_unless_quiet,
+)
+from benchmarks.results import add_json_flag, publish
 
 GiB = 2**30
-DEFAULT_VENV = Path("~/.cache/maxtext_venv").expanduser()
 SAME_COMPILER = "jaxmoe@maxtext_env"  # jaxmoe run by MaxText's interpreter
 SYSTEMS = ("maxtext", "jaxmoe", SAME_COMPILER)
 
@@ -171,7 +175,7 @@ def jaxmoe_command(case: dict, python: str = sys.executable) -> list[str]:
 
 def timed(command: list[str], env: dict) -> tuple[subprocess.CompletedProcess, dict]:
     """Run one compile process; its wall and CPU seconds and the load average around it."""
-    load_before = os.getloadavg()[0]
+    load_before = load_average()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
@@ -182,7 +186,7 @@ def timed(command: list[str], env: dict) -> tuple[subprocess.CompletedProcess, d
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
         "load_before": round(load_before, 2),
-        "load_after": round(os.getloadavg()[0], 2),
+        "load_after": round(load_average(), 2),
     }
     return result, timing
 
@@ -229,21 +233,22 @@ def run_jaxmoe(case: dict, python: str = sys.executable) -> dict:
 
 def run(args) -> dict:
     venv = Path(args.maxtext_venv).expanduser()
-    have_maxtext = (venv / "bin" / "python").exists()
+    maxtext_python = venv_python(venv)
+    have_maxtext = maxtext_python is not None
     if not have_maxtext:
         print(f"MaxText is not installed in {venv}: its column is skipped", file=sys.stderr)
     rows, loads = [], []
-    pythons = [sys.executable] + ([str(venv / "bin" / "python")] if have_maxtext else [])
+    pythons = [sys.executable] + ([str(maxtext_python)] if have_maxtext else [])
     versions = {python: compiler_versions(python) for python in pythons}
     for name in args.cases:
         case = CASES[name]
         row = {"case": name, "topology": case["topology"]}
-        venv_python = str(venv / "bin" / "python")
         if have_maxtext:
-            row["maxtext"] = run_maxtext(venv, case) | {"compiler": versions[venv_python]}
+            compiler = versions[str(maxtext_python)]
+            row["maxtext"] = run_maxtext(venv, case) | {"compiler": compiler}
         row["jaxmoe"] = run_jaxmoe(case) | {"compiler": versions[sys.executable]}
         if have_maxtext:  # the same program through MaxText's jax and libtpu
-            same = run_jaxmoe(case, venv_python) | {"compiler": versions[venv_python]}
+            same = run_jaxmoe(case, str(maxtext_python)) | {"compiler": compiler}
             row[SAME_COMPILER] = same
         for system in SYSTEMS:
             if system in row:
@@ -264,9 +269,11 @@ def _gib(system: dict) -> str:
     return f"{system['peak_hbm_bytes'] / GiB:.2f} GiB"
 
 
-def print_table(result: dict) -> None:
-    print("| case | topology | system | peak HBM / chip | compile wall (CPU) | load | compiler |")
-    print("|---|---|---|---|---|---|---|")
+def table(result: dict) -> str:
+    lines = [
+        "| case | topology | system | peak HBM / chip | compile wall (CPU) | load | compiler |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for row in result["rows"]:
         for system in SYSTEMS:
             if system not in row:
@@ -275,7 +282,7 @@ def print_table(result: dict) -> None:
             timing = f"{s['wall_s']:.0f} s ({s['cpu_s']:.0f} s)"
             load = f"{s['load_before']:.1f}-{s['load_after']:.1f}"
             compiler = ", ".join(f"{k} {v}" for k, v in s.get("compiler", {}).items())
-            print(
+            lines.append(
                 f"| {row['case']} | {row['topology']} | {system} | {_gib(s)} | {timing} | {load} "
                 f"| {compiler} |"
             )
@@ -283,19 +290,23 @@ def print_table(result: dict) -> None:
             peak = f"{row['jaxmoe_over_maxtext_peak']:.2f}x"
             wall, cpu = row["jaxmoe_over_maxtext_wall"], row["jaxmoe_over_maxtext_cpu"]
             timing = f"{wall:.2f}x ({cpu:.2f}x)"
-            print(f"| {row['case']} | | jaxmoe / MaxText | {peak} | {timing} | | same |")
+            lines.append(f"| {row['case']} | | jaxmoe / MaxText | {peak} | {timing} | | same |")
     if not result["quiet"]:
-        print("NOT A QUIET RUN: other processes loaded the host; compile times are stretched")
+        lines.append(
+            "NOT A QUIET RUN: other processes loaded the host; compile times are stretched"
+        )
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
-    parser.add_argument("--maxtext_venv", default=os.environ.get("MAXTEXT_VENV", DEFAULT_VENV))
+    parser.add_argument("--maxtext_venv", default=DEFAULT_MAXTEXT_VENV, help="MaxText's venv")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     result = run(args)
-    print_table(result)
-    report(result, True, print_table)  # then the same as one JSON object, the last line
+    warn_unless_quiet(result)
+    publish("pod_compile_peer", result, table(result), args.json)
     return 0
 
 

@@ -1,22 +1,32 @@
 """Train-step time of the tiny Mixtral with its layers scanned vs Python-unrolled.
 
-Both runs use jaxmoe's real train step (train_throughput.JaxRunner) on one CPU device; their
-blocks of timed steps alternate, so a drifting load on a shared machine hits both alike.
-Reported: median step time of each and scanned / unrolled.
+Both runs use jaxmoe's real train step (throughput_jaxmoe.JaxRunner) in this process on one
+CPU device; their blocks of timed steps alternate, so a drifting load on a shared machine
+hits both alike. Reported: median step time of each and scanned / unrolled.
 
-    python benchmarks/scan_vs_unrolled.py [--variant top2] [--steps 20] [--blocks 4]
-        [--set model.remat=full ...]
+    python -m benchmarks scan_vs_unrolled [--variant top2] [--steps 20] [--blocks 4]
+        [--set model.remat=full ...] [--json]
 """
 
 import argparse
-import json
 import statistics
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks.results import add_json_flag, markdown_table, publish
+from benchmarks.throughput_jaxmoe import JaxRunner, variant_config
+from benchmarks.train_throughput import VARIANTS
 
-from train_throughput import VARIANTS, JaxRunner, measure, variant_config
+
+def measure(runners: dict, warmup: int, steps: int, blocks: int) -> dict[str, list[float]]:
+    """Each runner's step times: warm-up, then `blocks` alternating blocks of steps."""
+    for runner in runners.values():
+        for _ in range(warmup):
+            runner.step()
+    times = {name: [] for name in runners}
+    for _ in range(blocks):
+        for name, runner in runners.items():
+            times[name] += [runner.step() for _ in range(max(steps // blocks, 1))]
+    return times
 
 
 def main(argv=None) -> int:
@@ -26,6 +36,7 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps (compile + warm)")
     parser.add_argument("--blocks", type=int, default=4, help="alternations of the layouts")
     parser.add_argument("--set", action="append", default=[], help="config override k=v")
+    add_json_flag(parser)
     args = parser.parse_args(argv)
     runners = {
         layout: JaxRunner(
@@ -43,7 +54,10 @@ def main(argv=None) -> int:
         "scanned_over_unrolled": medians["scanned"] / medians["unrolled"],
         "steps": {layout: len(t) for layout, t in times.items()},
     }
-    print(json.dumps(result))
+    rows = [[layout, f"{s * 1e3:.1f}", result["steps"][layout]] for layout, s in medians.items()]
+    table = markdown_table(["layout", "median ms/step", "steps"], rows)
+    table += f"\n\nscanned / unrolled: {result['scanned_over_unrolled']:.3f}"
+    publish("scan_vs_unrolled", result, table, args.json)
     return 0
 
 

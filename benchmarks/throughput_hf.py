@@ -1,6 +1,6 @@
-"""Hugging Face's side of `train_throughput.py`: a worker process that never imports JAX.
+"""Hugging Face's side of `train_throughput`: a worker process that never imports JAX.
 
-    python benchmarks/throughput_hf.py --peer top2 --spec JSON [--threads N] [--batches N]
+    python -m benchmarks.throughput_hf --peer top2 --spec JSON [--threads N] [--batches N]
 (driven over stdin/stdout by train_throughput.py; see worker_protocol.py)
 """
 
@@ -8,11 +8,8 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from worker_protocol import serve
+from benchmarks.worker_protocol import serve
 
 
 class HFRunner:

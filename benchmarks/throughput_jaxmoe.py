@@ -1,6 +1,6 @@
-"""jaxmoe's side of `train_throughput.py`: a worker process that never imports torch.
+"""jaxmoe's side of `train_throughput`: a worker process that never imports torch.
 
-    python benchmarks/throughput_jaxmoe.py --variant top2 [--set k=v ...] [--batches N]
+    python -m benchmarks.throughput_jaxmoe --variant top2 [--set k=v ...] [--batches N]
 (driven over stdin/stdout by train_throughput.py; see worker_protocol.py)
 """
 
@@ -14,22 +14,19 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
+from benchmarks.worker_protocol import serve
+from jaxmoe.config.loading import apply_overrides, load_config
+from jaxmoe.config.validation import validate
+from jaxmoe.models.flops import train_flops_per_step
+from jaxmoe.models.spec import model_spec
+from jaxmoe.parallel.host_memory import retain_freed_host_memory
+from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.platforms import skip_absent_tpu
+from jaxmoe.training.optimizer import make_optimizer
+from jaxmoe.training.state import init_state, state_shardings
+from jaxmoe.training.steps import step_fns, train_step
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # run from a fresh clone without installing
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from worker_protocol import serve  # noqa: E402
-
-from jaxmoe.config.loading import apply_overrides, load_config  # noqa: E402
-from jaxmoe.config.validation import validate  # noqa: E402
-from jaxmoe.models.flops import train_flops_per_step  # noqa: E402
-from jaxmoe.models.spec import model_spec  # noqa: E402
-from jaxmoe.parallel.host_memory import retain_freed_host_memory  # noqa: E402
-from jaxmoe.parallel.mesh import make_mesh  # noqa: E402
-from jaxmoe.parallel.platforms import skip_absent_tpu  # noqa: E402
-from jaxmoe.training.optimizer import make_optimizer  # noqa: E402
-from jaxmoe.training.state import init_state, state_shardings  # noqa: E402
-from jaxmoe.training.steps import step_fns, train_step  # noqa: E402
 
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
 

@@ -1,7 +1,8 @@
-"""MaxText's side of `train_throughput.py`: a worker that never imports jaxmoe or torch.
+"""MaxText's side of `train_throughput`: a worker that never imports jaxmoe or torch.
 
-Runs under MaxText's own interpreter (its venv has its own JAX), on one CPU device:
-    JAX_PLATFORMS=cpu ~/.cache/maxtext_venv/bin/python benchmarks/throughput_maxtext.py \
+Runs under MaxText's own interpreter (its venv has its own JAX), on one CPU device, from
+the repository root (`-m` finds this package there; the package imports no JAX):
+    JAX_PLATFORMS=cpu ~/.cache/maxtext_venv/bin/python -m benchmarks.throughput_maxtext \
         --peer top2 --spec JSON [--batches N] [--moe ragged|dense]
 (driven over stdin/stdout by train_throughput.py; see worker_protocol.py)
 
@@ -21,9 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from worker_protocol import serve
+from benchmarks.worker_protocol import serve
 
 # MaxText's dropless MoE paths that run on a CPU: `ragged` is its sparse_matmul path with
 # jax.lax.ragged_dot (megablox and tokamax are Pallas kernels for TPU); `dense` is its

@@ -20,12 +20,12 @@ half the cores of load from other processes (before it, or on top of its own bus
 during it) is flagged `"quiet": false` with a warning: its ratios are not comparable
 (PyTorch's OpenMP threads slow down far more under contention than XLA's).
 
-    python benchmarks/train_throughput.py                     # jaxmoe, all variants
-    python benchmarks/train_throughput.py --peer hf           # side by side, with ratios
-    python benchmarks/train_throughput.py --peer hf --json    # one JSON object
-    python benchmarks/train_throughput.py --peer maxtext      # or --peer hf,maxtext / all
-    python benchmarks/train_throughput.py --variants top2 --steps 5 --warmup 2 --blocks 1
-    python benchmarks/train_throughput.py --set model.dtype=bfloat16 --peak_flops 989e12
+    python -m benchmarks train_throughput                   # jaxmoe, all variants
+    python -m benchmarks train_throughput --peer hf         # side by side, with ratios
+    python -m benchmarks train_throughput --peer hf --json  # + docs/results/DATE-NAME.json
+    python -m benchmarks train_throughput --peer maxtext    # or --peer hf,maxtext / all
+    python -m benchmarks train_throughput --variants top2 --steps 5 --warmup 2 --blocks 1
+    python -m benchmarks train_throughput --set model.dtype=bfloat16 --peak_flops 989e12
 """
 
 import argparse
@@ -33,12 +33,18 @@ import json
 import os
 import statistics
 import sys
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-from worker_protocol import NOT_QUIET, Worker, is_quiet, report  # noqa: E402
+from benchmarks.peer_harness import (
+    DEFAULT_MAXTEXT_VENV,
+    NOT_QUIET,
+    is_quiet,
+    load_average,
+    maxtext_env,
+    start_worker,
+    venv_python,
+    warn_unless_quiet,
+)
+from benchmarks.results import add_json_flag, markdown_table, publish
 
 VARIANTS = ("top2", "top1", "adaptive", "dense")
 PEER_OF = {"top2": "top2", "top1": "top1", "adaptive": "top1", "dense": "dense"}
@@ -60,52 +66,32 @@ def peer_list(text: str) -> list[str]:
     return peers
 
 
-def maxtext_python(venv: str) -> Path | None:
-    python = Path(venv).expanduser() / "bin" / "python"
-    return python if python.exists() else None
-
-
-def maxtext_env() -> dict:
-    """The MaxText worker's environment: its venv's packages only, one CPU device."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env["JAX_PLATFORMS"] = "cpu"
-    flags = env.get("XLA_FLAGS", "").split()
-    env["XLA_FLAGS"] = " ".join(f for f in flags if "force_host_platform_device_count" not in f)
-    return env
-
-
 def start_workers(variants, args, peers) -> dict:
     num_batches = args.warmup + args.steps
     overrides = [f"--set={item}" for item in args.set]
     workers = {}
     for variant in variants:
-        workers[("jaxmoe", variant)] = Worker(
-            [
-                str(HERE / "throughput_jaxmoe.py"),
-                "--variant",
-                variant,
-                f"--batches={num_batches}",
-                *overrides,
-            ]
+        workers[("jaxmoe", variant)] = start_worker(
+            "throughput_jaxmoe", ["--variant", variant, f"--batches={num_batches}", *overrides]
         )
     peer = PEER_OF[variants[0]]
     spec = workers[("jaxmoe", variants[0])].ready["peer_spec"]
     if "hf" in peers:
-        workers[("hf", peer)] = Worker(
+        workers[("hf", peer)] = start_worker(
+            "throughput_hf",
             [
-                str(HERE / "throughput_hf.py"),
                 "--peer",
                 peer,
                 "--spec",
                 json.dumps(spec),
                 f"--threads={args.threads}",
                 f"--batches={num_batches}",
-            ]
+            ],
         )
     if "maxtext" in peers:
-        workers[("maxtext", peer)] = Worker(
+        workers[("maxtext", peer)] = start_worker(
+            "throughput_maxtext",
             [
-                str(HERE / "throughput_maxtext.py"),
                 "--peer",
                 peer,
                 "--spec",
@@ -114,7 +100,7 @@ def start_workers(variants, args, peers) -> dict:
                 f"--moe={args.maxtext_moe}",
             ],
             env=maxtext_env(),
-            python=str(maxtext_python(args.maxtext_venv)),
+            python=str(venv_python(args.maxtext_venv)),
         )
     return workers
 
@@ -131,7 +117,7 @@ def measure(workers: dict, args, loads: list[float]) -> dict:
             block = worker.steps(per_block)
             times[name] += block
             block_medians[name].append(statistics.median(block))
-        loads.append(os.getloadavg()[0])
+        loads.append(load_average())
     return {"times": times, "block_medians": block_medians}
 
 
@@ -158,11 +144,11 @@ def row(variant, system, times, ready, final, peak_flops) -> dict:
 
 def run(args) -> dict:
     peers, skipped = list(args.peer), {}
-    if "maxtext" in peers and maxtext_python(args.maxtext_venv) is None:
+    if "maxtext" in peers and venv_python(args.maxtext_venv) is None:
         skipped["maxtext"] = f"no MaxText venv at {args.maxtext_venv} (no bin/python)"
         print(f"train_throughput: skipping the MaxText peer: {skipped['maxtext']}", file=sys.stderr)
         peers.remove("maxtext")
-    loads = [os.getloadavg()[0]]
+    loads = [load_average()]
     rows, ratios, imported = [], {}, {}
     for group in GROUPS:
         variants = [v for v in group if v in args.variants]
@@ -210,7 +196,7 @@ def run(args) -> dict:
                     "max": max(per_block),
                     "blocks": len(per_block),
                 }
-    loads.append(os.getloadavg()[0])
+    loads.append(load_average())
     cores = os.cpu_count() or 1
     quiet = is_quiet(loads, own_threads=max(cores, args.threads))  # XLA's pool: every core
     return {
@@ -225,33 +211,39 @@ def run(args) -> dict:
     }
 
 
-def print_table(result: dict) -> None:
-    print(f"{'variant':9} {'system':7} {'tok/s':>8} {'ms/step':>8} {'GFLOP/tok':>9} {'GFLOP/s':>8}")
+def table(result: dict) -> str:
+    """The rows, the ratios and the load as Markdown."""
+    rows = []
     for r in result["rows"]:
-        extra = f"  top2_fraction {r['top2_fraction']:.2f}" if "top2_fraction" in r else ""
-        extra += f"  MFU {r['mfu']:.1%}" if "mfu" in r else ""
-        flops = (
-            f"{r['flops_per_token'] / 1e9:9.3f} {r['flops_per_s'] / 1e9:8.1f}"
-            if "flops_per_s" in r
-            else f"{'-':>9} {'-':>8}"
+        notes = [f"top2_fraction {r['top2_fraction']:.2f}"] if "top2_fraction" in r else []
+        notes += [f"MFU {r['mfu']:.1%}"] if "mfu" in r else []
+        rows.append(
+            [
+                r["variant"],
+                r["system"],
+                f"{r['tokens_per_s']:.0f}",
+                f"{r['step_time_s'] * 1e3:.1f}",
+                f"{r['flops_per_token'] / 1e9:.3f}" if "flops_per_s" in r else None,
+                f"{r['flops_per_s'] / 1e9:.1f}" if "flops_per_s" in r else None,
+                ", ".join(notes),
+            ]
         )
-        print(
-            f"{r['variant']:9} {r['system']:7} {r['tokens_per_s']:8.0f} "
-            f"{r['step_time_s'] * 1e3:8.1f} {flops}{extra}"
-        )
+    header = ["variant", "system", "tok/s", "ms/step", "GFLOP/tok", "GFLOP/s", ""]
+    lines = [markdown_table(header, rows), ""]
     for name, value in result["ratios"].items():
-        print(
+        lines.append(
             f"{name}: {value['ratio']:.2f}x (blocks: {value['min']:.2f}-{value['max']:.2f}, "
-            f"{value['blocks']} blocks)"
+            f"{value['blocks']} blocks)  "
         )
     load = result["load_average_1min"]
-    print(
+    lines.append(
         f"load average (1 min): before {load['before']:.1f}, during "
         f"{min(load['during'], default=0):.1f}-{max(load['during'], default=0):.1f}, "
         f"after {load['after']:.1f} on {result['cores']} cores"
     )
     if not result["quiet"]:
-        print(NOT_QUIET)
+        lines.append(NOT_QUIET)
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -261,7 +253,7 @@ def parse_args(argv=None):
         "--peer", type=peer_list, default="none", help="none, hf, maxtext, hf,maxtext or all"
     )
     parser.add_argument(
-        "--maxtext_venv", default="~/.cache/maxtext_venv", help="MaxText's venv (own JAX)"
+        "--maxtext_venv", default=DEFAULT_MAXTEXT_VENV, help="MaxText's venv (own JAX)"
     )
     parser.add_argument(
         "--maxtext_moe", choices=("ragged", "dense"), default="ragged", help="MaxText's MoE path"
@@ -272,13 +264,15 @@ def parse_args(argv=None):
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     parser.add_argument("--set", action="append", default=[], help="config override k=v")
     parser.add_argument("--peak_flops", type=float, default=0.0, help="chip peak, for MFU")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    add_json_flag(parser)
     return parser.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    report(run(args), args.json, print_table)
+    result = run(args)
+    warn_unless_quiet(result)
+    publish("train_throughput", result, table(result), args.json)
     return 0
 
 

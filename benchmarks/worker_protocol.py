@@ -1,43 +1,55 @@
-"""A benchmark worker process: one system's steps, driven over stdin/stdout.
+"""How a benchmark talks to its worker processes: JSON lines on stdout.
 
-The parent sends one command per line (`steps N`, `stop`); the worker answers each with one
-JSON line. Each system lives in its own process, so a peer's threads (PyTorch's OpenMP
-pool, XLA's) never share an interpreter with the other's, and neither imports the other.
+Two shapes. A served worker (`serve`, driven by `Worker`) announces itself, then answers
+one JSON line per command read from stdin (`steps N`, `stop`). A one-shot worker (`emit`)
+prints one JSON line per case and exits; the parent collects them
+(`peer_harness.run_worker`). Each system lives in its own process, so a peer's threads
+(PyTorch's OpenMP pool, XLA's) never share an interpreter with the other's, and neither
+imports the other. Standard library only: workers run under other interpreters too.
 """
 
 import json
-import os
 import subprocess
 import sys
 
+FRAMEWORKS = ("jax", "jaxmoe", "torch")
+
+
+def imported_frameworks() -> list[str]:
+    """Proof of separation: which frameworks this process ended up importing."""
+    return sorted(m for m in FRAMEWORKS if m in sys.modules)
+
+
+def emit(row: dict) -> None:
+    """One-shot worker side: one result line (the parent keeps lines starting with '{')."""
+    print(json.dumps(row), flush=True)
+
 
 def serve(runner, ready: dict) -> None:
-    """Worker side: announce `ready`, then run commands until `stop`."""
-    print(json.dumps({"ready": True, **ready}), flush=True)
+    """Served worker side: announce `ready`, then run commands until `stop`."""
+    emit({"ready": True, **ready})
     for line in sys.stdin:
         command, _, argument = line.strip().partition(" ")
         if command == "steps":
-            times = [runner.step() for _ in range(int(argument))]
-            print(json.dumps({"times": times}), flush=True)
+            emit({"times": [runner.step() for _ in range(int(argument))]})
         elif command == "stop":
-            # Proof of separation: which frameworks this process ended up importing.
-            loaded = sorted(m for m in ("jax", "jaxmoe", "torch") if m in sys.modules)
-            print(json.dumps({"stopped": True, "imported": loaded, **runner.final()}), flush=True)
+            emit({"stopped": True, "imported": imported_frameworks(), **runner.final()})
             return
         else:
-            print(json.dumps({"error": f"unknown command {line.strip()!r}"}), flush=True)
+            emit({"error": f"unknown command {line.strip()!r}"})
+
+
+def json_lines(text: str) -> list[dict]:
+    """The JSON lines of a worker's stdout (anything else it printed is skipped)."""
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
 
 
 class Worker:
-    """Parent side: a running worker process."""
+    """Parent side of a served worker: a running process (see peer_harness.start_worker)."""
 
-    def __init__(self, argv: list[str], env: dict | None = None, python: str | None = None):
+    def __init__(self, command: list[str], env: dict | None = None, cwd=None):
         self.process = subprocess.Popen(
-            [python or sys.executable, *argv],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=cwd
         )
         self.ready = self._read()
 
@@ -45,7 +57,7 @@ class Worker:
         line = self.process.stdout.readline()
         if not line:
             code = self.process.wait()
-            raise RuntimeError(f"benchmark worker {self.process.args[1:3]} exited ({code})")
+            raise RuntimeError(f"benchmark worker {self.process.args[1:4]} exited ({code})")
         return json.loads(line)
 
     def steps(self, count: int) -> list[float]:
@@ -59,27 +71,3 @@ class Worker:
         final = self._read()
         self.process.wait(timeout=60)
         return final
-
-
-def is_quiet(loads: list[float], own_threads: int) -> bool:
-    """Whether a run saw at most half the cores of load from other processes: before it
-    (`loads[0]`), and during it on top of its own busy threads (the 1-minute load average
-    counts those too)."""
-    cores = os.cpu_count() or 1
-    return loads[0] <= cores / 2 and max(loads) <= cores / 2 + own_threads
-
-
-NOT_QUIET = (
-    "WARNING: NOT A QUIET RUN: other processes loaded more than half the cores; these "
-    "ratios are not comparable (quote quiet runs only)"
-)
-
-
-def report(result: dict, as_json: bool, print_table) -> None:
-    """One JSON object (the quiet flag also as a warning on stderr) or the table."""
-    if not as_json:
-        print_table(result)
-        return
-    if not result["quiet"]:
-        print(NOT_QUIET, file=sys.stderr)
-    print(json.dumps(result))
