@@ -1,8 +1,35 @@
-"""Test setup: 8 simulated CPU devices, so every sharding layout runs on one host."""
+"""Test setup: 8 simulated CPU devices, so every sharding layout runs on one host, and a
+persistent XLA compilation cache shared by every test run and by the `jaxmoe ...`
+subprocesses the tests start."""
 
 import os
+from pathlib import Path
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+# Most of the suite's time is XLA compiling the same tiny programs run after run: keep the
+# executables on disk (in the work tree, git-ignored). Set through the environment, not
+# only jax.config, so subprocesses (`python -m jaxmoe ...`) read and fill the same cache.
+# Every compile is kept (the tiny programs compile in well under jax's 1 s default), and
+# entries of any size. The cache key covers XLA_FLAGS, so runs with other device counts
+# get their own entries.
+COMPILE_CACHE = Path(__file__).resolve().parents[1] / ".jax_cache"
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(COMPILE_CACHE))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+
+import jax  # noqa: E402  (after the environment above, which jax reads at import)
+
+# jax may already have been imported (a plugin, an earlier conftest): set the options too.
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+jax.config.update(
+    "jax_persistent_cache_min_compile_time_secs",
+    float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"]),
+)
+jax.config.update(
+    "jax_persistent_cache_min_entry_size_bytes",
+    int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
+)
