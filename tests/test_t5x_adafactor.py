@@ -174,3 +174,55 @@ def test_matrix_views_follow_t5x_layouts():
     assert matrix_view(("attn_norm", "scale"), (16,)) == ((16,), 0)
     assert matrix_view(("attn_norm", "scale"), (6, 16)) == ((6, 16), 1)
     assert matrix_view(("token_embed", "embedding"), (100, 16)) == ((100, 16), 0)
+
+
+def rule_step(param, grad, state, step, lr, row_axis, col_axis):
+    """One T5X update of a matrix under an explicit factor rule (ROW on `row_axis`, COLUMN on
+    `col_axis`), as `_parse_rule` gives it for a batched parameter: factored whatever the
+    sizes. float64, T5X defaults, as `reference_step`."""
+    g2 = grad * grad + 1e-30
+    decay = float(np.float32(1.0) - np.float32(step + 1.0) ** np.float32(-0.8))
+    state["v_row"] = decay * state["v_row"] + (1 - decay) * g2.mean(axis=col_axis)
+    state["v_col"] = decay * state["v_col"] + (1 - decay) * g2.mean(axis=row_axis)
+    row_factor = (state["v_row"] / state["v_row"].mean()) ** -0.5
+    col_factor = state["v_col"] ** -0.5
+    y = grad * np.expand_dims(row_factor, col_axis) * np.expand_dims(col_factor, row_axis)
+    y = y / max(1.0, np.sqrt(np.mean(y * y)))
+    return param - lr * max(np.sqrt(np.mean(param * param)), 1e-3) * y
+
+
+@pytest.mark.parametrize(
+    ("name", "shape", "row_axis"),
+    # T5X MoE rules: wi [E, embed (ROW), expert_mlp (COLUMN)], wo [E, expert_mlp, embed]:
+    # wo's ROW is its larger axis, the opposite of the size heuristic's naming.
+    [("wi_0", (3, 8, 12), 0), ("wo", (3, 6, 8), 1)],
+)
+def test_batched_matrices_are_factored_whatever_their_size(name, shape, row_axis):
+    """Experts (and scanned layers) hold matrices under 128 on a side: T5X's explicit BATCH
+    rule factors them anyway, where a lone matrix of the same size stays unfactored."""
+    rng = np.random.default_rng(2)
+    params = rng.standard_normal(shape) * 0.1
+    optimizer = t5x_adafactor(0.01)  # T5X's default min_dim_size_to_factor=128
+    tree = {"ffn": {name: jnp.asarray(params, jnp.float32)}}
+    state = optimizer.init(tree)
+    update_fn = jax.jit(optimizer.update)
+    ref = [params[e].copy() for e in range(shape[0])]
+    matrix = shape[1:]
+    ref_states = [
+        {"v_row": np.zeros(matrix[row_axis]), "v_col": np.zeros(matrix[1 - row_axis])} for _ in ref
+    ]
+    lone_state = reference_state(params[0])  # the heuristic: unfactored (8, 12 < 128)
+    lone = params[0].copy()
+    for step in range(4):
+        grads = rng.standard_normal(shape) * rng.uniform(0.1, 3.0, (shape[0], shape[1], 1))
+        updates, state = update_fn({"ffn": {name: jnp.asarray(grads, jnp.float32)}}, state, tree)
+        tree = jax.tree.map(lambda p, u: p + u, tree, updates)
+        got = np.asarray(updates["ffn"][name], np.float64)
+        for e in range(shape[0]):
+            new = rule_step(ref[e], grads[e], ref_states[e], step, 0.01, row_axis, 1 - row_axis)
+            np.testing.assert_allclose(got[e], new - ref[e], rtol=2e-5, err_msg=f"{name}[{e}]")
+            ref[e] = new
+        lone_new = reference_step(lone, grads[0], lone_state, step, 0.01, 128)
+        lone_update, lone = lone_new - lone, lone_new
+    # The heuristic's unfactored update of the same matrix differs well beyond rounding.
+    assert np.abs(lone_update - got[0]).max() > 1e-2 * np.abs(got[0]).max()

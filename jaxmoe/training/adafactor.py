@@ -8,10 +8,18 @@ front of the matrix (experts, scanned layers) treated as a batch of independent 
 T5X's `FactorDim.BATCH` does. Per matrix, in T5X's order:
 
   v         <- decay_t v + (1 - decay_t) (g^2 + epsilon1)   (factored into row and column
-               means when both matrix axes are >= min_dim_size_to_factor, as T5X's heuristic)
+               means: see "Which matrices are factored" below)
   y         =  g / sqrt(v),   decay_t = 1 - (t + 1)^-decay_rate
   y         /= max(1, RMS(y) / clipping_threshold)
   update    =  -learning_rate(t) * max(RMS(param), epsilon2) * y   [momentum: EMA of this]
+
+Which matrices are factored follows T5X with its logical factor rules (the T5.1.1 and MoE gin
+configs set `logical_factor_rules`): a plain 2-D matrix falls back to T5X's heuristic (both
+axes >= min_dim_size_to_factor), but a batched one (a scanned `layers` axis, an `expert`
+axis: FactorDim.BATCH) has an explicit rule, which T5X applies whatever the sizes, so every
+matrix of a batch is factored. Which of the two axes is called the row does not change the
+update (the factored estimate v_row v_col / mean(v_row) is symmetric), only which state
+array is named v_row.
 
 t counts this optimizer state's steps from 0, so a fresh state (uptraining without the
 source's optimizer state) restarts the second-moment decay as T5X does with
@@ -45,8 +53,13 @@ def matrix_view(path: tuple[str, ...], shape: tuple[int, ...]) -> tuple[tuple[in
     return view, len(view) - matrix_ndim
 
 
-def per_matrix(inner: optax.GradientTransformation, view_fn=matrix_view):
-    """`inner` applied to every parameter's matrix view on its own (vmapped over batch axes).
+def per_matrix(
+    inner: optax.GradientTransformation,
+    view_fn=matrix_view,
+    batched_inner: optax.GradientTransformation | None = None,
+):
+    """`inner` applied to every parameter's matrix view on its own (vmapped over batch axes;
+    `batched_inner`, when given, instead of `inner` for the views with batch axes).
 
     The state mirrors the parameter tree with one `inner` state per parameter, so blockwise
     statistics (RMS clipping, parameter scale, factored moments) never mix matrices.
@@ -63,13 +76,16 @@ def per_matrix(inner: optax.GradientTransformation, view_fn=matrix_view):
         flat, treedef = jax.tree_util.tree_flatten_with_path(params)
         return [layout(path, leaf) for path, leaf in flat], treedef
 
+    def transform(batched: bool) -> optax.GradientTransformation:
+        return batched_inner if batched and batched_inner is not None else inner
+
     def vmapped(fn, batched: bool):
         return jax.vmap(fn) if batched else fn
 
     def init(params):
         specs, treedef = layouts(params)
         states = [
-            vmapped(inner.init, batched)(leaf.reshape(shape))
+            vmapped(transform(batched).init, batched)(leaf.reshape(shape))
             for leaf, (shape, batched) in zip(treedef.flatten_up_to(params), specs, strict=True)
         ]
         return treedef.unflatten(states)
@@ -86,7 +102,7 @@ def per_matrix(inner: optax.GradientTransformation, view_fn=matrix_view):
             specs,
             strict=True,
         ):
-            out, new_state = vmapped(inner.update, batched)(
+            out, new_state = vmapped(transform(batched).update, batched)(
                 grad.reshape(shape), leaf_state, param.reshape(shape)
             )
             outs.append(out.reshape(grad.shape))
@@ -109,20 +125,26 @@ def t5x_adafactor(
     view_fn=matrix_view,
 ) -> optax.GradientTransformation:
     """T5X's Adafactor with T5X's defaults (no momentum, no weight decay)."""
-    chain = [
-        optax.scale_by_factored_rms(
-            factored=True,
-            decay_rate=decay_rate,
-            min_dim_size_to_factor=min_dim_size_to_factor,
-            epsilon=epsilon1,
-        )
-    ]
-    if clipping_threshold:
-        chain.append(optax.clip_by_block_rms(clipping_threshold))
-    chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
-    if multiply_by_parameter_scale:
-        chain.append(optax.scale_by_param_block_rms(epsilon2))
-    if momentum:
-        chain.append(optax.ema(momentum, debias=False))
-    chain.append(optax.scale(-1.0))
-    return per_matrix(optax.chain(*chain), view_fn)
+
+    def one_matrix(min_dim: int) -> optax.GradientTransformation:
+        chain = [
+            optax.scale_by_factored_rms(
+                factored=True,
+                decay_rate=decay_rate,
+                min_dim_size_to_factor=min_dim,
+                epsilon=epsilon1,
+            )
+        ]
+        if clipping_threshold:
+            chain.append(optax.clip_by_block_rms(clipping_threshold))
+        chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
+        if multiply_by_parameter_scale:
+            chain.append(optax.scale_by_param_block_rms(epsilon2))
+        if momentum:
+            chain.append(optax.ema(momentum, debias=False))
+        chain.append(optax.scale(-1.0))
+        return optax.chain(*chain)
+
+    # Batched matrices (scanned layers, experts) are factored whatever their sizes: T5X's
+    # explicit BATCH/ROW/COLUMN rule for them skips the min_dim_size_to_factor heuristic.
+    return per_matrix(one_matrix(min_dim_size_to_factor), view_fn, batched_inner=one_matrix(1))
