@@ -56,7 +56,9 @@ def get_config(variant: str | None = None) -> ConfigDict:
     moe.capacity_factor = 0.0  # dropless, as in the paper
     moe.balance_loss_weight = 0.01
     moe.z_loss_weight = 0.0  # the paper uses no router z-loss
-    moe.eval_gating = "top1"  # the paper evaluates every model with top-1 routing
+    # The paper reports evaluation "with top-1 gating"; read here as top-1 routing at
+    # evaluation for every variant (the wording allows other readings: docs/moe.md).
+    moe.eval_gating = "top1"
 
     t = c.train
     t.batch_size = 256
