@@ -260,7 +260,7 @@ def read_config(path: str, *, tokenizer: bool = True) -> ConfigDict:
                 raise CheckpointError(f"{candidate}: damaged config ({error})") from error
             if not isinstance(stored, dict):
                 raise CheckpointError(f"{candidate}: damaged config (not a JSON object)")
-            config = merge_into_defaults(stored)
+            config = merge_into_defaults(stored, str(candidate))
             if tokenizer:
                 _resolve_tokenizer(config, step_dir, candidate)
             return config
@@ -289,27 +289,12 @@ def describe_error(error: BaseException) -> str:
     return text if len(text) <= 400 else text[:397] + "..."
 
 
-def merge_into_defaults(stored: dict) -> ConfigDict:
+def merge_into_defaults(stored: dict, origin: str = "stored config") -> ConfigDict:
     """The stored config on top of today's defaults, so keys added since it was written
-    exist (with their defaults) and can be overridden."""
-    from jaxmoe.config.defaults import base_config
+    exist (with their defaults) and can be overridden (jaxmoe/config/stored.py)."""
+    from jaxmoe.config.stored import complete_stored
 
-    def merge(node: ConfigDict, values: dict) -> None:
-        for key, value in values.items():
-            if isinstance(value, dict) and isinstance(node.get(key), ConfigDict):
-                merge(node[key], value)
-            else:
-                node[key] = value
-
-    from jaxmoe.models.stack import remat_name
-
-    model = stored.get("model", {})
-    if "remat" in model:  # a bool before remat took a policy name
-        stored = {**stored, "model": {**model, "remat": remat_name(model["remat"])}}
-    config = base_config()
-    with config.unlocked():
-        merge(config, stored)
-    return config
+    return complete_stored(stored, origin)
 
 
 @contextlib.contextmanager

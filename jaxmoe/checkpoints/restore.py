@@ -65,7 +65,7 @@ def checkpoint_tokenizer(checkpoint: str, config, overrides=(), required: bool =
             f"before checkpoints carried one, or converted without tokenizer files): name "
             f"one with --config.data.tokenizer=FILE (a .model, a tokenizer.json or its folder)"
         )
-    tokenizer = open_tokenizer(path, eos_token=config.data.get("eos_token", ""))
+    tokenizer = open_tokenizer(path, eos_token=config.data.eos_token)
     check_tokenizer_fits(tokenizer, config.model.vocab_size, where)
     return tokenizer
 

@@ -189,7 +189,7 @@ def _summary(dst: str, config: ConfigDict, start: float) -> None:
                 "checkpoint": str(Path(dst).absolute()),
                 "num_heads": m.num_heads,
                 "num_kv_heads": m.num_kv_heads,
-                "encoder_num_kv_heads": m.get("encoder_num_kv_heads", 0),
+                "encoder_num_kv_heads": m.encoder_num_kv_heads,
                 "num_experts": m.moe.num_experts,
                 "moe_every": m.moe.every,
                 "gating": m.moe.gating,

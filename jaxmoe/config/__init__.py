@@ -1,2 +1,7 @@
-"""Configuration: defaults (defaults.py), config files and overrides (loading.py), validation
-(validation.py)."""
+"""Configuration: the section schemas and the typed view (schema.py), defaults generated from
+them (defaults.py), config files and overrides (loading.py), validation (validation.py) and
+checkpoints' stored configs (stored.py)."""
+
+from jaxmoe.config.schema import JobConfig, typed
+
+__all__ = ["JobConfig", "typed"]

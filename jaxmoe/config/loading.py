@@ -11,14 +11,14 @@ prefixes it names in `EXTRA_KEYS` (its own section, e.g. configs/uptrain_gqa.py'
 """
 
 import ast
-import difflib
 import importlib.machinery
 import importlib.util
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
-from jaxmoe.config.defaults import base_config
+from jaxmoe.config.defaults import base_config, complete
+from jaxmoe.config.schema import key_type, unknown_key_message
 from jaxmoe.config.validation import get, validate
 from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import absolute_config_paths, absolute_path
@@ -42,6 +42,7 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
         )
     extra = tuple(getattr(module, "EXTRA_KEYS", ()))
     _check_keys(config, path_text, extra)
+    complete(config)  # the keys a file leaves out take their defaults, so code finds them all
     overridden = apply_overrides(config, overrides)
     finalize = getattr(module, "finalize", None)  # derived keys, computed after the overrides
     if finalize is not None:
@@ -110,13 +111,6 @@ def _check_keys(config: ConfigDict, path_text: str, extra: tuple[str, ...]) -> N
         raise ConfigError(f"{path_text}: {unknown_key_message(key, known)}")
 
 
-def unknown_key_message(key: str, known: list[str]) -> str:
-    """`unknown config key 'a.b' (did you mean 'a.c'?)`: the line for a key nobody reads."""
-    close = difflib.get_close_matches(key, known, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    return f"unknown config key {key!r}{hint}"
-
-
 def _leaf_keys(config: ConfigDict, prefix: str = "") -> list[str]:
     keys = []
     for key, value in config.items():
@@ -128,27 +122,29 @@ def _leaf_keys(config: ConfigDict, prefix: str = "") -> list[str]:
 
 
 def _parse(key: str, text: str, current):
-    """Parse `text` as the type of the current value."""
-    if isinstance(current, bool):
+    """Parse `text` as the schema's type of `key` (a config file's own key: as the type of
+    its current value)."""
+    kind = key_type(key) or type(current)
+    if kind is bool:
         lowered = text.lower()
         if lowered in ("true", "1", "yes"):
             return True
         if lowered in ("false", "0", "no"):
             return False
         raise ConfigError(f"--config.{key}={text}: expected a bool (true/false)")
-    if isinstance(current, str):
+    if kind is str:
         return text
     try:
         value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
         raise ConfigError(
-            f"--config.{key}={text}: expected {type(current).__name__}, got {text!r}"
+            f"--config.{key}={text}: expected {kind.__name__}, got {text!r}"
         ) from None
-    if isinstance(current, float) and isinstance(value, int) and not isinstance(value, bool):
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
-    if type(value) is not type(current):
+    if type(value) is not kind:
         raise ConfigError(
-            f"--config.{key}={text}: expected {type(current).__name__}, got {type(value).__name__}"
+            f"--config.{key}={text}: expected {kind.__name__}, got {type(value).__name__}"
         )
     return value
 

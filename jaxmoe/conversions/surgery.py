@@ -83,7 +83,7 @@ def gqa_targets(model_cfg, include_encoder: bool) -> list[tuple[str, str, int]]:
         ("decoder_layers", "cross_attn", model_cfg.num_kv_heads),
     ]
     if include_encoder:
-        encoder_kv = model_cfg.get("encoder_num_kv_heads", 0) or model_cfg.num_heads
+        encoder_kv = model_cfg.encoder_num_kv_heads or model_cfg.num_heads
         targets.append(("encoder_layers", "attn", encoder_kv))
     return targets
 

@@ -34,9 +34,9 @@ Rules shared by the policies (`epoch_order`):
 
 import numpy as np
 
+from jaxmoe.data.options import CURRICULUM_POLICIES as POLICIES
 from jaxmoe.data.pipeline import default_epoch_order
 
-POLICIES = ("none", "paper", "magnitude")
 _KEY_DECIMALS = 6  # complexities are float32: ~7 significant digits
 _ROWS_PER_CHUNK = 1 << 18
 

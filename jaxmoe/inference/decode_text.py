@@ -102,7 +102,7 @@ def decode_main(
     # Prompts start like training documents: with BOS when the tokenizer has one.
     eos = [tokenizer.eos_id] if encoder_decoder else []
     ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
-    ids = fit_context(ids, config.model.get("max_len", 0), max_new_tokens, truncate,
+    ids = fit_context(ids, config.model.max_len, max_new_tokens, truncate,
                       encoder_decoder)  # fmt: skip
     result = generator.generate(ids, max_new_tokens, sampling, seed)
     completions = []

@@ -232,7 +232,7 @@ def evaluate(
         examples = read_jsonl(
             data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
         )
-        examples = fit_examples(examples, config.model.get("max_len", 0), truncate)
+        examples = fit_examples(examples, config.model.max_len, truncate)
         batches = batch_examples(examples, batch_size, encoder_decoder)
         num_examples = len(examples)
     else:

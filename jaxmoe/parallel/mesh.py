@@ -13,6 +13,7 @@ from jax.experimental import mesh_utils
 from jax.sharding import AxisType, Mesh
 
 from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.options import MeshOptions
 
 MESH_AXES = ("data", "fsdp", "tensor", "expert")
 
@@ -55,7 +56,8 @@ def dcn_shape(mesh_cfg: Mapping[str, int], sizes: Mapping[str, int], num_slices:
     not. The default (dcn_data=-1, dcn_fsdp=1) joins slices over data, or over fsdp when the
     data axis does not divide by the number of slices.
     """
-    dcn = {"data": int(mesh_cfg.get("dcn_data", -1)), "fsdp": int(mesh_cfg.get("dcn_fsdp", 1))}
+    axes = MeshOptions(**dict(mesh_cfg.items()))  # {axis: size} alone: default spans
+    dcn = {"data": axes.dcn_data, "fsdp": axes.dcn_fsdp}
     if dcn == {"data": -1, "fsdp": 1} and sizes["data"] % num_slices:
         dcn = {"data": 1, "fsdp": -1}
     fill = [axis for axis, size in dcn.items() if size == -1]

@@ -43,11 +43,11 @@ from etils import epath
 
 from jaxmoe.data import curriculum
 from jaxmoe.data.complexity_store import ComplexityStore
+from jaxmoe.data.options import CURRICULUM_SOURCES as SOURCES
 from jaxmoe.data.pipeline import TrainBatches, default_epoch_order
 from jaxmoe.storage.mirror import Mirror
 from jaxmoe.storage.paths import finished_steps, is_remote
 
-SOURCES = ("previous_epoch", "scoring_pass")
 _SCORE_SYNC_EVERY = 16  # scoring batches in flight before their results are fetched
 
 
@@ -85,7 +85,7 @@ def _local_store(workdir: str, pull: tuple[str, ...] | None = None) -> tuple[str
 def make_curriculum(config, workdir: str, train: TrainBatches, batch_shardings: dict):
     """The curriculum of `config.data`, installed as `train`'s epoch order; None for none."""
     policy = config.data.curriculum
-    source = config.data.get("curriculum_source", "previous_epoch")
+    source = config.data.curriculum_source
     workdir = str(workdir)
     if policy not in curriculum.POLICIES:
         raise ValueError(f"data.curriculum={policy!r} is not one of {list(curriculum.POLICIES)}")
@@ -133,14 +133,14 @@ class Curriculum:
         import jax
 
         self.policy = config.data.curriculum
-        self.source = config.data.get("curriculum_source", "previous_epoch")
+        self.source = config.data.curriculum_source
         self.train = train
         self.batch_size = train.global_batch_size
         self.log_rows = (train.num_examples // self.batch_size) * self.batch_size
         self.order_kwargs = dict(
             seed=int(config.train.seed),
             batch_size=self.batch_size,
-            shuffle=bool(config.data.get("shuffle", True)),
+            shuffle=bool(config.data.shuffle),
         )
         self.multi = jax.process_count() > 1
         self.rows = self._local_rows(jax.process_index(), jax.process_count())

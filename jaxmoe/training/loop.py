@@ -204,7 +204,7 @@ def _train(
     data = build_data(config, jax.process_index(), jax.process_count(), barrier)
     resolve_vocab_size(config, data.vocab_size)
     with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
-        config.model.max_len = max(config.model.get("max_len", 0), config.train.seq_len)
+        config.model.max_len = max(config.model.max_len, config.train.seq_len)
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps
@@ -232,7 +232,7 @@ def _train(
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
             params = restore_params(config.train.init_from, abstract_state["params"], config.model)
-            if config.train.get("init_optimizer", False):
+            if config.train.init_optimizer:
                 opt_state = restore_opt_state(config.train.init_from, abstract_state["opt_state"])
             else:
                 with jax.set_mesh(mesh):

@@ -48,7 +48,7 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         skip_nonfinite=config.train.nonfinite == "skip",
         rest=spec.rest,
         seed=config.train.seed,
-        logits_z_loss=config.train.get("logits_z_loss", 0.0),
+        logits_z_loss=config.train.logits_z_loss,
     )
 
 

@@ -77,10 +77,10 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
         "attention_dropout": 0.0,
     }
     if m.moe.num_experts:
-        if m.get("qkv_bias", False):
+        if m.qkv_bias:
             _refuse("model.qkv_bias=True with MoE: Mixtral has no attention biases")
         hf.update(_mixtral_fields(m))
-    elif m.get("qkv_bias", False):
+    elif m.qkv_bias:
         hf.update(
             architectures=["Qwen2ForCausalLM"],
             model_type="qwen2",
@@ -94,7 +94,7 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
 
 def _rope_export(m: ConfigDict) -> dict:
     """transformers' rope_parameters for the model's rotary scaling."""
-    rope = {"rope_type": m.get("rope_type", "default"), "rope_theta": float(m.rope_theta)}
+    rope = {"rope_type": m.rope_type, "rope_theta": float(m.rope_theta)}
     if rope["rope_type"] in ("linear", "llama3"):
         rope["factor"] = float(m.rope_factor)
     if rope["rope_type"] == "llama3":
@@ -110,7 +110,7 @@ def _t5_export(m: ConfigDict) -> dict:
             f"HF T5 attention is multi-head, but model.num_kv_heads={m.num_kv_heads} != "
             f"model.num_heads={m.num_heads} (GQA/MQA decoder)"
         )
-    if m.get("encoder_num_kv_heads", 0) not in (0, m.num_heads):
+    if m.encoder_num_kv_heads not in (0, m.num_heads):
         _refuse(f"model.encoder_num_kv_heads={m.encoder_num_kv_heads}: HF T5 is multi-head")
     if m.moe.num_experts:
         _refuse(f"model.moe.num_experts={m.moe.num_experts}: HF T5 has no MoE FFN")
@@ -144,9 +144,9 @@ def _t5_export(m: ConfigDict) -> dict:
 def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
     """(HF config.json dict, tensor maps) for jaxmoe model config `m`; a CheckpointError with
     the reason when HF cannot express the model."""
-    if not m.get("ffn_gated", True):
+    if not m.ffn_gated:
         _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
-    if m.moe.num_experts and m.moe.get("router_bias", False):
+    if m.moe.num_experts and m.moe.router_bias:
         _refuse("model.moe.router_bias=True (the exported MoE routers have no bias)")
     if m.arch == "encoder_decoder":
         if m.tie_embeddings:

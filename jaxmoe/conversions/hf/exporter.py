@@ -80,7 +80,7 @@ def _stored_layout(stored: StoredParams, leaves: dict, m) -> bool:
         if set(flatten(tree)) == stored.paths:
             check_params_match(stored.step_dir, tree)  # shapes too
             return is_stacked
-    check_params_match(stored.step_dir, stacked if m.get("scan_layers") else per_layer)
+    check_params_match(stored.step_dir, stacked if m.scan_layers else per_layer)
     raise CheckpointError(f"checkpoint {str(stored.step_dir)!r}: parameters do not match")
 
 
@@ -158,8 +158,7 @@ def export_hf(
     max_bytes = parse_size(max_shard_size)
     config = read_config(ckpt_path, tokenizer=tokenizer is None)  # --tokenizer replaces it
     m = config.model
-    seq_len = config.get("train", {}).get("seq_len", 0) or 0
-    hf_config, maps = export_plan(m, max_positions=max(2048, seq_len, m.get("max_len", 0)))
+    hf_config, maps = export_plan(m, max_positions=max(2048, config.train.seq_len, m.max_len))
     leaves = flatten(abstract_params(unrolled_config(m)))
     check_coverage(ImportPlan(maps), leaves, what="has no Hugging Face counterpart")
     dst = Path(dst_dir)

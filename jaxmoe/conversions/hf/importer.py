@@ -256,7 +256,7 @@ def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
 def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> dict:
     """The checkpoint's parameters in the layout model config `m` restores (stacked for
     `scan_layers`), each a LazyArray whose pieces are the HF tensors mapped to it."""
-    stacked = bool(m.get("scan_layers", False))
+    stacked = bool(m.scan_layers)
     pieces: dict[tuple[str, ...], list[tuple[tuple[int, ...], TensorMap]]] = {}
     for t in plan.maps:
         path, row = stacked_location(t.path, m) if stacked else (t.path, None)

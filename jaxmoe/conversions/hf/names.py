@@ -208,9 +208,7 @@ def decoder_maps(
     for i in range(m.num_layers):
         hf, path = f"model.layers.{i}.", ("layers", str(i))
         maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
-        maps += _attention_maps(
-            hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.get("qkv_bias", False)
-        )
+        maps += _attention_maps(hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.qkv_bias)
         maps.append(
             TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
         )

@@ -64,9 +64,9 @@ def check_exportable(m) -> None:
         (m.moe.num_experts > 0, f"model.moe.num_experts={m.moe.num_experts} (MoE layers)"),
         (m.tie_embeddings, "model.tie_embeddings=True (T5.1.1 has its own logits_dense)"),
         (m.activation != "gelu", f"model.activation={m.activation!r} (T5.1.1: gated gelu)"),
-        (not m.get("ffn_gated", True), "model.ffn_gated=False (T5.1.1: gated gelu)"),
+        (not m.ffn_gated, "model.ffn_gated=False (T5.1.1: gated gelu)"),
         (not m.relpos_buckets, "model.relpos_buckets=0 (T5 needs a relative-position bias)"),
-        (bool(m.get("qkv_bias", False)), "model.qkv_bias=True (T5 has no biases)"),
+        (m.qkv_bias, "model.qkv_bias=True (T5 has no biases)"),
     ]
     for bad, why in problems:
         if bad:
@@ -144,7 +144,7 @@ def export_t5x(
     abstract = flatten(abstract_params(unrolled_config(config.model)))  # per-layer paths
     shapes = {path: tuple(leaf.shape) for path, leaf in abstract.items()}
     names = {path: t5x_name(path) for path in shapes}  # raises for parameters T5X lacks
-    keep = _keeps_adafactor(str(ckpt), config) and not config.model.get("scan_layers", False)
+    keep = _keeps_adafactor(str(ckpt), config) and not config.model.scan_layers
     moments, count = adafactor_states(str(ckpt), config, shapes, keep)
     if count is not None:
         # A state continued from T5X's (`train.init_optimizer`) counts T5X's steps; a fresh
@@ -157,7 +157,7 @@ def export_t5x(
             )
         step = count + offset
     elif step is None:
-        step = (config.get("source", {}) or {}).get("step", 0)
+        step = config.source.step if "source" in config else 0  # convert t5x's
 
     out = Path(out).absolute()
     final = out / f"checkpoint_{int(step)}"

@@ -1,0 +1,216 @@
+"""The `model` and `model.moe` config sections: every key's type, default and one-line doc,
+and the checks of their values (jaxmoe/config builds the ConfigDict defaults from these and
+runs the checks through `jaxmoe.config.typed`).
+
+The option lists come from the modules that implement the options, so a new gate, dispatch
+or activation is a choice here without touching jaxmoe/config.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ml_collections import ConfigDict
+
+from jaxmoe.errors import ConfigError
+from jaxmoe.models.attention import ROPE_TYPES
+from jaxmoe.models.layers import ACTIVATIONS
+from jaxmoe.models.moe.dispatch import DISPATCHES
+from jaxmoe.models.moe.expert_parallel import EXCHANGES
+from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
+from jaxmoe.models.moe.layer import check_moe_config
+from jaxmoe.models.stack import REMAT_POLICIES
+
+
+def option(default, doc: str, choices: tuple = ()):
+    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
+    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class MoEOptions:
+    """model.moe: the mixture-of-experts FFN layers and their router."""
+
+    KEY: ClassVar[str] = "model.moe"
+
+    num_experts: int = option(8, "experts per MoE layer; 0 = dense model")
+    every: int = option(1, "an MoE FFN in every `every`-th layer (others dense)")
+    ffn_dim: int = option(256, "hidden size of one expert")
+    gating: str = option("adaptive", "router policy", GATES)
+    threshold: float = option(
+        0.1, "adaptive: two experts when the gap (gap_normalization) < threshold"
+    )
+    top_k: int = option(2, "topk: experts per token")
+    top_p: float = option(0.4, "top_p: smallest expert set whose probabilities pass p")
+    max_k: int = option(2, "top_p: at most this many experts per token (static shapes)")
+    eval_gating: str = option("", 'gate at evaluation time; "" = same as `gating`', ("", *GATES))
+    gap_normalization: str = option(
+        "top2", "adaptive gap on: top2 (p1,p2 renormalised) | none (raw)", GAP_NORMALIZATIONS
+    )
+    renormalize: bool = option(False, "renormalise the chosen experts' weights to sum to one")
+    single_weight: str = option("prob", "weight of a one-expert token", SINGLE_WEIGHTS)
+    capacity_factor: float = option(0.0, "0 = dropless; > 0 = fixed capacity that drops overflow")
+    balance_loss_weight: float = option(0.01, "load-balancing loss coefficient")
+    balance_fractions: str = option(
+        "auto", "balance loss counts: auto (adaptive top1) | top1 | chosen", BALANCE_FRACTIONS
+    )
+    z_loss_weight: float = option(0.001, "router z-loss coefficient")
+    jitter: float = option(0.0, "multiplicative router-input noise in training (0 = off)")
+    router_bias: bool = option(False, "a router bias [E] (Flaxformer RouterWeights use_bias)")
+    block_size: int = option(256, "rows per expert block in the block dispatch")
+    dispatch: str = option("auto", "token dispatch (capacity: GShard fixed buffers)", DISPATCHES)
+    ep_exchange: str = option(
+        "auto",
+        "expert-parallel token exchange: ragged (sized to the routing, ragged_all_to_all) | "
+        "padded (worst-case all_to_all) | auto (padded on CPU, ragged on GPU/TPU)",
+        EXCHANGES,
+    )
+    ep_buffer_factor: float = option(
+        2.0,
+        "ragged: receive buffer = this x the balanced load (local tokens x slots); overflow "
+        "goes in further rounds through it (dropless) or is dropped (capacity)",
+    )
+
+    def check(self, depths: dict[str, int]) -> None:
+        """The MoE ranges; `depths` names the layer counts `every` must not exceed."""
+        _need(self.num_experts >= 0, f"model.moe.num_experts={self.num_experts} must be >= 0")
+        if not self.num_experts:
+            return
+        _need(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
+        # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
+        # is, and the run would silently train a dense model.
+        _need(
+            self.every <= max(depths.values()),
+            f"model.moe.every={self.every} exceeds "
+            + " and ".join(f"{k}={v}" for k, v in depths.items())
+            + ": no layer would be MoE (model.moe.num_experts=0 is the dense model)",
+        )
+        try:  # the ranges the MoE layer checks itself, for models built without a config
+            check_moe_config(ConfigDict({"moe": dataclasses.asdict(self)}))
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """model: the architecture (and its compute dtype, remat and attention blocking)."""
+
+    KEY: ClassVar[str] = "model"
+
+    arch: str = option("decoder", "decoder | encoder_decoder", ("decoder", "encoder_decoder"))
+    vocab_size: int = option(0, "0: take the tokenizer's vocabulary size")
+    num_layers: int = option(
+        4, "decoder layers (encoder_decoder: also the encoder's, unless set below)"
+    )
+    num_encoder_layers: int = option(0, "encoder_decoder only; 0: same as num_layers")
+    encoder_num_kv_heads: int = option(0, "encoder_decoder: encoder KV heads; 0: num_heads (MHA)")
+    d_model: int = option(128, "width of the residual stream")
+    num_heads: int = option(4, "query heads")
+    num_kv_heads: int = option(2, "key/value heads: = num_heads is MHA, 1 is MQA, between is GQA")
+    head_dim: int = option(32, "width of one attention head")
+    ffn_dim: int = option(512, "hidden size of a dense (gated) FFN")
+    activation: str = option(
+        "silu", "gated FFN activation: silu (SwiGLU) | gelu (T5.1.1) | relu", tuple(ACTIVATIONS)
+    )
+    norm_eps: float = option(1e-6, "RMSNorm epsilon")
+    rope_theta: float = option(10000.0, "rotary base; 0 disables rotary positions")
+    rope_type: str = option("default", "rotary frequency scaling (default: none)", ROPE_TYPES)
+    rope_factor: float = option(
+        1.0, "linear / llama3: context-extension factor frequencies divide by"
+    )
+    rope_low_freq_factor: float = option(
+        1.0, "llama3: wavelengths over original_max_len / this scaled"
+    )
+    rope_high_freq_factor: float = option(
+        4.0, "llama3: wavelengths under original_max_len / this kept"
+    )
+    rope_original_max_len: int = option(8192, "llama3: the context length before the extension")
+    qkv_bias: bool = option(
+        False, "biases on the query/key/value projections (Qwen2); none on the output"
+    )
+    tie_embeddings: bool = option(False, "share the input embedding with the output layer")
+    ffn_gated: bool = option(
+        True, "act(x wi_0) * (x wi_1) wo; False: act(x wi) wo (T5 v1.0, Switch Base)"
+    )
+    dtype: str = option(
+        "float32", "compute dtype; parameters stay float32", ("float32", "bfloat16")
+    )
+    attention_block: int = option(
+        -1, "causal self-attention query block; -1 auto (CPU only), 0 dense"
+    )
+    remat: str = option("none", "backward-pass recompute policy", tuple(REMAT_POLICIES))
+    scan_layers: bool = option(
+        False, "run the blocks under one scan (compile time independent of depth)"
+    )
+    relpos_buckets: int = option(32, "encoder_decoder: T5 relative-position buckets")
+    relpos_max_distance: int = option(128, "encoder_decoder: T5 relative-position max distance")
+    dropout_rate: float = option(
+        0.0, "training only: embeddings, attention and FFN outputs, final norm"
+    )
+    max_len: int = option(0, "context: longest sequence trained on (train sets it); 0 = unknown")
+    moe: MoEOptions = field(default_factory=MoEOptions)
+
+    def check(self) -> None:
+        """Ranges and combinations of the model keys (and model.moe's)."""
+        for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
+            value = getattr(self, key)
+            _need(value > 0, f"model.{key}={value} must be positive")
+        _need(
+            self.num_heads % self.num_kv_heads == 0,
+            f"model.num_heads={self.num_heads} is not divisible by "
+            f"model.num_kv_heads={self.num_kv_heads}",
+        )
+        _need(
+            not self.rope_theta or self.head_dim % 2 == 0,
+            f"model.head_dim={self.head_dim} must be even for rotary positions (model.rope_theta)",
+        )
+        self._check_rope()
+        _need(
+            not self.qkv_bias or self.arch == "decoder",
+            "model.qkv_bias=True is implemented for decoder models only (model.arch='decoder')",
+        )
+        _need(
+            self.attention_block >= -1,
+            f"model.attention_block={self.attention_block} must be -1 (auto), 0 (dense) or a "
+            "block size",
+        )
+        depths = {"model.num_layers": self.num_layers}
+        if self.arch == "encoder_decoder" and self.num_encoder_layers:
+            depths["model.num_encoder_layers"] = self.num_encoder_layers
+        self.moe.check(depths)
+        _need(
+            0.0 <= self.dropout_rate < 1.0,
+            f"model.dropout_rate={self.dropout_rate} not in [0, 1)",
+        )
+        for key in ("vocab_size", "max_len", "num_encoder_layers", "encoder_num_kv_heads"):
+            value = getattr(self, key)
+            _need(value >= 0, f"model.{key}={value} must be >= 0 (0 = the default)")
+        _need(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive")
+        if self.arch == "encoder_decoder":
+            for key in ("relpos_buckets", "relpos_max_distance"):
+                value = getattr(self, key)
+                _need(value > 0, f"model.{key}={value} must be positive")
+
+    def _check_rope(self) -> None:
+        if self.rope_type != "default":
+            _need(
+                self.rope_theta > 0,
+                f"model.rope_type={self.rope_type!r} needs model.rope_theta > 0",
+            )
+            _need(self.rope_factor > 0, f"model.rope_factor={self.rope_factor} must be positive")
+        if self.rope_type == "llama3":
+            low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
+            _need(
+                0 < low < high,
+                f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} "
+                "must satisfy 0 < low < high",
+            )
+            _need(
+                self.rope_original_max_len > 0,
+                f"model.rope_original_max_len={self.rope_original_max_len} must be positive",
+            )

@@ -1,0 +1,33 @@
+"""The `mesh` config section: every axis size's type, default and one-line doc, and their
+checks (jaxmoe/config builds the ConfigDict defaults from these and runs the checks through
+`jaxmoe.config.typed`; mesh.py fills a partial mapping of axis sizes from them)."""
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from jaxmoe.errors import ConfigError
+
+
+def option(default, doc: str, choices: tuple = ()):
+    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
+    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
+
+
+@dataclass(frozen=True)
+class MeshOptions:
+    """mesh: the sizes of the device mesh's axes (and, multislice, of their slice spans)."""
+
+    KEY: ClassVar[str] = "mesh"
+
+    data: int = option(-1, "data-parallel axis (-1 = the remaining devices)")
+    fsdp: int = option(1, "parameter-sharded data-parallel axis")
+    tensor: int = option(1, "tensor-parallel axis (heads, FFN hidden)")
+    expert: int = option(1, "expert-parallel axis (also splits the batch)")
+    dcn_data: int = option(-1, "multislice: slices the data axis spans (-1 = the remaining slices)")
+    dcn_fsdp: int = option(1, "multislice: slices the fsdp axis spans")
+
+    def check(self) -> None:
+        for axis in ("data", "fsdp", "tensor", "expert", "dcn_data", "dcn_fsdp"):
+            size = getattr(self, axis)
+            if not (size == -1 or size >= 1):
+                raise ConfigError(f"mesh.{axis}={size} must be positive or -1")

@@ -1,0 +1,142 @@
+"""The `train` and `optimizer` config sections: every key's type, default and one-line doc,
+and the checks of their values (jaxmoe/config builds the ConfigDict defaults from these and
+runs the checks through `jaxmoe.config.typed`)."""
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from jaxmoe.errors import ConfigError
+from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
+from jaxmoe.training.profiling import parse_profile_steps
+
+
+def option(default, doc: str, choices: tuple = ()):
+    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
+    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """train: the length and batch of the run, its evaluations, checkpoints and logging."""
+
+    KEY: ClassVar[str] = "train"
+
+    steps: int = option(600, "optimizer steps")
+    batch_size: int = option(16, "global batch (sequences per step)")
+    seq_len: int = option(128, "tokens per sequence")
+    seed: int = option(0, "parameter init and data order")
+    grad_accum: int = option(1, "micro-batches per step (batch_size must divide by it)")
+    log_every: int = option(20, "steps between train lines in metrics.jsonl")
+    eval_every: int = option(200, "steps between evaluations (0 = only at the end)")
+    eval_batches: int = option(0, "validation batches per evaluation (0 = the whole split)")
+    checkpoint_every: int = option(200, "steps between checkpoints (and one at the end)")
+    max_to_keep: int = option(3, "checkpoints kept on disk")
+    init_from: str = option("", "checkpoint to take parameters from (fresh optimizer state)")
+    init_optimizer: bool = option(
+        False, "with init_from: also take its optimizer state (moments, steps)"
+    )
+    nonfinite: str = option(
+        "stop", "on a non-finite loss or gradient: stop | skip (the step)", ("stop", "skip")
+    )
+    max_skipped_steps: int = option(
+        10, "nonfinite=skip: stop after this many skipped steps in a row"
+    )
+    profile_steps: str = option("", '"START:END": trace steps START+1..END into WORKDIR/profile')
+    peak_flops: float = option(
+        0.0, "FLOP/s of one device for `mfu` (0 = from the device kind, if known)"
+    )
+    wandb: str = option(
+        "", 'Weights & Biases PROJECT[/RUN_NAME] ("" = off; WANDB_MODE=offline works)'
+    )
+    logits_z_loss: float = option(
+        0.0, "output z-loss: coef * mean(logsumexp(logits)^2) over targets"
+    )
+
+    def check(self) -> None:
+        for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
+            value = getattr(self, key)
+            _need(value > 0, f"train.{key}={value} must be positive")
+        _need(
+            self.max_skipped_steps > 0,
+            f"train.max_skipped_steps={self.max_skipped_steps} must be positive",
+        )
+        _need(
+            self.batch_size % self.grad_accum == 0,
+            f"train.batch_size={self.batch_size} is not divisible by "
+            f"train.grad_accum={self.grad_accum}",
+        )
+        # 0 means "only at the end" / "the whole split" / "seed 0"; below 0 means nothing.
+        for key in ("eval_every", "checkpoint_every", "eval_batches", "seed"):
+            value = getattr(self, key)
+            _need(value >= 0, f"train.{key}={value} must be >= 0")
+        _need(self.max_to_keep >= 1, f"train.max_to_keep={self.max_to_keep} must be >= 1")
+        _need(self.peak_flops >= 0, f"train.peak_flops={self.peak_flops} must be >= 0")
+        try:
+            parse_profile_steps(self.profile_steps)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        _need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
+
+
+@dataclass(frozen=True)
+class OptimizerOptions:
+    """optimizer: the update rule and the learning-rate schedule."""
+
+    KEY: ClassVar[str] = "optimizer"
+
+    name: str = option(
+        "adamw", "adamw | adafactor (optax's) | t5x_adafactor (T5X's, T5.1.1's)", OPTIMIZERS
+    )
+    learning_rate: float = option(3e-3, "peak learning rate (t5x_rsqrt: the numerator)")
+    schedule: str = option(
+        "cosine", "cosine | rsqrt | constant | t5x_rsqrt (lr / sqrt(max(step, warmup)))", SCHEDULES
+    )
+    warmup_steps: int = option(50, "linear warmup steps (t5x_rsqrt: flat until this step)")
+    min_lr_ratio: float = option(0.1, "cosine: final learning rate / peak")
+    start_step: int = option(
+        0, "the schedule starts at this step (uptraining: where the source stopped)"
+    )
+    schedule_steps: int = option(
+        0, "cosine: length of the whole schedule; 0 = start_step + train.steps"
+    )
+    weight_decay: float = option(0.1, "decoupled weight decay (adamw)")
+    b1: float = option(0.9, "first-moment decay")
+    b2: float = option(0.95, "second-moment decay")
+    eps: float = option(1e-8, "adam epsilon")
+    grad_clip_norm: float = option(1.0, "clip the global gradient norm (0 = off)")
+    decay_rate: float = option(0.8, "t5x_adafactor: second-moment decay 1 - (t + 1)^-decay_rate")
+    clipping_threshold: float = option(
+        1.0, "t5x_adafactor: clip each update matrix to this RMS (0 = off)"
+    )
+    momentum: float = option(0.0, "t5x_adafactor: first-moment decay (0 = none, as T5.1.1)")
+
+    def check(self) -> None:
+        _need(
+            self.learning_rate > 0,
+            f"optimizer.learning_rate={self.learning_rate} must be positive",
+        )
+        _need(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        for key in ("start_step", "schedule_steps"):
+            value = getattr(self, key)
+            _need(value >= 0, f"optimizer.{key}={value} must be >= 0")
+        _need(0.0 < self.decay_rate <= 1.0, f"optimizer.decay_rate={self.decay_rate} not in (0, 1]")
+        _need(
+            self.clipping_threshold >= 0,
+            f"optimizer.clipping_threshold={self.clipping_threshold} < 0",
+        )
+        _need(0.0 <= self.momentum < 1.0, f"optimizer.momentum={self.momentum} not in [0, 1)")
+        for key in ("b1", "b2"):
+            value = getattr(self, key)
+            _need(0.0 <= value < 1.0, f"optimizer.{key}={value} not in [0, 1)")
+        for key in ("weight_decay", "grad_clip_norm", "eps"):
+            value = getattr(self, key)
+            _need(value >= 0, f"optimizer.{key}={value} must be >= 0")
+        _need(
+            0.0 <= self.min_lr_ratio <= 1.0,
+            f"optimizer.min_lr_ratio={self.min_lr_ratio} not in [0, 1]",
+        )
