@@ -103,3 +103,33 @@ def test_imports_point_down_the_layers():
 def test_top_level_holds_only_the_entry_points_and_errors():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "errors.py"]
+
+
+# The config schema (jaxmoe/config/schema.py): each section's dataclass lives with the package
+# it configures and imports only jaxmoe.errors and that package's own option lists; the
+# defaults and the typed view import those schema modules, never training's internals,
+# inference or the commands (validation used to import training for its option lists).
+SCHEMA_MODULES = {
+    "jaxmoe.models.options": "jaxmoe.models",
+    "jaxmoe.training.options": "jaxmoe.training",
+    "jaxmoe.data.options": "jaxmoe.data",
+    "jaxmoe.parallel.options": "jaxmoe.parallel",
+}
+CONFIG_BASE = ("jaxmoe.config.defaults", "jaxmoe.config.schema")
+
+
+def test_config_schema_imports_no_training_inference_or_commands():
+    graph = _graph()
+    wrong = [
+        f"{name} imports {target}"
+        for name, package in SCHEMA_MODULES.items()
+        for target in graph[name]
+        if not (target == "jaxmoe.errors" or target.startswith(package + "."))
+    ]
+    wrong += [
+        f"{name} imports {target}"
+        for name in CONFIG_BASE
+        for target in graph[name]
+        if not (target in SCHEMA_MODULES or target.startswith(("jaxmoe.config", "jaxmoe.errors")))
+    ]
+    assert not wrong, "\n".join(wrong)
