@@ -14,11 +14,11 @@ import sentencepiece as spm
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config, save_params
+from jaxmoe.checkpoints.manager import CheckpointError, inherit_tokenizer, read_config, save_params
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.conversions.surgery import convert_gqa
-from jaxmoe.data.sources import inherit_tokenizer, load_tokenizer
+from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.data.tokenizer import Tokenizer, open_tokenizer, train_sentencepiece
 from jaxmoe.inference.decode_text import decode_main
 from tests.helpers import tiny_config, unit_scale_params

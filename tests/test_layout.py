@@ -1,6 +1,20 @@
 """The package's dependency order: no import cycles, and imports only point down the layers
-commands -> training / inference / aot -> models, data, checkpoints -> parallel, storage,
-config defaults -> errors (config validation sits above models: it checks their options)."""
+
+    commands (cli/)
+    conversions/ (T5X, HF, checkpoint surgery)
+    training/, inference/, aot/
+    models/, data/, checkpoints/   (config validation sits above models: it checks their
+                                    options; data never reads a checkpoint: a command names
+                                    a train.init_from checkpoint's tokenizer first)
+    parallel/, storage/, config defaults
+    compat/ (the one adapter to other libraries' private APIs), errors
+
+checkpoints/ saves and restores trees, whatever model they belong to: it imports nothing
+from models/ (a model's layer layout, models/stack.py, is passed in by the caller as
+`layouts=`), except `remat_name`, which reads a config value older checkpoints stored.
+No module outside compat/ imports another library's private module (`jax._src`,
+`orbax.checkpoint._src`, any `_name` part) or reads a private attribute by name.
+"""
 
 import ast
 from pathlib import Path
@@ -15,7 +29,10 @@ BELOW_CONVERSIONS = (
 # Packages a package must never import (directly), by the order above.
 FORBIDDEN = {
     "jaxmoe.models": ("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
-    "jaxmoe.data": ("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+    "jaxmoe.data": (
+        *("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+        "jaxmoe.checkpoints",
+    ),
     "jaxmoe.checkpoints": ("jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
     "jaxmoe.parallel": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
     "jaxmoe.storage": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
@@ -103,6 +120,56 @@ def test_imports_point_down_the_layers():
 def test_top_level_holds_only_the_entry_points_and_errors():
     top = sorted(p.name for p in PACKAGE.glob("*.py"))
     assert top == ["__init__.py", "__main__.py", "errors.py"]
+
+
+COMPAT = "jaxmoe.compat"
+
+
+def _private(module: str) -> bool:
+    """Whether a dotted module name has a private part (`_src`; `__main__` is public)."""
+    return any(p.startswith("_") and not p.startswith("__") for p in module.split("."))
+
+
+def _outside_imports(path: Path):
+    """(line, module, names) of each import of a module outside jaxmoe in `path`."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name, ()
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.lineno, node.module, tuple(alias.name for alias in node.names)
+
+
+def test_private_apis_only_in_compat():
+    wrong = []
+    for name, path in _modules().items():
+        if name == COMPAT or name.startswith(COMPAT + "."):
+            continue
+        where = path.relative_to(PACKAGE.parent)
+        for line, module, names in _outside_imports(path):
+            if module.split(".")[0] == "jaxmoe":
+                continue
+            private_names = [n for n in names if _private(n)]
+            if _private(module) or private_names:
+                wrong.append(f"{where}:{line} imports {module} {private_names or ''}")
+        for node in ast.walk(ast.parse(path.read_text())):
+            is_call = isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            if is_call and node.func.id in ("getattr", "hasattr") and len(node.args) > 1:
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and _private(str(key.value)):
+                    wrong.append(f"{where}:{node.lineno} reads attribute {key.value!r}")
+    assert not wrong, "private APIs belong in jaxmoe/compat/private_apis.py:\n" + "\n".join(wrong)
+
+
+def test_compat_imports_only_errors():
+    wrong = [
+        f"{name} imports {target}"
+        for name, targets in _graph().items()
+        if name == COMPAT or name.startswith(COMPAT + ".")
+        for target in targets
+        if not (target == "jaxmoe.errors" or target.startswith(COMPAT))
+    ]
+    assert not wrong, "\n".join(wrong)
 
 
 # The config schema (jaxmoe/config/schema.py): each section's dataclass lives with the package

@@ -31,9 +31,6 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 from orbax.checkpoint import future, type_handlers
-from orbax.checkpoint._src.serialization import ocdbt_utils
-from orbax.checkpoint._src.serialization import tensorstore_utils as ts_utils
-from orbax.checkpoint._src.serialization import types as ts_types
 
 from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import (
@@ -43,6 +40,7 @@ from jaxmoe.checkpoints.manager import (
     resolve_checkpoint,
     write_config,
 )
+from jaxmoe.compat.private_apis import orbax_array_read_spec, orbax_array_write_spec
 from jaxmoe.storage.paths import absolute_path
 
 Index = tuple[int, ...]
@@ -86,20 +84,14 @@ class _PieceHandler(type_handlers.NumpyHandler):
     async def _write_all(self, values, infos, args) -> None:
         for value, info, arg in zip(values, infos, args, strict=True):
             await info.await_path_creation()
-            spec = ts_utils.build_array_write_spec(
-                info=info,
-                arg=arg,
+            spec = orbax_array_write_spec(
+                info,
+                arg,
                 global_shape=value.shape,
                 local_shape=value.piece_shape,  # chunk (and OCDBT shard) = one piece
                 dtype=value.dtype,
-                use_ocdbt=info.is_ocdbt_checkpoint,
-                process_index=ocdbt_utils.get_process_index_for_subdir(
-                    use_ocdbt=info.is_ocdbt_checkpoint
-                ),
             )
-            store = await ts.open(
-                ts.Spec(spec.json), create=True, open=True, context=info.ts_context
-            )
+            store = await ts.open(ts.Spec(spec), create=True, open=True, context=info.ts_context)
             written = 0
             for index, piece in value.pieces():
                 if piece.shape != value.piece_shape[value.depth :]:
@@ -149,17 +141,17 @@ class StoredParams:
             raise CheckpointError(f"{self.root}: unreadable Orbax metadata ({error})") from None
         self._ocdbt = bool(metadata.get("use_ocdbt", False))
         self._zarr3 = bool(metadata.get("use_zarr3", False))
-        self._context = ts_utils.get_ts_context(use_ocdbt=self._ocdbt)
+        self._context = type_handlers.get_ts_context(use_ocdbt=self._ocdbt)
 
     def _open(self, path: tuple[str, ...]) -> ts.TensorStore:
-        info = ts_types.ParamInfo(
+        info = type_handlers.ParamInfo(
             name=".".join(path),
             parent_dir=self.root,
             is_ocdbt_checkpoint=self._ocdbt,
             use_zarr3=self._zarr3,
             ts_context=self._context,
         )
-        spec = ts_utils.build_array_read_spec(info, use_ocdbt=self._ocdbt).json
+        spec = orbax_array_read_spec(info)
         try:
             return ts.open(ts.Spec(spec), open=True, context=self._context).result()
         except Exception as error:  # TensorStore raises plain Exceptions for bad files

@@ -279,6 +279,20 @@ def _resolve_tokenizer(config: ConfigDict, step_dir, culprit) -> None:
         ) from None
 
 
+def inherit_tokenizer(config: ConfigDict) -> None:
+    """Training from a checkpoint (`train.init_from`) with no `data.tokenizer` of its own
+    takes the checkpoint's (a converted model's copied files): its ids are the ones that
+    model's embeddings were trained on. Set in `config` before the data is opened (the
+    train and prepare commands call this), so later checkpoints record it."""
+    init_from = config.train.init_from
+    if config.data.tokenizer or not init_from:
+        return
+    inherited = read_config(init_from).data.tokenizer
+    if inherited:
+        log.info("data.tokenizer=%s, from train.init_from", inherited)
+        config.data.tokenizer = inherited
+
+
 def describe_error(error: BaseException) -> str:
     """One line for a failed read: the innermost cause (TensorStore names the file and the
     byte range there; Orbax's wrappers around it do not), cut to a readable length."""

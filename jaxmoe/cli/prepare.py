@@ -14,6 +14,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
+    from jaxmoe.checkpoints.manager import inherit_tokenizer
     from jaxmoe.checkpoints.staging import check_writable
     from jaxmoe.config.loading import load_config
     from jaxmoe.data.mixture import source_configs
@@ -21,6 +22,7 @@ def run(args) -> int:
     from jaxmoe.data.sources import cache_dir
 
     config = load_config(args.config, args.overrides)
+    inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's own
     check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
     start = time.monotonic()
     tokenizer = prepare(config)

@@ -16,7 +16,6 @@ gs:// itself (metadata through etils epath, array_record files through their own
 import dataclasses
 import functools
 import hashlib
-import logging
 import os
 from collections.abc import Sequence
 
@@ -27,8 +26,6 @@ from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
 from jaxmoe.storage.mirror import Mirror
 from jaxmoe.storage.paths import absolute_path, is_remote
-
-log = logging.getLogger(__name__)
 
 # Bump when the token stream layout changes, so old token caches are not reused.
 _PACKING_VERSION = "eos-after-doc-v1"
@@ -123,26 +120,12 @@ def open_split(config, split_key: str) -> SplitDocuments:
     return SplitDocuments(source, fingerprint, split)
 
 
-def inherit_tokenizer(config) -> None:
-    """Training from a checkpoint (`train.init_from`) with no `data.tokenizer` of its own
-    takes the checkpoint's (a converted model's copied files): its ids are the ones that
-    model's embeddings were trained on. Set in `config`, so later checkpoints record it."""
-    init_from = config.get("train", {}).get("init_from", "")
-    if config.data.tokenizer or not init_from:
-        return
-    from jaxmoe.checkpoints.manager import read_config
-
-    inherited = read_config(init_from).data.tokenizer
-    if inherited:
-        log.info("data.tokenizer=%s, from train.init_from", inherited)
-        config.data.tokenizer = inherited
-
-
 def load_tokenizer(config) -> Tokenizer:
     """The tokenizer named by `data.tokenizer` (SentencePiece .model, Hugging Face
     tokenizer.json or a folder holding one), or one trained on the train split (of the
-    mixture's first source when `data.mixture` is set)."""
-    inherit_tokenizer(config)
+    mixture's first source when `data.mixture` is set). A `train.init_from` checkpoint's
+    own tokenizer is named in `data.tokenizer` before this, by the command (training:
+    checkpoints.manager.inherit_tokenizer): data never reads checkpoints."""
     if config.data.tokenizer:
         return open_tokenizer(
             absolute_path(config.data.tokenizer), config.data.get("eos_token", "")

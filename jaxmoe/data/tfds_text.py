@@ -15,6 +15,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import tensorflow_datasets as tfds
 from etils import epath
 
+from jaxmoe.compat.private_apis import tfds_progress_bar_shown
+
 LOCAL_DATASET_NAME = "jaxmoe_local_text"
 
 DocumentsFn = Callable[[str], Iterable[str]]
@@ -70,7 +72,7 @@ def _quiet_build():
     """Silences tfds while building: progress bars (restoring the user's setting after) and
     the "Downloading and preparing" banners it prints to stdout.
     """
-    previous = getattr(tfds.core.utils.tqdm_utils, "_active", True)
+    previous = tfds_progress_bar_shown()
     tfds.display_progress_bar(False)
     try:
         with contextlib.redirect_stdout(io.StringIO()):

@@ -309,10 +309,11 @@ def check_model_args(argv: list[str]) -> None:
     loads its tasks: a bad one is then the only line printed."""
     import argparse
 
-    from lm_eval._cli.utils import MergeDictAction
+    from jaxmoe.compat.private_apis import lm_eval_merge_dict_action
 
     parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--model_args", "-a", nargs="+", action=MergeDictAction, default=None)
+    action = lm_eval_merge_dict_action()
+    parser.add_argument("--model_args", "-a", nargs="+", action=action, default=None)
     try:
         model_args = parser.parse_known_args(argv)[0].model_args or {}
     except (SystemExit, ValueError):  # lm-eval's own parser reports it in its words

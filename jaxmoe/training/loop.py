@@ -17,7 +17,12 @@ from etils import epath
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
+from jaxmoe.checkpoints.manager import (
+    TrainCheckpoints,
+    inherit_tokenizer,
+    restore_opt_state,
+    restore_params,
+)
 from jaxmoe.config.validation import resolve_vocab_size
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.flops import train_flops_per_step
@@ -201,6 +206,7 @@ def _train(
     from jaxmoe.parallel.distributed import barrier
     from jaxmoe.training.curriculum_hooks import make_curriculum
 
+    inherit_tokenizer(config)  # a train.init_from checkpoint's own, unless one is named
     data = build_data(config, jax.process_index(), jax.process_count(), barrier)
     resolve_vocab_size(config, data.vocab_size)
     with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
