@@ -62,8 +62,11 @@ class TrainCheckpoints:
 
     def __init__(self, workdir: str, max_to_keep: int, tokenizer=None):
         """`tokenizer`: the run's (an opened Tokenizer or HFTokenizer), copied into every
-        step so that the checkpoint is whole; None only for runs without one (tests)."""
-        self.directory = epath.Path(absolute_path(workdir)) / "checkpoints"
+        step so that the checkpoint is whole; None only for runs without one (tests).
+        `workdir`: absolute or remote (`train` makes it so, once)."""
+        if not (is_remote(workdir) or os.path.isabs(workdir)):
+            raise ValueError(f"TrainCheckpoints: workdir {workdir!r} is not absolute")
+        self.directory = epath.Path(workdir) / "checkpoints"
         self._tokenizer = tokenizer_files(tokenizer) if tokenizer is not None else None
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True

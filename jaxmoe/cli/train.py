@@ -3,7 +3,6 @@
 import json
 
 from jaxmoe.cli.flags import add_distributed_flags, add_override_flag, initialize_from_flags
-from jaxmoe.storage.paths import absolute_path
 
 
 def add_parser(subparsers) -> None:
@@ -15,7 +14,6 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--workdir",
         required=True,
-        type=absolute_path,
         help="checkpoints, metrics, TensorBoard (local or gs://)",
     )
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")

@@ -1,8 +1,9 @@
 """Paths as users type them: relative, with `~`, with spaces, or remote (`gs://...`).
 
-Local paths are made absolute once, where the user's input enters (command-line flags and
-config keys), because Orbax and TensorStore refuse relative paths and a later `chdir` must
-not move a run. Remote URIs pass through untouched.
+Local paths are made absolute once, where the user's input enters (config keys when the
+config is loaded, checkpoint arguments when flags are parsed, the training workdir when
+`train` starts), and passed down as they are: Orbax and TensorStore refuse relative paths,
+and a later `chdir` must not move a run. Remote URIs pass through untouched.
 """
 
 import os

@@ -148,9 +148,10 @@ def train(config, workdir: str, *, progress: bool = True) -> dict:
     A run that fails before it wrote anything (a config or data error) leaves no empty
     workdir behind: what this call created is removed again.
     """
+    workdir = absolute_path(workdir)  # the one place: `~` and relative, against the cwd now
     goodput = Goodput()
     first = jax.process_index() == 0
-    created = _first_missing(epath.Path(absolute_path(workdir))) if first else None
+    created = _first_missing(epath.Path(workdir)) if first else None
     closers = []  # what _train opened, closed again if it fails
     try:
         with quiet_disk_full():

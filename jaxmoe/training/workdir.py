@@ -15,7 +15,7 @@ import time
 from etils import epath
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.storage.paths import absolute_path, is_remote
+from jaxmoe.storage.paths import is_remote
 
 log = logging.getLogger("jaxmoe")
 
@@ -25,9 +25,9 @@ STALE_AFTER_S = 600.0  # another host's lock without a heartbeat for this long i
 
 
 def check_workdir(workdir: str) -> epath.Path:
-    """The workdir as a path, created if needed; fails before any compile if it cannot be
-    written."""
-    path = epath.Path(absolute_path(workdir))
+    """The workdir (absolute or remote: `train` makes it so) as a path, created if needed;
+    fails before any compile if it cannot be written."""
+    path = epath.Path(workdir)
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / f".write_probe_{os.getpid()}"
