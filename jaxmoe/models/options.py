@@ -102,7 +102,7 @@ class ModelOptions:
 
     KEY: ClassVar[str] = "model"
 
-    arch: str = option("decoder", "decoder | encoder_decoder", ("decoder", "encoder_decoder"))
+    arch: str = option("decoder", "the architecture", ("decoder", "encoder_decoder"))
     vocab_size: int = option(0, "0: take the tokenizer's vocabulary size")
     num_layers: int = option(
         4, "decoder layers (encoder_decoder: also the encoder's, unless set below)"
