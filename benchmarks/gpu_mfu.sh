@@ -56,14 +56,15 @@ SETS=(
 ARGS=()
 for item in "${SETS[@]}"; do ARGS+=("--set=$item"); done
 
-# One JSON object per run; a failure (out of memory at these sizes) leaves the others.
-XLA_PYTHON_CLIENT_MEM_FRACTION="${MEM_FRACTION:-0.95}" "$PY" benchmarks/train_throughput.py \
+# The Markdown table on stdout, the JSON object into OUT_DIR/gpu_mfu.json (run from the
+# repository root, where `python -m benchmarks` finds the package).
+XLA_PYTHON_CLIENT_MEM_FRACTION="${MEM_FRACTION:-0.95}" "$PY" -m benchmarks train_throughput \
   --variants ${VARIANTS:-top2 adaptive dense} --steps "${STEPS:-20}" --warmup 3 --blocks 1 \
-  --peak_flops "$PEAK_FLOPS" --json "${ARGS[@]}" | tee "$OUT_DIR/gpu_mfu.json"
+  --peak_flops "$PEAK_FLOPS" --json "$OUT_DIR/gpu_mfu.json" "${ARGS[@]}"
 
 "$PY" - "$OUT_DIR/gpu_mfu.json" <<'EOF'
 import json, sys
-result = json.loads(open(sys.argv[1]).read().strip().splitlines()[-1])
+result = json.load(open(sys.argv[1]))
 for row in result["rows"]:
     print(f"{row['variant']:9} {row['tokens_per_s']:10.0f} tok/s  "
           f"{row['flops_per_s'] / 1e12:7.1f} TFLOP/s  MFU {row['mfu']:.1%}")

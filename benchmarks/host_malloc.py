@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.peer_harness import is_quiet, load_average, run_worker, warn_unless_quiet
+from benchmarks.peer_harness import is_quiet, load_average, run_worker
 from benchmarks.results import add_json_flag, markdown_table, publish
 from benchmarks.worker_protocol import emit
 
@@ -122,7 +122,6 @@ def main(argv=None) -> int:
         "load_1min": loads,
         "quiet": is_quiet(loads, own_threads=os.cpu_count() or 1),
     }
-    warn_unless_quiet(result)
     publish("host_malloc", result, table(result), args.json)
     return 0
 

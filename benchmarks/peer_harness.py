@@ -65,9 +65,3 @@ def is_quiet(loads: list[float], own_threads: int) -> bool:
     counts those too)."""
     cores = os.cpu_count() or 1
     return loads[0] <= cores / 2 and max(loads) <= cores / 2 + own_threads
-
-
-def warn_unless_quiet(result: dict) -> None:
-    """The quiet flag also as a warning on stderr, where a reader of a table sees it."""
-    if not result.get("quiet", True):
-        print(NOT_QUIET, file=sys.stderr)

@@ -54,7 +54,6 @@ from benchmarks.peer_harness import (
     is_quiet,
     load_average,
     venv_python,
-    warn_unless_quiet,
 )
 from benchmarks.results import add_json_flag, publish
 
@@ -305,7 +304,6 @@ def main(argv=None) -> int:
     add_json_flag(parser)
     args = parser.parse_args(argv)
     result = run(args)
-    warn_unless_quiet(result)
     publish("pod_compile_peer", result, table(result), args.json)
     return 0
 

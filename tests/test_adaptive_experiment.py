@@ -1,8 +1,7 @@
-"""benchmarks/adaptive_vs_fixed.py: its arithmetic on hand-computed values, then the whole
+"""benchmarks.adaptive_vs_fixed: its arithmetic on hand-computed values, then the whole
 script in --quick mode (five tiny trainings) in a fresh process."""
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,20 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import adaptive_vs_fixed as avf
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "adaptive_vs_fixed.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("adaptive_vs_fixed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-avf = _load_script()
 
 
 def test_reach_interpolates_between_evaluations():
@@ -131,7 +120,10 @@ def quick_report(tmp_path_factory):
     root = tmp_path_factory.mktemp("avf")
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)  # one CPU device: the quickest compiles
-    command = [sys.executable, str(SCRIPT), "--quick", "--out", str(root / "out")]
+    # Run from a scratch directory: the checkout on the path is where `benchmarks` lives.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "benchmarks", "adaptive_vs_fixed", "--quick"]
+    command += ["--out", str(root / "out")]
     command += ["--cache_dir", str(root / "cache"), "--seeds", "0,1"]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]

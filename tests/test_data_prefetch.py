@@ -63,12 +63,8 @@ def test_build_data_prefetches_unless_told_not_to(tmp_path):
 
 
 def test_data_wait_benchmark_runs(tmp_path, capsys):
-    import importlib.util
+    from benchmarks import data_wait as module
 
-    path = pipeline.__file__.rsplit("/jaxmoe/", 1)[0] + "/benchmarks/data_wait.py"
-    spec = importlib.util.spec_from_file_location("data_wait", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     result = module.main(["--steps", "5", "--step_ms", "1", f"--config.data.cache_dir={tmp_path}"])
     assert sorted(result) == [0, 2]
     assert all(wait >= 0 and 0 <= share < 1 for wait, share in result.values())

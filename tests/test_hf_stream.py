@@ -7,7 +7,6 @@ sizes.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -168,8 +167,7 @@ def test_export_and_import_hold_about_one_tensor(tmp_path):
     """A 250 MB model streams: each step's peak resident memory exceeds that of the same
     step on a tiny model by a small multiple of the largest tensor (16 MB), far less than
     the model. Measured in subprocesses (benchmarks/hf_stream_memory.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from hf_stream_memory import run_steps
+    from benchmarks.hf_stream_memory import run_steps
 
     results = {}
     for preset in ("tiny", "200MB"):

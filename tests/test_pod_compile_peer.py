@@ -1,22 +1,15 @@
-"""benchmarks/pod_compile_peer.py: MaxText's memory line read right, its command built from
+"""benchmarks.pod_compile_peer: MaxText's memory line read right, its command built from
 the installed package, and a run without MaxText still measuring jaxmoe."""
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import pod_compile_peer
 
 
 def load_bench():
-    spec = importlib.util.spec_from_file_location(
-        "pod_compile_peer", ROOT / "benchmarks/pod_compile_peer.py"
-    )
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
+    return pod_compile_peer
 
 
 def test_memory_analysis_line_gives_the_peak():
@@ -59,7 +52,7 @@ def test_maxtext_command_uses_the_installed_base_config(tmp_path):
         bench.maxtext_command(tmp_path / "elsewhere", bench.CASES["mixtral_8x7b"], "/out")
 
 
-def test_without_maxtext_jaxmoe_is_still_measured(tmp_path, capsys):
+def test_without_maxtext_jaxmoe_is_still_measured(tmp_path, capsys, monkeypatch):
     pytest.importorskip("libtpu", reason="the `tpu` extra is not installed: no libtpu")
     bench = load_bench()
     tiny = ["configs/default.py", "--config.model.num_layers=1", "--config.model.d_model=128",
@@ -68,8 +61,11 @@ def test_without_maxtext_jaxmoe_is_still_measured(tmp_path, capsys):
             "--config.model.vocab_size=256", "--config.train.batch_size=8",
             "--config.train.seq_len=128", "--config.mesh.data=1",
             "--config.mesh.expert=4"]  # fmt: skip
-    bench.CASES = {"tiny": {"topology": "v5p-8", "jaxmoe": tiny, "maxtext": []}}
-    assert bench.main(["--cases", "tiny", "--maxtext_venv", str(tmp_path / "none")]) == 0
+    monkeypatch.setattr(
+        bench, "CASES", {"tiny": {"topology": "v5p-8", "jaxmoe": tiny, "maxtext": []}}
+    )
+    argv = ["--cases", "tiny", "--maxtext_venv", str(tmp_path / "none"), "--json", "-"]
+    assert bench.main(argv) == 0
     captured = capsys.readouterr()
     assert "MaxText is not installed" in captured.err
     result = json.loads(captured.out.strip().splitlines()[-1])

@@ -1,7 +1,6 @@
 """The throughput benchmark end to end (tiny shapes; MaxText's peer where its venv exists)
 and the tiny Mixtral's size."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -11,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from benchmarks import throughput_hf, throughput_jaxmoe, throughput_maxtext, train_throughput
 from jaxmoe.config.loading import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,13 +33,6 @@ SHRINK = [
         "train.batch_size=2",
     )
 ]
-
-
-def _bench_module(name: str = "train_throughput"):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _param_count(variant: str) -> int:
@@ -82,27 +75,23 @@ def test_tiny_mixtral_has_the_peer_parameter_count(variant, expected):
 def test_tiny_mixtral_matches_hugging_face_mixtral_size():
     """Hugging Face's own count for the same sizes (an independent reference)."""
     pytest.importorskip("transformers")
-    spec = _bench_module("throughput_jaxmoe").peer_spec(load_config(f"{CONFIG}:top2"))
-    runner = _bench_module("throughput_hf").HFRunner(spec, "top2", num_batches=1, threads=1)
+    spec = throughput_jaxmoe.peer_spec(load_config(f"{CONFIG}:top2"))
+    runner = throughput_hf.HFRunner(spec, "top2", num_batches=1, threads=1)
     assert runner.num_params() == _param_count("top2")
 
 
 def test_workers_never_import_the_other_system():
     """Each side of the comparison lives in its own process with only its own framework."""
     probe = (
-        "import sys, runpy; sys.argv = [sys.argv[1], '--help']\n"
-        "try:\n    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "import sys, runpy; name = sys.argv[1]; sys.argv = [name, '--help']\n"
+        "try:\n    runpy.run_module(f'benchmarks.{name}', run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
         "print(sorted(m for m in ('jax', 'torch') if m in sys.modules))"
     )
     seen = {}
     for name in ("throughput_hf", "throughput_jaxmoe", "throughput_maxtext", "train_throughput"):
-        result = subprocess.run(
-            [sys.executable, "-c", probe, str(ROOT / "benchmarks" / f"{name}.py")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
+        command = [sys.executable, "-c", probe, name]
+        result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True)
         seen[name] = result.stdout.strip().splitlines()[-1]
     # The HF and MaxText workers import their framework lazily, in their runners.
     assert seen == {
@@ -119,10 +108,9 @@ def test_unknown_variant_is_a_one_line_error():
 
 
 def test_benchmark_runs_end_to_end_and_prints_json(capsys):
-    bench = _bench_module()
     argv = ["--variants", "adaptive", "--steps", "2", "--warmup", "1", "--blocks", "2"]
-    argv += ["--json", *SHRINK]
-    assert bench.main(argv) == 0
+    argv += ["--json", "-", *SHRINK]
+    assert train_throughput.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert set(result) >= {"rows", "ratios", "load_average_1min", "quiet"}
     assert isinstance(result["quiet"], bool) and len(result["load_average_1min"]["during"]) == 2
@@ -149,8 +137,8 @@ def test_benchmark_runs_end_to_end_and_prints_json(capsys):
 
 def test_maxtext_overrides_describe_the_tiny_mixtral():
     """The base.yml keys MaxText's worker builds the peer from (sizes from the config)."""
-    spec = _bench_module("throughput_jaxmoe").peer_spec(load_config(f"{CONFIG}:top2"))
-    maxtext = _bench_module("throughput_maxtext")
+    spec = throughput_jaxmoe.peer_spec(load_config(f"{CONFIG}:top2"))
+    maxtext = throughput_maxtext
     top2 = maxtext.maxtext_overrides(spec, "top2")
     expected = {
         "decoder_block": "mixtral",
@@ -188,8 +176,8 @@ def test_maxtext_overrides_describe_the_tiny_mixtral():
 def test_missing_maxtext_venv_is_one_line_and_jaxmoe_still_runs(capsys, tmp_path):
     absent = tmp_path / "no_venv"
     argv = ["--variants", "adaptive", "--peer", "maxtext", "--maxtext_venv", str(absent)]
-    argv += ["--steps", "1", "--warmup", "1", "--blocks", "1", "--json", *SHRINK]
-    assert _bench_module().main(argv) == 0
+    argv += ["--steps", "1", "--warmup", "1", "--blocks", "1", "--json", "-", *SHRINK]
+    assert train_throughput.main(argv) == 0
     out, err = capsys.readouterr()
     skip_lines = [line for line in err.splitlines() if "MaxText" in line]
     assert len(skip_lines) == 1 and str(absent) in skip_lines[0]
@@ -203,8 +191,8 @@ def test_missing_maxtext_venv_is_one_line_and_jaxmoe_still_runs(capsys, tmp_path
 def test_maxtext_peer_trains_the_same_model_in_its_own_process(capsys):
     """MaxText's own train step, in its venv's interpreter, next to jaxmoe's (~40 s)."""
     argv = ["--variants", "top2", "--peer", "maxtext", "--steps", "2", "--warmup", "1"]
-    argv += ["--blocks", "2", "--json", *SHRINK]
-    assert _bench_module().main(argv) == 0
+    argv += ["--blocks", "2", "--json", "-", *SHRINK]
+    assert train_throughput.main(argv) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     # Each worker held only its own framework: MaxText's never jaxmoe nor torch.
     assert result["imported"] == {"jaxmoe_top2": ["jax", "jaxmoe"], "maxtext_top2": ["jax"]}
