@@ -6,7 +6,7 @@ rotary positions, untied embeddings, sequence 256, batch 8, AdamW, float32: 17,4
 parameters, the same as Hugging Face's MixtralForCausalLM at these sizes.
 
 Throughput against Hugging Face transformers on the same model (all variants):
-    python benchmarks/train_throughput.py --peer hf
+    python -m benchmarks train_throughput --peer hf
 Train it (on the embedded corpus, whose tokenizer is smaller than the 8192-id vocabulary):
     jaxmoe train --config configs/tiny_mixtral.py --workdir runs/tiny_mixtral
 Variants:  :top1 (one expert, weight 1 as Mixtral with num_experts_per_tok=1)
