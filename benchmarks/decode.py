@@ -10,7 +10,7 @@ part that reads the KV cache and the rest (weights, FFN, output layer).
 
     python -m benchmarks decode           # table
     python -m benchmarks decode --json    # + docs/results/DATE-decode.json
-    python benchmarks/decode.py --batch 4 # a cache-dominated regime
+    python -m benchmarks decode --batch 4  # a cache-dominated regime
 Variants are compiled first, then timed in interleaved rounds (min over rounds), so load
 from other processes on a shared machine hits every variant alike.
 
