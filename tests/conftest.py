@@ -33,3 +33,6 @@ jax.config.update(
     "jax_persistent_cache_min_entry_size_bytes",
     int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"]),
 )
+
+# Session fixtures, imported here so every test module sees them.
+from tests.fixtures_data import data_cache, embedded_data_cache  # noqa: E402, F401

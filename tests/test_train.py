@@ -10,6 +10,7 @@ import pytest
 from jaxmoe.config.loading import load_config
 from jaxmoe.errors import ConfigError
 from jaxmoe.training.loop import train
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
 
@@ -41,8 +42,8 @@ def run_config(cache_dir, steps, *extra):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    cache = tmp_path_factory.mktemp("cache")
+def uninterrupted(tmp_path_factory, embedded_data_cache):
+    cache = copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
     workdir = tmp_path_factory.mktemp("full")
     summary = train(run_config(cache, 12), str(workdir), progress=False)
     return cache, workdir, summary

@@ -14,13 +14,15 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, embedded_data_cache):
     """(checkpoint dir, the parameters written into it) of a tiny MoE with a tokenizer."""
     tmp = tmp_path_factory.mktemp("trained_model")
+    copy_data_cache(embedded_data_cache, tmp / "cache")  # its tokenizer, trained once
     config = tiny_config("model.vocab_size=512", f"data.cache_dir={tmp / 'cache'}")
     config.data.tokenizer = load_tokenizer(config).path
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(7)))
