@@ -21,6 +21,7 @@ from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.generate_eval import text_metrics, token_f1
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import TINY_T5, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,8 +47,9 @@ def test_exact_match_and_f1_follow_squad():
 
 
 @pytest.fixture(scope="module")
-def t5_checkpoint(tmp_path_factory):
+def t5_checkpoint(tmp_path_factory, embedded_data_cache):
     root = tmp_path_factory.mktemp("t5")
+    copy_data_cache(embedded_data_cache, root / "cache")  # its tokenizer, trained once
     tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={root / 'cache'}")).path
     config = tiny_config(
         *TINY_T5,
