@@ -150,11 +150,10 @@ def test_export_of_a_converted_model_carries_the_tokenizer(hf_llama_with_tokeniz
     ],
     ids=["llama", "adaptive_moe"],
 )
-def test_exported_jaxmoe_model_generates_as_jaxmoe_decode(tmp_path, overrides):
+def test_exported_jaxmoe_model_generates_as_jaxmoe_decode(tmp_path, data_cache, overrides):
     """A model trained with jaxmoe's own SentencePiece tokenizer (EOS 1, pad 0, no BOS),
     exported: AutoTokenizer + AutoModelForCausalLM give `jaxmoe decode`'s greedy tokens."""
-    config = tiny_config("model.vocab_size=512", f"data.cache_dir={tmp_path / 'cache'}",
-                         *overrides)  # fmt: skip
+    config = tiny_config("model.vocab_size=512", f"data.cache_dir={data_cache}", *overrides)
     sp = load_tokenizer(config)
     config.data.tokenizer = sp.path
     params = unit_scale_params(config.model, seed=5)
