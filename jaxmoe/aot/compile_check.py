@@ -84,8 +84,8 @@ def batch_lengths(config) -> tuple[int, int | None]:
     # decoder length follows from the noise settings, computed as the pipeline does.
     from jaxmoe.data.seq2seq import corrupted_lengths, raw_length_for
 
-    density = float(config.data.get("noise_density", 0.15))
-    span = float(config.data.get("mean_noise_span", 3.0))
+    density = float(config.data.noise_density)
+    span = float(config.data.mean_noise_span)
     return corrupted_lengths(raw_length_for(t.seq_len, density, span), density, span)[1], t.seq_len
 
 
