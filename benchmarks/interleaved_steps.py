@@ -24,6 +24,7 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.data.pipeline import build_data
     from jaxmoe.models.spec import model_spec
+    from jaxmoe.models.stack import layer_layouts
     from jaxmoe.parallel.distributed import barrier
     from jaxmoe.parallel.mesh import make_mesh
     from jaxmoe.parallel.sharding import batch_spec
@@ -43,7 +44,8 @@ def _prepare(config, checkpoint: str, num_batches: int):
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
-    state["params"] = restore_params(checkpoint, abstract_state["params"], config.model)
+    layouts = layer_layouts(config.model)
+    state["params"] = restore_params(checkpoint, abstract_state["params"], layouts)
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
         for key, value in data.eval_batches[0].items()

@@ -27,7 +27,7 @@ from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.conversions.hf.exporter import export_hf, parse_size, plan_shards
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.models.spec import abstract_params
-from jaxmoe.models.stack import stack_layers, unrolled_config
+from jaxmoe.models.stack import layer_layouts, stack_layers, unrolled_config
 from tests import test_hf
 from tests.helpers import tiny_config
 from tests.test_hf import (
@@ -64,7 +64,8 @@ def random_params(config, seed: int) -> dict:
 def test_sharded_export_loads_in_transformers(scan, tmp_path):
     config = tiny_config(*MIXTRAL, f"model.scan_layers={scan}")
     params = random_params(config, seed=11)
-    save_params(str(tmp_path / "ckpt"), params, config)  # scanned: stacked [L, E, ...] on disk
+    stored = stack_layers(params, config.model) if scan else params  # scanned: [L, E, ...]
+    save_params(str(tmp_path / "ckpt"), stored, config)
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"), max_shard_size="20KB")
     index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
     files = sorted(p.name for p in (tmp_path / "hf").glob("*.safetensors"))
@@ -91,7 +92,7 @@ def test_export_reads_a_training_runs_sharded_checkpoint(tmp_path):
     written whole by save_params."""
     config = tiny_config(*MIXTRAL, "model.scan_layers=True")
     params = random_params(config, seed=13)
-    save_params(str(tmp_path / "whole"), params, config)
+    save_params(str(tmp_path / "whole"), stack_layers(params, config.model), config)
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
 
     def shard(a):  # the largest axis that 8 divides, as fsdp would
@@ -124,7 +125,7 @@ def restored(path: Path) -> dict:
     abstract = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device), abstract_params(m)
     )
-    return flatten(jax.device_get(restore_params(str(path), abstract, m)))
+    return flatten(jax.device_get(restore_params(str(path), abstract, layer_layouts(m))))
 
 
 def test_sharded_import_equals_single_file_import(mixtral, tmp_path):

@@ -10,8 +10,9 @@
     compat/ (the one adapter to other libraries' private APIs), errors
 
 checkpoints/ saves and restores trees, whatever model they belong to: it imports nothing
-from models/ (a model's layer layout, models/stack.py, is passed in by the caller as
-`layouts=`), except `remat_name`, which reads a config value older checkpoints stored.
+from models/ (a model's layer layout, models/stack.py, comes from the caller as the
+`layouts` of restore_params; a converter of a scanned model stacks its tree before
+save_params). What it needs of a config's meaning comes through config/.
 No module outside compat/ imports another library's private module (`jax._src`,
 `orbax.checkpoint._src`, any `_name` part) or reads a private attribute by name.
 """
@@ -33,7 +34,7 @@ FORBIDDEN = {
         *("jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
         "jaxmoe.checkpoints",
     ),
-    "jaxmoe.checkpoints": ("jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot"),
+    "jaxmoe.checkpoints": ("jaxmoe.inference", "jaxmoe.cli", "jaxmoe.aot", "jaxmoe.models"),
     "jaxmoe.parallel": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
     "jaxmoe.storage": ("jaxmoe.models", "jaxmoe.training", "jaxmoe.inference", "jaxmoe.cli"),
     "jaxmoe.training": ("jaxmoe.cli", "jaxmoe.inference"),

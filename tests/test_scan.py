@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params, model_spec
-from jaxmoe.models.stack import stack_layers, unstack_layers
+from jaxmoe.models.stack import layer_layouts, stack_layers, unstack_layers
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, named
 from jaxmoe.training import steps
@@ -167,7 +167,8 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
     saved_cfg, load_cfg = (
         (scanned_cfg, unrolled_cfg) if saved_scanned else (unrolled_cfg, scanned_cfg)
     )
-    save_params(str(tmp_path / "ckpt"), params, saved_cfg)  # stacks for a scanned config
+    saved = stack_layers(params, saved_cfg.model) if saved_scanned else params
+    save_params(str(tmp_path / "ckpt"), saved, saved_cfg)  # the tree as given
     tree_metadata = (tmp_path / "ckpt" / "params" / "_METADATA").read_text()
     assert ('"period"' in tree_metadata) == saved_scanned
 
@@ -178,7 +179,9 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
         spec.abstract_params,
         named(mesh, spec.param_specs),
     )
-    restored = jax.device_get(restore_params(str(tmp_path / "ckpt"), abstract, load_cfg.model))
+    restored = jax.device_get(
+        restore_params(str(tmp_path / "ckpt"), abstract, layer_layouts(load_cfg.model))
+    )
     expected = stack_layers(params, scanned_cfg.model) if not saved_scanned else params
     jax.tree.map(np.testing.assert_array_equal, restored, expected)
 
@@ -196,7 +199,7 @@ def _restore_unrolled(path, config):
         spec.abstract_params,
         named(mesh, spec.param_specs),
     )
-    return cfg, jax.device_get(restore_params(path, abstract, cfg))
+    return cfg, jax.device_get(restore_params(path, abstract, layer_layouts(cfg)))
 
 
 def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
@@ -212,7 +215,8 @@ def test_converters_and_export_read_and_write_the_scanned_layout(tmp_path):
         config = tiny_config(*dense, "mesh.data=1", f"model.scan_layers={layout == 'scanned'}")
         params = init_params(tiny_config(*dense, "mesh.data=1"))
         root = tmp_path / layout
-        save_params(str(root / "src"), params, config)
+        stored = stack_layers(params, config.model) if layout == "scanned" else params
+        save_params(str(root / "src"), stored, config)
         convert_gqa(str(root / "src"), str(root / "gqa"), num_kv_heads=2)
         convert_upcycle(str(root / "src"), str(root / "moe"), 4, every=2)
         export_hf(str(root / "src"), str(root / "hf"))

@@ -389,33 +389,32 @@ def check_params_match(step_dir: epath.Path, abstract_params) -> None:
         )
 
 
-def restore_params(path: str, abstract_params, model_cfg=None) -> dict:
+def restore_params(path: str, abstract_params, layouts=()) -> dict:
     """Parameters of checkpoint `path`, placed with the shardings in `abstract_params`.
 
-    With `model_cfg`, a checkpoint in the other layer layout (per-layer vs scanned, see
-    models/stack.py) is restored in its own layout and converted.
+    `layouts`: the arrangements the tree may be stored in, each a function putting a tree
+    (abstract or not) in any of them into its own (models.stack.layer_layouts: per-layer
+    and scanned). A checkpoint stored in another one than `abstract_params` is restored in
+    its own and put back into the asked one; this module knows no model's layout.
     """
     step_dir = resolve_checkpoint(path)
     try:
         check_params_match(step_dir, abstract_params)
-    except CheckpointError:
-        if model_cfg is None:
-            raise
-        from jaxmoe.models.stack import is_stacked, stack_layers, unstack_layers
-
-        stacked = is_stacked(abstract_params, model_cfg)
-        to_stored, back = (
-            (unstack_layers, stack_layers) if stacked else (stack_layers, unstack_layers)
-        )
-        as_stored = to_stored(abstract_params, model_cfg)
-        try:
-            check_params_match(step_dir, as_stored)
-        except CheckpointError:
-            check_params_match(step_dir, abstract_params)  # the mismatch of the asked layout
-            raise
-        stored = _restore_tree(step_dir, as_stored)
-        shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
-        return jax.device_put(back(stored, model_cfg), shardings)
+    except CheckpointError as mismatch:
+        asked = jax.tree.structure(abstract_params)
+        for arrange in layouts:
+            as_stored = arrange(abstract_params)
+            if jax.tree.structure(as_stored) == asked:
+                continue  # the asked arrangement itself
+            try:
+                check_params_match(step_dir, as_stored)
+            except CheckpointError:
+                continue
+            back = next(a for a in layouts if jax.tree.structure(a(as_stored)) == asked)
+            stored = _restore_tree(step_dir, as_stored)
+            shardings = jax.tree.map(lambda a: a.sharding, abstract_params)
+            return jax.device_put(back(stored), shardings)
+        raise mismatch from None
     return _restore_tree(step_dir, abstract_params)
 
 
@@ -468,7 +467,9 @@ def restore_opt_state(path: str, abstract_opt_state):
 
 
 def save_params(path: str, params, config: ConfigDict) -> None:
-    """Write a parameters-only checkpoint (what converters produce).
+    """Write a parameters-only checkpoint (what converters produce) of the tree `params`,
+    in the layer layout it has (converters of a scanned model stack theirs first:
+    models.stack.stack_layers; restore_params reads either).
 
     Host numpy leaves are written without Orbax's defensive deep copy (the save is
     synchronous), so converting a model never holds a second copy of it in memory.
@@ -479,10 +480,6 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
-    if config.model.get("scan_layers", False):
-        from jaxmoe.models.stack import stack_layers
-
-        params = stack_layers(params, config.model)  # the scanned model's checkpoint layout
     with _quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:

@@ -78,13 +78,13 @@ def checkpoint_step(checkpoint: str) -> dict:
     return {"checkpoint": str(step_dir), "step": int(name) if name.isdigit() else None}
 
 
-def restore_on_mesh(checkpoint: str, spec, mesh, model_cfg=None):
+def restore_on_mesh(checkpoint: str, spec, mesh, layouts=()):
     """The parameters of `checkpoint`, read straight into their shards on `mesh` as `spec`
-    (models/spec.py) lays them out; either layer layout when `model_cfg` is given (see
-    models/stack.py)."""
+    (models/spec.py) lays them out; stored in any of `layouts` (restore_params; e.g.
+    models.stack.layer_layouts: either layer layout)."""
     abstract = jax.tree.map(
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(mesh, s)),
         spec.abstract_params,
         spec.param_specs,
     )
-    return restore_params(checkpoint, abstract, model_cfg)
+    return restore_params(checkpoint, abstract, layouts)

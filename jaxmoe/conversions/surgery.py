@@ -41,7 +41,7 @@ from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR, inherited_tokeniz
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
-from jaxmoe.models.stack import stack_layers, unrolled_config
+from jaxmoe.models.stack import layer_layouts, stack_layers, unrolled_config
 from jaxmoe.parallel.mesh import make_mesh
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def _restore(src: str):
     validate(config)
     mesh = make_mesh(_CONVERT_MESH)
     spec = model_spec(unrolled_config(config.model), mesh)
-    params = restore_on_mesh(src, spec, mesh, config.model)
+    params = restore_on_mesh(src, spec, mesh, layer_layouts(config.model))
     for path, leaf in flatten(params).items():  # counted on the devices, never gathered
         check_finite(leaf, f"{src}: parameter {'.'.join(path)}")
     return config, params, mesh

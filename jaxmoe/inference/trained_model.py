@@ -73,7 +73,10 @@ class TrainedModel:
     @functools.cached_property
     def params(self) -> dict:
         """The parameters, sharded on `mesh` as `spec` lays them out (either layer layout)."""
-        return restore_on_mesh(self.checkpoint, self.spec, self.mesh, self.config.model)
+        from jaxmoe.models.stack import layer_layouts
+
+        layouts = layer_layouts(self.config.model)
+        return restore_on_mesh(self.checkpoint, self.spec, self.mesh, layouts)
 
     def generator(self):
         """A compiled KV-cache Generator (decode.py) of this model, stopping at every EOS id

@@ -309,3 +309,11 @@ def stacked_location(path: tuple[str, ...], cfg) -> tuple[tuple[str, ...], int |
         p, j = divmod(layer, k)
         return (path[0], PERIOD, str(j), *rest), p
     return (path[0], TAIL, str(layer - periods * k), *rest), None
+
+
+def layer_layouts(cfg) -> tuple[Callable[[dict], dict], Callable[[dict], dict]]:
+    """The two arrangements a params tree of model `cfg` may be stored in, per-layer and
+    scanned, each as a function putting a tree (abstract or not) in either into it: what
+    `checkpoints.manager.restore_params(..., layouts)` takes to read a checkpoint saved in
+    the layout other than the one asked for."""
+    return (lambda params: unstack_layers(params, cfg), lambda params: stack_layers(params, cfg))

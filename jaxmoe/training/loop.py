@@ -27,6 +27,7 @@ from jaxmoe.config.validation import resolve_vocab_size
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
+from jaxmoe.models.stack import layer_layouts
 from jaxmoe.parallel.chips import device_peak_flops
 from jaxmoe.parallel.device_memory import check_step_fits, state_bytes_per_device
 from jaxmoe.parallel.mesh import make_mesh
@@ -238,7 +239,8 @@ def _train(
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
         if config.train.init_from:
-            params = restore_params(config.train.init_from, abstract_state["params"], config.model)
+            layouts = layer_layouts(config.model)  # either layer layout restores
+            params = restore_params(config.train.init_from, abstract_state["params"], layouts)
             if config.train.init_optimizer:
                 opt_state = restore_opt_state(config.train.init_from, abstract_state["opt_state"])
             else:

@@ -137,6 +137,7 @@ def export_t5x(
     """Writes jaxmoe checkpoint `ckpt` as T5X checkpoint `out/checkpoint_<step>/`; returns
     that directory."""
     from jaxmoe.checkpoints.manager import restore_params
+    from jaxmoe.models.stack import layer_layouts
 
     out_dtype = output_dtype(dtype)
     config = read_config(str(ckpt))
@@ -167,7 +168,7 @@ def export_t5x(
     abstract = unflatten(
         {p: jax.ShapeDtypeStruct(s, np.float32, sharding=host) for p, s in shapes.items()}
     )
-    params = restore_params(str(ckpt), abstract, config.model)
+    params = restore_params(str(ckpt), abstract, layer_layouts(config.model))
 
     with staged_directory(final) as staging:  # `final` never holds half a checkpoint
         staging.mkdir()
