@@ -5,8 +5,9 @@ A config is a Python file with `get_config(variant: str | None) -> ConfigDict`, 
 one-line ConfigError naming the key (and the file), before anything is compiled.
 
 A file sets only keys of `base_config()`, as the command line does, except under the
-prefixes it names in `EXTRA_KEYS` (its own section, e.g. configs/uptrain_gqa.py's
-`uptrain`). An optional `finalize(config, overridden)` derives keys after the overrides;
+prefixes it names in `EXTRA_KEYS` (its own top-level section, e.g. configs/uptrain_gqa.py's
+`uptrain`; inside the schema's sections every key is the schema's). Keys it leaves out take
+their defaults. An optional `finalize(config, overridden)` derives keys after the overrides;
 `overridden` holds the keys set on the command line, which it must not replace.
 """
 

@@ -7,7 +7,6 @@ pipeline (and through it the checkpoint reader), which the config schema must no
 """
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from jaxmoe.errors import ConfigError
 
@@ -29,8 +28,6 @@ def _need(ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class DataOptions:
     """data: where the text comes from, its tokenizer, and how it is batched and ordered."""
-
-    KEY: ClassVar[str] = "data"
 
     source: str = option("embedded", "embedded | text:GLOB | jsonl:GLOB | parquet:GLOB | tfds:NAME")
     mixture: str = option(

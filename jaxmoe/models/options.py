@@ -8,7 +8,6 @@ or activation is a choice here without touching jaxmoe/config.
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from ml_collections import ConfigDict
 
@@ -35,8 +34,6 @@ def _need(ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class MoEOptions:
     """model.moe: the mixture-of-experts FFN layers and their router."""
-
-    KEY: ClassVar[str] = "model.moe"
 
     num_experts: int = option(8, "experts per MoE layer; 0 = dense model")
     every: int = option(1, "an MoE FFN in every `every`-th layer (others dense)")
@@ -99,8 +96,6 @@ class MoEOptions:
 @dataclass(frozen=True)
 class ModelOptions:
     """model: the architecture (and its compute dtype, remat and attention blocking)."""
-
-    KEY: ClassVar[str] = "model"
 
     arch: str = option("decoder", "the architecture", ("decoder", "encoder_decoder"))
     vocab_size: int = option(0, "0: take the tokenizer's vocabulary size")

@@ -3,7 +3,6 @@ checks (jaxmoe/config builds the ConfigDict defaults from these and runs the che
 `jaxmoe.config.typed`; mesh.py fills a partial mapping of axis sizes from them)."""
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from jaxmoe.errors import ConfigError
 
@@ -16,8 +15,6 @@ def option(default, doc: str, choices: tuple = ()):
 @dataclass(frozen=True)
 class MeshOptions:
     """mesh: the sizes of the device mesh's axes (and, multislice, of their slice spans)."""
-
-    KEY: ClassVar[str] = "mesh"
 
     data: int = option(-1, "data-parallel axis (-1 = the remaining devices)")
     fsdp: int = option(1, "parameter-sharded data-parallel axis")

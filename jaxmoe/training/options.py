@@ -3,7 +3,6 @@ and the checks of their values (jaxmoe/config builds the ConfigDict defaults fro
 runs the checks through `jaxmoe.config.typed`)."""
 
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
@@ -23,8 +22,6 @@ def _need(ok: bool, message: str) -> None:
 @dataclass(frozen=True)
 class TrainOptions:
     """train: the length and batch of the run, its evaluations, checkpoints and logging."""
-
-    KEY: ClassVar[str] = "train"
 
     steps: int = option(600, "optimizer steps")
     batch_size: int = option(16, "global batch (sequences per step)")
@@ -86,8 +83,6 @@ class TrainOptions:
 @dataclass(frozen=True)
 class OptimizerOptions:
     """optimizer: the update rule and the learning-rate schedule."""
-
-    KEY: ClassVar[str] = "optimizer"
 
     name: str = option(
         "adamw", "adamw | adafactor (optax's) | t5x_adafactor (T5X's, T5.1.1's)", OPTIMIZERS
