@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures_data import copy_data_cache
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
     "--config",
@@ -76,8 +78,8 @@ def train_args(workdir, cache, steps, *extra):
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("data_cache")
+def cache(tmp_path_factory, embedded_data_cache):
+    return copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +190,7 @@ def test_sigterm_saves_and_exits_zero(tmp_path, cache, reference):
     assert max(losses(tmp_path)) == saved[0] + 2
 
 
+@pytest.mark.slow  # two CLI runs saving every step: 210 s wall, loaded host, cold cache
 def test_nonfinite_loss_stops_and_keeps_last_checkpoint(tmp_path, cache):
     args = train_args(
         tmp_path,
