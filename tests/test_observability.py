@@ -9,6 +9,7 @@ from jaxmoe.config.loading import load_config
 from jaxmoe.errors import ConfigError
 from jaxmoe.training.loop import train
 from jaxmoe.training.profiling import parse_profile_steps
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
 PEAK = 1e11  # FLOP/s per device, as if this CPU had a known peak
@@ -25,10 +26,11 @@ def hand_flops_per_step(batch=8, length=32, layers=2, d=32, heads=4, kv=2, hd=8,
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory, monkeypatch_module):
+def run(tmp_path_factory, monkeypatch_module, embedded_data_cache):
     monkeypatch_module.setenv("WANDB_MODE", "offline")
     monkeypatch_module.setenv("WANDB_SILENT", "true")
     workdir = tmp_path_factory.mktemp("observed")
+    cache = tmp_path_factory.mktemp("data") / "cache"
     config = tiny_config(
         "model.moe.num_experts=0",
         "mesh.data=2",
@@ -43,7 +45,7 @@ def run(tmp_path_factory, monkeypatch_module):
         "train.profile_steps=2:4",
         f"train.peak_flops={PEAK}",
         "train.wandb=jaxmoe-test/observed",
-        f"data.cache_dir={tmp_path_factory.mktemp('cache')}",
+        f"data.cache_dir={copy_data_cache(embedded_data_cache, cache)}",
         "model.vocab_size=0",
         "data.vocab_size=512",
     )
