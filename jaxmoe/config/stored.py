@@ -17,6 +17,7 @@ from jaxmoe.config.schema import SECTIONS, key_type
 from jaxmoe.errors import ConfigError
 
 log = logging.getLogger(__name__)
+_warned: set[tuple[str, tuple[str, ...]]] = set()
 
 
 def complete_stored(stored: dict, origin: str = "stored config") -> ConfigDict:
@@ -28,7 +29,8 @@ def complete_stored(stored: dict, origin: str = "stored config") -> ConfigDict:
                 _merge(config, name, value, name, origin, dropped)
             else:
                 config[name] = value
-    if dropped:
+    if dropped and (origin, tuple(dropped)) not in _warned:  # a command reads it more than once
+        _warned.add((origin, tuple(dropped)))
         log.warning("%s: ignoring keys no jaxmoe config has: %s", origin, ", ".join(dropped))
     return config
 
