@@ -25,6 +25,7 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.inference.evaluate import evaluate, read_jsonl
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,10 +42,11 @@ def dense_config(tmp: Path, *overrides: str):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(tmp_path_factory, embedded_data_cache) -> Path:
     """A parameters-only checkpoint of a tiny dense decoder (vocabulary 512) holding the
     512-piece tokenizer trained on the embedded corpus."""
     tmp = tmp_path_factory.mktemp("bad_input")
+    copy_data_cache(embedded_data_cache, tmp / "cache")  # that tokenizer, trained once
     from jaxmoe.data.sources import load_tokenizer
 
     config = dense_config(tmp, f"data.tokenizer={load_tokenizer(dense_config(tmp)).path}")
@@ -430,6 +432,7 @@ def in_private_tmpfs(script: str, tmp_path: Path, **env) -> subprocess.Completed
     )
 
 
+@pytest.mark.slow  # trains on a filled tmpfs, then resumes: 148 s wall, loaded host
 def test_disk_full_is_one_line_and_loses_no_checkpoint(checkpoint, tmp_path):
     """A real full disk: a small tmpfs filled after the step-2 checkpoint. The step-4 save
     fails with one line; after freeing space the run resumes from step 2."""
@@ -560,8 +563,10 @@ def test_aot_compile_prints_nothing_on_stderr():
              "--config.model.head_dim=128", "--config.model.vocab_size=512"]  # fmt: skip
     step = ["--config.train.batch_size=256", "--config.train.seq_len=8",
             "--config.mesh.data=1", "--config.mesh.fsdp=2", "--config.mesh.tensor=2"]  # fmt: skip
+    # Without the tests' compilation cache: jax writes compile-only TPU executables to it
+    # but cannot read them back (no client to load into), and warns on every later run.
     result = cli("compile", "--config", "configs/default.py:dense", "--topology", "v5p-8",
-                 *model, *step)  # fmt: skip
+                 *model, *step, JAX_ENABLE_COMPILATION_CACHE="false")  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""
     assert "verdict: fits on v5p-8" in result.stdout
