@@ -10,9 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jax
 import pytest
-from jax.experimental.compilation_cache import compilation_cache
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from jaxmoe.data.hf_tokenizer import HFTokenizer
@@ -20,6 +18,7 @@ from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.training.loop import describe_nonfinite, train
 from jaxmoe.training.metrics import MetricsWriter
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,27 +26,13 @@ KEEP = "the last completed checkpoint is intact"
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
+def cache(tmp_path_factory, embedded_data_cache):
+    return copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compiled_once(tmp_path_factory):
-    """The runs here share their init programs: a persistent compilation cache, for this
-    module only, compiles those once (the train steps differ: the learning rate is a
-    constant in them)."""
-    settings = {
-        "jax_compilation_cache_dir": str(tmp_path_factory.mktemp("xla")),
-        "jax_persistent_cache_min_compile_time_secs": 0.0,
-    }
-    before = {name: getattr(jax.config, name) for name in settings}
-    for name, value in settings.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()  # jax decides once whether to use a cache: again now
-    yield
-    for name, value in before.items():
-        jax.config.update(name, value)
-    compilation_cache.reset_cache()
+# The runs here share their init programs: tests/conftest.py's persistent compilation
+# cache compiles those once (the train steps differ: the learning rate is a constant in
+# them).
 
 
 def config(cache, *overrides):
