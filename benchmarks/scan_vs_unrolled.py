@@ -15,6 +15,8 @@ import sys
 from benchmarks.results import add_json_flag, markdown_table, publish
 from benchmarks.throughput_jaxmoe import JaxRunner, variant_config
 from benchmarks.train_throughput import VARIANTS
+from jaxmoe.parallel.host_memory import retain_freed_host_memory
+from jaxmoe.parallel.platforms import skip_absent_tpu
 
 
 def measure(runners: dict, warmup: int, steps: int, blocks: int) -> dict[str, list[float]]:
@@ -38,6 +40,8 @@ def main(argv=None) -> int:
     parser.add_argument("--set", action="append", default=[], help="config override k=v")
     add_json_flag(parser)
     args = parser.parse_args(argv)
+    skip_absent_tpu()  # as the throughput worker: libtpu's probe without a TPU is noise
+    retain_freed_host_memory()
     runners = {
         layout: JaxRunner(
             variant_config(args.variant, [*args.set, f"model.scan_layers={layout == 'scanned'}"]),
