@@ -35,8 +35,8 @@ from orbax.checkpoint import future, type_handlers
 from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
-    _quiet_orbax,
     describe_error,
+    quiet_orbax,
     resolve_checkpoint,
     write_config,
 )
@@ -118,7 +118,7 @@ def save_params_leafwise(path: str, leaves: dict, config) -> None:
     `model.scan_layers`): one piece in memory at a time."""
     root = epath.Path(absolute_path(path))
     registry = type_handlers.create_type_handler_registry((LazyArray, _PieceHandler()))
-    with _quiet_orbax():
+    with quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(leaves), force=True)

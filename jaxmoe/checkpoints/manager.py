@@ -315,7 +315,7 @@ def merge_into_defaults(stored: dict, origin: str = "stored config") -> ConfigDi
 
 
 @contextlib.contextmanager
-def _quiet_orbax():
+def quiet_orbax():
     """Orbax's absl warnings about its own metadata files ("Metadata file does not exist",
     "ArrayMetadata persistence is disabled") say nothing a jaxmoe user can act on."""
     absl_log = logging.getLogger("absl")
@@ -330,7 +330,7 @@ def _quiet_orbax():
 def _stored_shapes(params_dir: epath.Path) -> dict[str, tuple[int, ...]]:
     """'a.b.c' -> shape of every array in an Orbax `params` item, from its metadata only."""
     try:
-        with _quiet_orbax():
+        with quiet_orbax():
             metadata = ocp.PyTreeCheckpointer().metadata(params_dir)
     except (OSError, ValueError, KeyError) as error:
         raise CheckpointError(
@@ -480,7 +480,7 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     registry = type_handlers.create_type_handler_registry(
         (np.ndarray, type_handlers.NumpyHandler(deepcopy_host_arrays=False))
     )
-    with _quiet_orbax():
+    with quiet_orbax():
         handler = ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
         with ocp.Checkpointer(handler) as checkpointer:
             checkpointer.save(root / "params", args=ocp.args.PyTreeSave(params), force=True)

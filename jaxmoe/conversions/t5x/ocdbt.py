@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxmoe.checkpoints.manager import _quiet_orbax, describe_error
+from jaxmoe.checkpoints.manager import describe_error, quiet_orbax
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 
 STATE_ITEM = "state"  # T5X's item name for the train state
@@ -61,7 +61,7 @@ class OrbaxLeaf:
         )
         name = "/".join(self._keys)
         try:
-            with _quiet_orbax(), ocp.PyTreeCheckpointer() as checkpointer:
+            with quiet_orbax(), ocp.PyTreeCheckpointer() as checkpointer:
                 tree = checkpointer.restore(self._item, args=args)
         except Exception as e:  # TensorStore and Orbax raise plain Exceptions on bad data
             raise ValueError(
@@ -87,7 +87,7 @@ def read_orbax_tree(item: Path, root: Path) -> dict[tuple[str, ...], OrbaxLeaf]:
     _check_files_inside(item, root)
     _check_metadata_keys(item)
     try:
-        with _quiet_orbax():
+        with quiet_orbax():
             metadata = ocp.PyTreeCheckpointer().metadata(item)
     except Exception as e:
         raise ValueError(f"{item}: unreadable Orbax metadata: {describe_error(e)}") from None
