@@ -29,6 +29,7 @@ from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.lm_eval_backend import JaxmoeLM, mesh_overrides
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
+from tests.fixtures_data import copy_data_cache
 from tests.helpers import TINY_T5, tiny_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,9 +47,9 @@ def offline(monkeypatch, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
+def tokenizer_path(tmp_path_factory, embedded_data_cache):
     """jaxmoe's 512-piece SentencePiece tokenizer, trained on the embedded corpus."""
-    cache = tmp_path_factory.mktemp("cache")
+    cache = copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
     return load_tokenizer(tiny_config(f"data.cache_dir={cache}")).path
 
 
@@ -102,6 +103,7 @@ def same_text_up_to_bad_bytes(ours: str, hf: str) -> bool:
     )
 
 
+@pytest.mark.slow  # 110-115 s wall on the loaded shared host: three tasks, both backends
 def test_same_loglikelihoods_generations_and_metrics_as_hf_backend(dense):
     from lm_eval.models.huggingface import HFLM
 
@@ -181,6 +183,7 @@ def jaxmoe_cli(*args, cwd=REPO):
     )
 
 
+@pytest.mark.slow  # 148 s wall on the loaded shared host: lm-eval in a subprocess
 def test_cli_runs_adaptive_moe_on_choice_and_generation_tasks(tmp_path, tokenizer_path):
     """`jaxmoe lm-eval` with lm-eval's own flags on an adaptive-gating MoE checkpoint."""
     config = tiny_config(
