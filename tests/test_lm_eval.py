@@ -103,7 +103,7 @@ def same_text_up_to_bad_bytes(ours: str, hf: str) -> bool:
     )
 
 
-@pytest.mark.slow  # 110-115 s wall on the loaded shared host: three tasks, both backends
+@pytest.mark.slow  # 110-200 s wall on the loaded shared host: three tasks, both backends
 def test_same_loglikelihoods_generations_and_metrics_as_hf_backend(dense):
     from lm_eval.models.huggingface import HFLM
 
@@ -183,7 +183,7 @@ def jaxmoe_cli(*args, cwd=REPO):
     )
 
 
-@pytest.mark.slow  # 148 s wall on the loaded shared host: lm-eval in a subprocess
+@pytest.mark.slow  # 120-150 s wall on the loaded shared host: lm-eval in a subprocess
 def test_cli_runs_adaptive_moe_on_choice_and_generation_tasks(tmp_path, tokenizer_path):
     """`jaxmoe lm-eval` with lm-eval's own flags on an adaptive-gating MoE checkpoint."""
     config = tiny_config(
