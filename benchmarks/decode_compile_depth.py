@@ -54,8 +54,8 @@ def measure(num_layers: int, scan: bool, rounds: int, mesh) -> dict:
             compile_s = {"prefill": prefill_compile, "decode": decode_compile}
         else:
             ms_per_token.append(1e3 * elapsed / (steps - 1))
-    # The Generator keeps its compiled programs by (name, shapes); name[0] is the kind.
-    decode_program = next(c for key, c in generator._compiled.items() if key[0][0] == "decode")
+    programs = generator.compiled_programs()
+    decode_program = next(c for key, c in programs.items() if key[0] == "decode")
     return {
         "layers": num_layers,
         "layout": "scanned" if scan else "unrolled",

@@ -276,6 +276,11 @@ class Generator:
         self._compiled[key] = compiled
         return compiled, time.perf_counter() - start
 
+    def compiled_programs(self) -> dict:
+        """{program key, e.g. ("decode", new bucket, sampling): its compiled executable}
+        for every program compiled so far (benchmarks read their size)."""
+        return {key[0]: compiled for key, compiled in self._compiled.items()}
+
     def prefill(self, prompts: list[list[int]], new_bucket: int):
         """(state, rows, compile seconds): caches sized prompt bucket + new_bucket."""
         rows = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
