@@ -1,5 +1,7 @@
 """Shared tiny configs and synthetic batches for the tests."""
 
+import contextlib
+
 import jax
 import numpy as np
 
@@ -74,3 +76,20 @@ def unit_scale_params(model_cfg, seed: int) -> dict:
         lambda a: (a.ndim == 1) + rng.standard_normal(a.shape, np.float32) / a.shape[0] ** 0.5,
         abstract_params(unrolled_config(model_cfg)),
     )
+
+
+@contextlib.contextmanager
+def compile_cache_off():
+    """The persistent compilation cache (tests/conftest.py) off inside: jax writes the
+    executables of compile-only TPU devices (topology compiles) into it but cannot load
+    them back, and warns at each later compile of the same program."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # jax decides once whether to use the cache: again now
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", before)
+        compilation_cache.reset_cache()

@@ -27,7 +27,7 @@ from jaxmoe.cli import build_parser
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.chips import GiB
 from jaxmoe.parallel.mesh import make_mesh
-from tests.helpers import tiny_config
+from tests.helpers import compile_cache_off, tiny_config
 
 # A dense decoder whose per-device shards all have a minor dim of 128, so the TPU lays them
 # out without padding (only scalars get padded; see test_argument_bytes_match_hand_count).
@@ -47,6 +47,13 @@ TINY = (
     "mesh.tensor=2",
     "mesh.expert=1",
 )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compile_cache_off():
+    """Every compile here is for compile-only TPU devices, which the cache cannot load."""
+    with compile_cache_off():
+        yield
 
 
 @pytest.fixture(scope="module")
