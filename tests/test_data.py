@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from jaxmoe.config.defaults import base_config
 from jaxmoe.data import corpus, packing, pipeline, tfds_text
 from jaxmoe.data import tokenizer as tokenizer_lib
 
@@ -23,19 +24,10 @@ TOPICS = pydoc_data.topics.topics
 
 
 def make_config(cache_dir, **overrides) -> ml_collections.ConfigDict:
-    config = ml_collections.ConfigDict()
-    config.data = dict(
-        source="embedded",
-        train_split="train",
-        eval_split="validation",
-        text_key="text",
-        vocab_size=1024,
-        tokenizer="",
-        cache_dir=str(cache_dir),
-        data_dir="",
-        shuffle=True,
-    )
-    config.train = dict(seq_len=64, batch_size=8, seed=0)
+    """The complete default config (as every command gets one), with this file's data."""
+    config = base_config()
+    config.data.cache_dir = str(cache_dir)
+    config.train.update(seq_len=64, batch_size=8, seed=0)
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         config[section][key] = value

@@ -500,7 +500,7 @@ def write_config(root: epath.Path, config: ConfigDict) -> None:
     # A copy of its own (convert hf, gqa, upcycle) is written after the parameters by the
     # converter, which checks it: only a tokenizer named by path is opened and copied here.
     if path and not inside:
-        tokenizer = open_tokenizer(path, eos_token=stored.data.get("eos_token", ""))
+        tokenizer = open_tokenizer(path, eos_token=stored.data.eos_token)
         check_tokenizer_fits(tokenizer, stored.model.vocab_size, f"data.tokenizer={path}")
         files = tokenizer_files(tokenizer)
         write_tokenizer_files(root / TOKENIZER_DIR, files)

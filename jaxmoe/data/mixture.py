@@ -80,13 +80,13 @@ def component_config(config, source: str):
 
 def source_configs(config) -> list:
     """One config per source read: the mixture's sources, or `data.source` alone."""
-    components = parse_mixture(config.data.get("mixture", "") or "")
+    components = parse_mixture(config.data.mixture)
     return [component_config(config, c.source) for c in components] or [config]
 
 
 def primary_config(config):
     """The config whose source trains the tokenizer: the mixture's first source, if any."""
-    components = parse_mixture(config.data.get("mixture", "") or "")
+    components = parse_mixture(config.data.mixture)
     return component_config(config, components[0].source) if components else config
 
 

@@ -29,7 +29,7 @@ def prepare(config) -> Tokenizer:
     idempotently; returns the tokenizer."""
     tokenizer = load_tokenizer(config)
     # A streamed train split is tokenized as it is read, by the process that reads it.
-    streaming = bool(config.data.get("streaming", False))
+    streaming = bool(config.data.streaming)
     for source_config in source_configs(config):
         for split_key in ("eval_split",) if streaming else ("train_split", "eval_split"):
             token_stream(source_config, tokenizer, split_key)
@@ -44,7 +44,7 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
     If process 0 fails, it still reaches the barrier, so the others stop at once, naming
     its error, instead of waiting out the timeout.
     """
-    timeout = float(config.data.get("prepare_timeout_s", 3600))
+    timeout = float(config.data.prepare_timeout_s)
     marker = os.path.join(cache_dir(config), "prepared", f"{data_key(config)}.json")
     failure = None
     if process_index == 0:

@@ -39,8 +39,7 @@ Examples = PackedWindows | SpanCorruptionExamples
 
 
 def is_encoder_decoder(config) -> bool:
-    model = config.get("model")
-    return model is not None and model.get("arch") == "encoder_decoder"
+    return config.model.arch == "encoder_decoder"
 
 
 def split_examples(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> Examples:
@@ -103,7 +102,7 @@ class TrainBatches:
             default_epoch_order,
             num_examples=self.num_examples,
             seed=int(config.train.seed),
-            shuffle=bool(config.data.get("shuffle", True)),
+            shuffle=bool(config.data.shuffle),
         )
         self._epoch = 0
         self._position = 0  # batches already yielded in this epoch
@@ -223,8 +222,8 @@ def _padded_batches(
 def wrapped(batches, config, process_index: int):
     """`batches` built ahead on a thread (`data.prefetch` batches; not with a curriculum,
     which reorders epochs as they start) and traced when JAXMOE_DATA_TRACE names a folder."""
-    depth = int(config.data.get("prefetch", 2))
-    if depth and config.data.get("curriculum", "none") == "none":
+    depth = int(config.data.prefetch)
+    if depth and config.data.curriculum == "none":
         batches = Prefetch(batches, depth)
     folder = os.environ.get("JAXMOE_DATA_TRACE")
     return TracedBatches(batches, folder, process_index) if folder else batches
@@ -267,9 +266,9 @@ def build_data(
     if process_count > 1 and barrier is not None:
         prepare_once(config, process_index, barrier, report)
     tokenizer = load_tokenizer(config)
-    if parse_mixture(config.data.get("mixture", "") or ""):
+    if parse_mixture(config.data.mixture):
         return _build_mixture(config, tokenizer, process_index, process_count)
-    if config.data.get("streaming", False):
+    if config.data.streaming:
         return _build_stream(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)
     eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
@@ -289,7 +288,7 @@ def build_data(
 def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_count: int):
     """The DataBundle of `data.mixture`: one MixtureBatches, eval split by source."""
     components = parse_mixture(config.data.mixture)
-    if config.data.get("curriculum", "none") != "none":
+    if config.data.curriculum != "none":
         raise ValueError(
             f"data.curriculum={config.data.curriculum!r} orders one source's examples; it "
             f"cannot be combined with data.mixture"
@@ -329,8 +328,8 @@ def _build_stream(config, tokenizer: Tokenizer, process_index: int, process_coun
     for culprit, unsupported in (
         ("model.arch=encoder_decoder", is_encoder_decoder(config)),
         (
-            f"data.curriculum={config.data.get('curriculum')!r}",
-            config.data.get("curriculum", "none") != "none",
+            f"data.curriculum={config.data.curriculum!r}",
+            config.data.curriculum != "none",
         ),
     ):
         if unsupported:

@@ -64,9 +64,7 @@ def data_dir(config) -> str:
 
 
 def validation_fraction(config) -> float:
-    return corpus.check_fraction(
-        config.data.get("validation_fraction", corpus.DEFAULT_VALIDATION_FRACTION)
-    )
+    return corpus.check_fraction(config.data.validation_fraction)
 
 
 def _split_key(config, key: str) -> str:
@@ -89,7 +87,7 @@ def open_split(config, split_key: str) -> SplitDocuments:
 
     spec = corpus.parse_source(config.data.source)
     split = _split_key(config, split_key)
-    text_key = config.data.get("text_key", "text") or "text"
+    text_key = config.data.text_key or "text"
     if spec.is_local:
         fraction = validation_fraction(config)
         source_hash = corpus.local_fingerprint(spec, fraction, text_key)
@@ -127,9 +125,7 @@ def load_tokenizer(config) -> Tokenizer:
     own tokenizer is named in `data.tokenizer` before this, by the command (training:
     checkpoints.manager.inherit_tokenizer): data never reads checkpoints."""
     if config.data.tokenizer:
-        return open_tokenizer(
-            absolute_path(config.data.tokenizer), config.data.get("eos_token", "")
-        )
+        return open_tokenizer(absolute_path(config.data.tokenizer), config.data.eos_token)
     from jaxmoe.data.mixture import primary_config
 
     train = open_split(primary_config(config), "train_split")

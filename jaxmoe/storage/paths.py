@@ -58,7 +58,7 @@ def absolute_config_paths(config) -> None:
                 config[section][leaf] = absolute_path(config[section][leaf])
         if "data" in config and "source" in config.data:
             config.data.source = absolute_data_spec(config.data.source)
-        if "data" in config and config.data.get("mixture"):
+        if "data" in config and config.data.mixture:
             config.data.mixture = absolute_mixture(config.data.mixture)
 
 
