@@ -22,9 +22,10 @@ def moe_config(**moe) -> ConfigDict:
         top_p=0.4, max_k=2, eval_gating="", gap_normalization="top2", renormalize=False,
         single_weight="prob", capacity_factor=0.0, balance_loss_weight=0.01,
         z_loss_weight=0.001, jitter=0.0, block_size=8, dispatch="blocks",
+        balance_fractions="auto", router_bias=False, ep_exchange="auto", ep_buffer_factor=2.0,
     )  # fmt: skip
     base.update(moe)
-    return ConfigDict(dict(d_model=D, activation="silu", moe=base))
+    return ConfigDict(dict(d_model=D, activation="silu", ffn_gated=True, moe=base))
 
 
 # ---------------------------------------------------------------------------------------
