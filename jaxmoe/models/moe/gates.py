@@ -15,6 +15,7 @@ and must be ignored by the dispatch.
     "none": gap = p1 - p2 on the raw softmax probabilities.
 - `top_p` (Huang et al. 2024): the smallest set of experts, by descending probability,
   whose probabilities sum to at least top_p, capped at K = max_k experts (static shapes).
+- `adaptive_k`: the adaptive gate for top-k routers, K = max_k (adaptive_k.py).
 
 Combine weights, for every gate (the paper: "weighted by the router probabilities of the
 chosen experts"; it leaves the two details below open):
@@ -46,7 +47,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-GATES = ("top1", "top2", "topk", "adaptive", "top_p")
+GATES = ("top1", "top2", "topk", "adaptive", "top_p", "adaptive_k")
 GAP_NORMALIZATIONS = ("top2", "none")
 SINGLE_WEIGHTS = ("prob", "one")
 
@@ -94,7 +95,9 @@ class GateConfig:
 
 def num_slots(cfg: GateConfig) -> int:
     """K, the static number of expert slots per token."""
-    return {"top1": 1, "top2": 2, "topk": cfg.top_k, "adaptive": 2, "top_p": cfg.max_k}[cfg.gating]
+    if cfg.gating in ("top_p", "adaptive_k"):
+        return cfg.max_k
+    return {"top1": 1, "top2": 2, "topk": cfg.top_k, "adaptive": 2}[cfg.gating]
 
 
 def combine_weights(chosen_TK, mask_TK, cfg: GateConfig):
@@ -147,6 +150,10 @@ def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
         return adaptive_gate(probs_TE, cfg)
     if cfg.gating == "top_p":
         return top_p_gate(probs_TE, cfg)
+    if cfg.gating == "adaptive_k":
+        from jaxmoe.models.moe.adaptive_k import adaptive_k_gate  # imports this module
+
+        return adaptive_k_gate(probs_TE, cfg)
     return topk_gate(probs_TE, cfg, num_slots(cfg))
 
 
