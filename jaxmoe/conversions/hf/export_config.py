@@ -1,15 +1,18 @@
 """jaxmoe model config -> Hugging Face config.json, with the tensor maps of names.py.
 
 Only what transformers computes exactly is written: dense decoders as Llama (Qwen2 with q/k/v
-biases), MoE decoders as Mixtral (other gates as `jaxmoe_moe`: remote.py), T5 v1.1; anything
-else is refused with the reason (a CheckpointError).
+biases), MoE decoders as Mixtral (other gates as `jaxmoe_moe`: remote.py) or, with q/k norms
+or a shared expert, as Qwen3-MoE / OLMoE / Qwen2-MoE (export_moe.py), T5 v1.1; anything else
+is refused with the reason (a CheckpointError).
 """
 
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.conversions.hf.names import TensorMap, decoder_maps, t5_maps
+from jaxmoe.conversions.hf.export_moe import family_fields, moe_family, refuse_unexported_routing
+from jaxmoe.conversions.hf.names import QWEN_EXPERT_NAMES, TensorMap, decoder_maps, t5_maps
 from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
+from jaxmoe.models.ffn import is_moe_layer
 
 _ACT_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
 
@@ -28,8 +31,13 @@ def _mixtral_fields(m: ConfigDict) -> dict:
     """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
     (remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
     moe = m.moe
-    if moe.every != 1:
-        _refuse(f"model.moe.every={moe.every}: Mixtral has an MoE FFN in every layer")
+    dense = [i for i in range(m.num_layers) if not is_moe_layer(m, i)]
+    if dense:
+        _refuse(
+            f"model.moe.every={moe.every} (dense layers {dense}): Mixtral has an MoE FFN in "
+            "every layer (Qwen3-MoE / Qwen2-MoE place dense layers, with q/k norms or a "
+            "shared expert)"
+        )
     if moe.capacity_factor > 0:
         _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
     gating = moe.eval_gating or moe.gating
@@ -52,6 +60,10 @@ def _mixtral_fields(m: ConfigDict) -> dict:
 
 
 def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
+    if m.moe.num_experts:
+        refuse_unexported_routing(m.moe)
+    if m.get("qk_norm", "none") != "none" and not m.moe.num_experts:
+        _refuse(f"model.qk_norm={m.qk_norm!r} in a dense model (exported are the MoE families)")
     if not m.rope_theta:
         _refuse("model.rope_theta=0: Llama/Mixtral need rotary positions")
     rope = _rope_export(m)
@@ -76,9 +88,18 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
         "mlp_bias": False,
         "attention_dropout": 0.0,
     }
-    if m.moe.num_experts:
+    family = moe_family(m) if m.moe.num_experts else None
+    if family:
+        hf.update(family_fields(m, family))
+        del hf["mlp_bias"]  # not a key of these families: their FFNs have no bias
+        if family == "qwen2_moe":
+            del hf["attention_bias"]  # Qwen2-MoE says qkv_bias
+    elif m.moe.num_experts:
         if m.qkv_bias:
-            _refuse("model.qkv_bias=True with MoE: Mixtral has no attention biases")
+            _refuse(
+                "model.qkv_bias=True with MoE and no shared expert: Mixtral has no attention "
+                "biases (Qwen2-MoE has, with a shared expert)"
+            )
         hf.update(_mixtral_fields(m))
     elif m.qkv_bias:
         hf.update(
@@ -152,4 +173,7 @@ def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[Te
         if m.tie_embeddings:
             _refuse("model.tie_embeddings with arch=encoder_decoder (exported T5 is untied)")
         return _t5_export(m), t5_maps(m)
-    return _decoder_export(m, max_positions), decoder_maps(m)
+    hf = _decoder_export(m, max_positions)
+    if hf["model_type"] in ("qwen3_moe", "qwen2_moe", "olmoe"):
+        return hf, decoder_maps(m, moe_prefix="mlp", expert_names=QWEN_EXPERT_NAMES)
+    return hf, decoder_maps(m)

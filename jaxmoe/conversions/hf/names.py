@@ -17,18 +17,18 @@ import numpy as np
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.conversions.hf.hf_config import (
+    check_layer_count,
+    config_number,
+    config_size,
+    read_activation,
+    read_decoder_basics,
+)
+from jaxmoe.conversions.hf.names_moe import MOE_FAMILIES, read_moe_family
 from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.models.ffn import is_moe_layer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", "t5", "jaxmoe_moe")
-# HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
-_ACT_FROM_HF = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu_new": "gelu",
-    "gelu_pytorch_tanh": "gelu",
-    "relu": "relu",
-}
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "jaxmoe_moe")
 # Tensors HF itself skips when loading: derived buffers and an unused T5 table.
 _IGNORED = (
     re.compile(r".*\.rotary_emb\.inv_freq"),
@@ -181,39 +181,74 @@ def _gated_ffn_maps(names: tuple[str, str, str], path: tuple[str, ...]) -> list[
     ]
 
 
-def _moe_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...], style: str):
-    """Mixtral experts. style: `per_expert` (w1 gate, w3 up, w2 down, one tensor per expert;
-    what save_pretrained writes) or `fused` (transformers 5.x in-memory names)."""
+# Per-expert tensor names (gate, up, down) as save_pretrained writes them.
+MIXTRAL_EXPERT_NAMES = ("w1", "w3", "w2")
+QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # also Qwen2-MoE, Qwen3-MoE, OLMoE
+
+
+def _moe_maps(
+    m: ConfigDict,
+    hf_prefix: str,
+    path: tuple[str, ...],
+    style: str,
+    expert_names: tuple[str, str, str] = MIXTRAL_EXPERT_NAMES,
+):
+    """One MoE layer's router and experts. style: `per_expert` (one tensor per expert, the
+    `expert_names` (gate, up, down); what save_pretrained writes) or `fused` (transformers
+    5.x in-memory names). Shared experts (Qwen2-MoE) follow when model.moe has them."""
     maps = [TensorMap(hf_prefix + "gate.weight", (*path, "router"), Linear(1))]
     if style == "fused":
         fused = hf_prefix + "experts.gate_up_proj"
-        return [
-            *maps,
+        maps += [
             TensorMap(fused, (*path, "wi_0"), FusedGateUp(0)),
             TensorMap(fused, (*path, "wi_1"), FusedGateUp(1)),
             TensorMap(hf_prefix + "experts.down_proj", (*path, "wo"), StackedDown()),
         ]
-    for e in range(m.moe.num_experts):
-        expert = f"{hf_prefix}experts.{e}."
-        for hf, leaf in (("w1", "wi_0"), ("w3", "wi_1"), ("w2", "wo")):
-            maps.append(TensorMap(f"{expert}{hf}.weight", (*path, leaf), Linear(1), expert=e))
+    else:
+        for e in range(m.moe.num_experts):
+            expert = f"{hf_prefix}experts.{e}."
+            for hf, leaf in zip(expert_names, ("wi_0", "wi_1", "wo"), strict=True):
+                maps.append(TensorMap(f"{expert}{hf}.weight", (*path, leaf), Linear(1), expert=e))
+    if m.moe.get("num_shared_experts", 0):
+        shared = tuple(f"{hf_prefix}shared_expert.{p}.weight" for p in QWEN_EXPERT_NAMES)
+        maps += _gated_ffn_maps(shared, (*path, "shared"))
+    if m.moe.get("shared_expert_gate", False):
+        gate_path = (*path, "shared_gate", "kernel")  # [D, 1]; HF [1, D]
+        maps.append(TensorMap(hf_prefix + "shared_expert_gate.weight", gate_path, Linear(1)))
     return maps
 
 
+def _qk_norm_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...]) -> list[TensorMap]:
+    """Query/key RMSNorm scales: [dh] per head (Qwen3) or [H*dh] / [K*dh] (OLMoE); the same
+    layout on both sides."""
+    if m.get("qk_norm", "none") == "none":
+        return []
+    return [
+        TensorMap(f"{hf_prefix}{name}.weight", (*path, name, "scale"), SAME)
+        for name in ("q_norm", "k_norm")
+    ]
+
+
 def decoder_maps(
-    m: ConfigDict, *, moe_prefix: str = "block_sparse_moe", moe_style: str = "per_expert"
+    m: ConfigDict,
+    *,
+    moe_prefix: str = "block_sparse_moe",
+    moe_style: str = "per_expert",
+    expert_names: tuple[str, str, str] = MIXTRAL_EXPERT_NAMES,
 ) -> list[TensorMap]:
-    """Llama / Mistral / Mixtral names for a jaxmoe DecoderLM with model config `m`."""
+    """Llama / Mistral / Mixtral names (Qwen2-MoE, Qwen3-MoE, OLMoE with `moe_prefix="mlp"`
+    and `QWEN_EXPERT_NAMES`) for a jaxmoe DecoderLM with model config `m`."""
     maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
     for i in range(m.num_layers):
         hf, path = f"model.layers.{i}.", ("layers", str(i))
         maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
         maps += _attention_maps(hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.qkv_bias)
+        maps += _qk_norm_maps(m, hf + "self_attn.", (*path, "attn"))
         maps.append(
             TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
         )
         if is_moe_layer(m, i):
-            maps += _moe_maps(m, f"{hf}{moe_prefix}.", (*path, "ffn"), moe_style)
+            maps += _moe_maps(m, f"{hf}{moe_prefix}.", (*path, "ffn"), moe_style, expert_names)
         else:
             names = tuple(f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
             maps += _gated_ffn_maps(names, (*path, "ffn"))
@@ -259,124 +294,6 @@ def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scal
 # ----------------------------------------------------------------------------- import
 
 
-# Above any real model's dimension (XLA indexes with int32); the sizes below it are checked
-# against the tensors in the files, whose bytes bound them.
-_MAX_SIZE = 2**31 - 1
-
-
-def _size(hf: dict, key: str, default=None) -> int:
-    """A positive integer size from config.json (`default` when absent or null)."""
-    value = hf.get(key)
-    if value is None:
-        if default is None:
-            raise CheckpointError(f"config.json: missing key {key!r}")
-        return default
-    # JSON true parses as a bool (an int subclass); "4096" and 4096.5 are not sizes either.
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise CheckpointError(f"config.json: {key}={value!r} is not a positive integer")
-    if value > _MAX_SIZE:
-        raise CheckpointError(f"config.json: {key}={value} is not a plausible size (> 2**31 - 1)")
-    return value
-
-
-def _number(hf: dict, key: str, default: float | None = None) -> float:
-    value = hf.get(key)
-    if value is None:
-        if default is None:
-            raise CheckpointError(f"config.json: missing key {key!r}")
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise CheckpointError(f"config.json: {key}={value!r} is not a finite number")
-    return float(value)
-
-
-def _check_layer_count(present: set[str], pattern: str, key: str, count: int) -> None:
-    """`count` layers in config.json must be the layers whose tensors the files hold, checked
-    before anything is built per layer (a config claiming 10**6 layers would hang there)."""
-    regex = re.compile(pattern)
-    found = {int(match.group(1)) for name in present if (match := regex.match(name))}
-    if len(found) != count or found != set(range(count)):  # no range of 10**9 built first
-        unit = "experts" if "experts" in key else "layers"
-        held = f"{len(found)} {unit}, indices {min(found)}..{max(found)}" if found else "none"
-        raise CheckpointError(
-            f"config.json: {key}={count}, but the checkpoint holds tensors of {held}"
-        )
-
-
-def _activation(hf_name: str, key: str) -> str:
-    if hf_name not in _ACT_FROM_HF:
-        raise CheckpointError(
-            f"config.json: {key}={hf_name!r} is not supported "
-            f"(one of {sorted(_ACT_FROM_HF)}; jaxmoe's gelu is the tanh approximation)"
-        )
-    return _ACT_FROM_HF[hf_name]
-
-
-def _rope(hf: dict, m: ConfigDict) -> None:
-    """The RoPE base and scaling: transformers 5.x's `rope_parameters` or 4.x's
-    `rope_scaling` (+ top-level `rope_theta`); llama3 and linear scaling are implemented,
-    others (dynamic NTK, yarn, longrope...) refused, and so are values transformers only
-    warns about (factor < 1, high_freq_factor <= low_freq_factor: a division by zero)."""
-    params = _rope_params(hf)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ("default", "linear", "llama3"):
-        raise CheckpointError(
-            f"config.json: rope_type {rope_type!r} (RoPE scaling) is not supported; "
-            "jaxmoe implements default, linear and llama3"
-        )
-    if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported")
-    m.rope_theta = _number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
-    m.rope_type = rope_type
-    if rope_type == "default":
-        return
-    m.rope_factor = _number(params, "factor")
-    if m.rope_factor < 1:
-        raise CheckpointError(
-            f"config.json: {rope_type} RoPE factor={m.rope_factor} must be >= 1 (it stretches "
-            "positions; transformers warns about the same)"
-        )
-    if rope_type == "llama3":
-        m.rope_low_freq_factor = _number(params, "low_freq_factor")
-        m.rope_high_freq_factor = _number(params, "high_freq_factor")
-        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
-            raise CheckpointError(
-                f"config.json: llama3 RoPE high_freq_factor={m.rope_high_freq_factor} must be "
-                f"greater than low_freq_factor={m.rope_low_freq_factor}"
-            )
-        m.rope_original_max_len = _size(params, "original_max_position_embeddings")
-
-
-def _rope_params(hf: dict) -> dict:
-    """`rope_parameters` or `rope_scaling`; both may be written (transformers 5.x keeps
-    the old name too), but not saying different things: which would apply is unclear."""
-    new, old = hf.get("rope_parameters"), hf.get("rope_scaling")
-    for key, value in (("rope_parameters", new), ("rope_scaling", old)):
-        if value is not None and not isinstance(value, dict):
-            raise CheckpointError(f"config.json: {key}={value!r} is not an object")
-    if new and old:
-        kinds = [p.get("rope_type", p.get("type", "default")) for p in (new, old)]
-        differ = sorted(k for k in set(new) & set(old) if new[k] != old[k])
-        if kinds[0] != kinds[1] or differ:
-            what = ", ".join(differ) if differ else "rope_type"
-            raise CheckpointError(
-                f"config.json: rope_parameters={new!r} and rope_scaling={old!r} disagree "
-                f"({what}); keep one"
-            )
-    return new or old or {}
-
-
-def _sliding_window(hf: dict) -> int | None:
-    """The attention window config.json asks for, or None. Qwen2 writes a window that only
-    applies with use_sliding_window (transformers 5.x: layers typed sliding_attention)."""
-    window = hf.get("sliding_window")
-    if hf["model_type"] == "qwen2":
-        sliding = "sliding_attention" in (hf.get("layer_types") or ())
-        if not (sliding or (hf.get("use_sliding_window") and not hf.get("layer_types"))):
-            return None
-    return window
-
-
 def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     if hf.get("mlp_bias"):
         raise CheckpointError("config.json: mlp_bias=true: jaxmoe FFN projections have no bias")
@@ -386,38 +303,15 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
             "output-projection bias"
         )
     m.qkv_bias = hf["model_type"] == "qwen2"  # Qwen2: q/k/v biases always, none on o_proj
-    heads = _size(hf, "num_attention_heads")
-    m.arch = "decoder"
-    m.vocab_size = _size(hf, "vocab_size")
-    m.num_layers = _size(hf, "num_hidden_layers")
-    _check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m.num_layers)
-    m.d_model = _size(hf, "hidden_size")
-    m.num_heads = heads
-    m.num_kv_heads = _size(hf, "num_key_value_heads", heads)
-    m.head_dim = _size(hf, "head_dim", m.d_model // heads)
-    m.ffn_dim = _size(hf, "intermediate_size")
-    m.activation = _activation(hf.get("hidden_act", "silu"), "hidden_act")
-    m.norm_eps = _number(hf, "rms_norm_eps")
-    _rope(hf, m)
-    m.max_len = _size(hf, "max_position_embeddings", 0)
-    window = _sliding_window(hf)
-    if window is not None and (not m.max_len or window < m.max_len):
-        raise CheckpointError(
-            f"config.json: sliding_window={window} is shorter than max_position_embeddings="
-            f"{m.max_len}; jaxmoe attends to the whole context (no sliding windows)"
-        )
-    # A tied config whose file still holds lm_head.weight converts untied: same logits.
-    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False)) and (
-        "lm_head.weight" not in present
-    )
+    read_decoder_basics(hf, present, m)
     moe_prefix, moe_style = "block_sparse_moe", "per_expert"
     if hf["model_type"] in ("mixtral", MODEL_TYPE):
-        k = _size(hf, "num_experts_per_tok")
+        k = config_size(hf, "num_experts_per_tok")
         moe = m.moe
-        moe.num_experts = _size(hf, "num_local_experts")
+        moe.num_experts = config_size(hf, "num_local_experts")
         if not any(n.endswith(".experts.gate_up_proj") for n in present):  # one name each
             experts = r"model\.layers\.0\.\w+\.experts\.(\d+)\.w1\."
-            _check_layer_count(present, experts, "num_local_experts", moe.num_experts)
+            check_layer_count(present, experts, "num_local_experts", moe.num_experts)
         moe.every = 1
         moe.ffn_dim = m.ffn_dim
         moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
@@ -426,8 +320,8 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         moe.single_weight = "one"  # k = 1: the renormalised weight of one expert is 1
         moe.eval_gating = ""
         moe.capacity_factor = 0.0  # Mixtral is dropless
-        moe.jitter = _number(hf, "router_jitter_noise", 0.0)
-        moe.balance_loss_weight = _number(hf, "router_aux_loss_coef", 0.0)
+        moe.jitter = config_number(hf, "router_jitter_noise", 0.0)
+        moe.balance_loss_weight = config_number(hf, "router_aux_loss_coef", 0.0)
         moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
         if hf["model_type"] == MODEL_TYPE:  # a jaxmoe export: its gate, from jaxmoe_gate
             import_gate(hf, moe)
@@ -449,21 +343,21 @@ def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         )
     act = ffn.removeprefix("gated-")
     m.arch = "encoder_decoder"
-    m.vocab_size = _size(hf, "vocab_size")
-    m.d_model = _size(hf, "d_model")
-    m.num_heads = m.num_kv_heads = _size(hf, "num_heads")
+    m.vocab_size = config_size(hf, "vocab_size")
+    m.d_model = config_size(hf, "d_model")
+    m.num_heads = m.num_kv_heads = config_size(hf, "num_heads")
     m.encoder_num_kv_heads = 0
-    m.head_dim = _size(hf, "d_kv")
-    m.ffn_dim = _size(hf, "d_ff")
-    m.num_encoder_layers = _size(hf, "num_layers")
-    m.num_layers = _size(hf, "num_decoder_layers", m.num_encoder_layers)
-    _check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m.num_encoder_layers)
-    _check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m.num_layers)
-    m.activation = _activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
-    m.norm_eps = _number(hf, "layer_norm_epsilon", 1e-6)
+    m.head_dim = config_size(hf, "d_kv")
+    m.ffn_dim = config_size(hf, "d_ff")
+    m.num_encoder_layers = config_size(hf, "num_layers")
+    m.num_layers = config_size(hf, "num_decoder_layers", m.num_encoder_layers)
+    check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m.num_encoder_layers)
+    check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m.num_layers)
+    m.activation = read_activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
+    m.norm_eps = config_number(hf, "layer_norm_epsilon", 1e-6)
     m.rope_theta = 0.0
-    m.relpos_buckets = _size(hf, "relative_attention_num_buckets", 32)
-    m.relpos_max_distance = _size(hf, "relative_attention_max_distance", 128)
+    m.relpos_buckets = config_size(hf, "relative_attention_num_buckets", 32)
+    m.relpos_max_distance = config_size(hf, "relative_attention_max_distance", 128)
     m.tie_embeddings = False  # jaxmoe's T5 always has its own output layer
     m.moe.num_experts = 0
     # transformers: v4 configs scale decoder outputs by d**-0.5 unless tie_word_embeddings is
@@ -488,6 +382,11 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     model_type = hf.get("model_type")
     if model_type in ("llama", "mistral", "mixtral", "qwen2", MODEL_TYPE):
         return _decoder_plan(hf, present, m)
+    if model_type in MOE_FAMILIES:
+        style = read_moe_family(hf, present, m)
+        return ImportPlan(
+            decoder_maps(m, moe_prefix="mlp", moe_style=style, expert_names=QWEN_EXPERT_NAMES)
+        )
     if model_type == "t5":
         return _t5_plan(hf, present, m)
     supported = " | ".join(SUPPORTED_MODEL_TYPES)
