@@ -20,7 +20,7 @@ def experts_per_token(moe_cfg) -> float:
         return 1.0
     if gating == "topk":
         return float(moe_cfg.top_k)
-    if gating == "top_p":
+    if gating in ("top_p", "adaptive_k"):
         return float(moe_cfg.max_k)
     return 2.0  # top2, adaptive (at most two experts)
 
