@@ -39,8 +39,8 @@ def add_json_flag(parser: argparse.ArgumentParser) -> None:
 def cell(value) -> str:
     if value is None:
         return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
+    if isinstance(value, float):  # 4 significant digits, but never 1.024e+04 for a count
+        return f"{value:.0f}" if abs(value) >= 1e4 else f"{value:.4g}"
     if isinstance(value, dict | list):
         return json.dumps(value, separators=(",", ":"))
     return str(value).replace("|", "\\|")
