@@ -12,9 +12,11 @@ once complete (staging.py).
 Only models that Hugging Face transformers can express exactly are written: dense decoders
 (as Llama, or as Qwen2 with q/k/v biases), decoders with an MoE FFN in every layer (as
 Mixtral when routed top-k with renormalised weights; other gates, adaptive and top-p
-included, as `jaxmoe_moe` with a modeling file for `trust_remote_code`: remote.py), and
-multi-head T5 v1.1 encoder-decoders. Anything else (`moe.every` > 1, a token capacity, GQA
-in T5...) is refused with a one-line reason.
+included, as `jaxmoe_moe` with a modeling file for `trust_remote_code`: remote.py), MoE
+decoders with q/k norms or a shared expert (dense layers among them too) as Qwen3-MoE,
+OLMoE or Qwen2-MoE (export_moe.py), and multi-head T5 v1.1 encoder-decoders. Anything else
+(dense layers in a Mixtral, a token capacity, GQA in T5...) is refused with a one-line
+reason.
 """
 
 import json
