@@ -174,7 +174,7 @@ def layer_view(cache: LayerCache, row) -> LayerCache:
 
     On CPU XLA copies the row out (its dot cannot read a dynamic slice in place): a scanned
     decode step reads each layer's cache about twice more than an unrolled one, 2.2x the
-    unrolled per-token time at a 1024-slot cache of 8 KV heads x 4 sequences, 0.64x at 128
+    unrolled per-token time at a 1056-slot cache of 8 KV heads x 4 sequences, 0.64x at 160
     slots x 1 (docs/scan_layers.md). The new keys/values are still written in place.
     """
     if row is None:
