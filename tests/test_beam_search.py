@@ -22,11 +22,16 @@ PROMPTS = [[3, 5, 2], [7, 4, 6, 2, 5], [6]]
 MESH = {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
 
 
-@pytest.fixture(scope="module", params=["decoder", "encoder_decoder"])
+# decoder_scanned: 3 layers under one scan, its caches stacked [3, ...] and their rows
+# gathered from the parent beams along the second axis.
+SCANNED = ("model.scan_layers=true", "model.num_layers=3")
+
+
+@pytest.fixture(scope="module", params=["decoder", "encoder_decoder", "decoder_scanned"])
 def model(request):
     """(config, params, token_logp): token_logp(prompt, seqs [N, STEPS]) -> log p of each
     token of each sequence [N, STEPS], from one full forward pass without a cache."""
-    extra = TINY_T5 if request.param == "encoder_decoder" else ()
+    extra = {"encoder_decoder": TINY_T5, "decoder_scanned": SCANNED}.get(request.param, ())
     cfg = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}", *extra).model
     rng = np.random.default_rng(3)  # unit-scale weights: peaked, distinct scores
     params = jax.tree.map(
