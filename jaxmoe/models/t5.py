@@ -19,6 +19,7 @@ from jaxmoe.models.kv_cache import (
     CacheSlot,
     DecodeCache,
     advanced,
+    cache_length,
     causal_cache_mask,
     check_matches_stack,
     cross_attention,
@@ -235,7 +236,7 @@ class EncoderDecoderLM(nnx.Module):
         else:
             check_matches_stack(cache.layers, self.decoder_layers, "EncoderDecoderLM")
             self_mask = causal_cache_mask(cache, l)
-            bias = self.decoder_relpos(l, cache.layers[0].v.shape[-2], query_offset=cache.index)
+            bias = self.decoder_relpos(l, cache_length(cache.layers[0]), query_offset=cache.index)
             states = list(zip(cache.layers, cache.cross, strict=True))
         cross_mask = jnp.broadcast_to(
             encoder_valid_BS[:, None, :], (b, l, encoder_valid_BS.shape[1])
