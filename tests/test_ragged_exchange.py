@@ -188,7 +188,7 @@ def test_capacity_mode_drops_overflow_and_counts_it(data):
         ),
         (
             "model.moe.ep_exchange=dense",
-            "model.moe.ep_exchange: got 'dense', expected auto | ragged | padded",
+            "model.moe.ep_exchange='dense' is not one of ['auto', 'ragged', 'padded']",
         ),
     ],
 )
