@@ -14,13 +14,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.layers import cast_weight, fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, matmul_2d
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
 
 
 ROPE_TYPES = ("default", "linear", "llama3")
+# model.qk_norm: RMSNorm of queries and keys before rotary. head (Qwen3, Qwen3-MoE): over each
+# head's d, one [d] scale shared by the heads; projection (OLMoE): over the whole projection
+# (H*d for queries, K*d for keys) before it is split into heads.
+QK_NORMS = ("none", "head", "projection")
 
 
 @dataclass(frozen=True)
@@ -190,7 +194,9 @@ class Attention(nnx.Module):
     `rope_theta` > 0 applies rotary positions (frequencies rescaled by `rope_scaling`);
     `scale_logits=False` is T5's convention of folding 1/sqrt(d) into the query
     initialisation. `qkv_bias` adds biases query_bias [H, d], key_bias/value_bias [K, d]
-    to the q/k/v projections, none to the output (Qwen2).
+    to the q/k/v projections, none to the output (Qwen2). `qk_norm` (QK_NORMS) adds
+    q_norm / k_norm (layers.RMSNorm, eps `norm_eps`) on the projections, after the biases and
+    before rotary; training and cached decoding both project through here.
     """
 
     def __init__(
@@ -205,6 +211,8 @@ class Attention(nnx.Module):
         scale_logits: bool = True,
         qkv_bias: bool = False,
         causal_block: int = 0,
+        qk_norm: str = "none",
+        norm_eps: float = 1e-6,
         rngs: nnx.Rngs,
     ):
         if num_heads % num_kv_heads:
@@ -238,15 +246,32 @@ class Attention(nnx.Module):
             self.query_bias = make_param(rngs, zeros, (num_heads, head_dim), ("heads", "head_dim"))
             self.key_bias = make_param(rngs, zeros, kv_shape[1:], kv_axes[1:])
             self.value_bias = make_param(rngs, zeros, kv_shape[1:], kv_axes[1:])
+        if qk_norm not in QK_NORMS:
+            raise ValueError(f"model.qk_norm: got {qk_norm!r}, expected " + " | ".join(QK_NORMS))
+        self.qk_norm = qk_norm
+        if qk_norm != "none":
+            q_width, k_width = (head_dim, head_dim)
+            if qk_norm == "projection":
+                q_width, k_width = num_heads * head_dim, num_kv_heads * head_dim
+            self.q_norm = RMSNorm(q_width, eps=norm_eps, rngs=rngs)
+            self.k_norm = RMSNorm(k_width, eps=norm_eps, rngs=rngs)
 
     def _rope(self, x_BLNd, positions_BL):
         tables = rope_tables(positions_BL, self.head_dim, self.rope_theta, self.rope_scaling)
         return apply_rope(x_BLNd, *tables)
 
+    def _normed(self, norm, x_BLNd):
+        if self.qk_norm == "none":
+            return x_BLNd
+        if self.qk_norm == "head":
+            return norm(x_BLNd)
+        return norm(x_BLNd.reshape(*x_BLNd.shape[:2], -1)).reshape(x_BLNd.shape)
+
     def project_q(self, x_BLD, positions_BL=None):
         q = matmul_2d(x_BLD, cast_weight(self.query[...], x_BLD.dtype))
         if self.qkv_bias:
             q = q + self.query_bias[...].astype(q.dtype)
+        q = self._normed(getattr(self, "q_norm", None), q)
         if self.rope_theta:
             q = self._rope(q, positions_BL)
         return q
@@ -258,6 +283,7 @@ class Attention(nnx.Module):
         if self.qkv_bias:
             k = k + self.key_bias[...].astype(dtype)
             v = v + self.value_bias[...].astype(dtype)
+        k = self._normed(getattr(self, "k_norm", None), k)
         if self.rope_theta:
             k = self._rope(k, positions_BS)
         return k, v

@@ -12,12 +12,14 @@ from dataclasses import dataclass, field
 from ml_collections import ConfigDict
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.models.attention import ROPE_TYPES
+from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
+from jaxmoe.models.ffn import dense_layer_ids
 from jaxmoe.models.layers import ACTIVATIONS
 from jaxmoe.models.moe.dispatch import DISPATCHES
 from jaxmoe.models.moe.expert_parallel import EXCHANGES
 from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
 from jaxmoe.models.moe.layer import check_moe_config
+from jaxmoe.models.moe.router import OPTION_DEFAULTS, SCORINGS
 from jaxmoe.models.stack import REMAT_POLICIES
 
 
@@ -71,6 +73,50 @@ class MoEOptions:
         2.0,
         "ragged: receive buffer = this x the balanced load (local tokens x slots); overflow "
         "goes in further rounds through it (dropless) or is dropped (capacity)",
+    )
+    # Today's designs (docs/moe.md "Today's designs"; defaults from moe/router.py).
+    router_scoring: str = option(
+        OPTION_DEFAULTS["router_scoring"],
+        "expert scores: softmax | sigmoid (DeepSeek-V3: independent per expert)",
+        SCORINGS,
+    )
+    routed_scaling_factor: float = option(
+        OPTION_DEFAULTS["routed_scaling_factor"],
+        "routed experts' combine weights times this, after renormalize (DeepSeek)",
+    )
+    selection_bias: bool = option(
+        OPTION_DEFAULTS["selection_bias"],
+        "a per-expert bias [E] on the scores for choosing only, not trained (DeepSeek-V3)",
+    )
+    bias_update_rate: float = option(
+        OPTION_DEFAULTS["bias_update_rate"],
+        "aux-loss-free balancing: bias += rate * sign(mean load - load) per step (0 = off)",
+    )
+    sequence_balance_weight: float = option(
+        OPTION_DEFAULTS["sequence_balance_weight"],
+        "DeepSeek-V3's sequence-wise balance loss coefficient (0 = off)",
+    )
+    n_group: int = option(
+        OPTION_DEFAULTS["n_group"], "group-limited routing: experts in n_group equal groups"
+    )
+    topk_group: int = option(
+        OPTION_DEFAULTS["topk_group"], "group-limited routing: groups a token may use"
+    )
+    num_shared_experts: int = option(
+        OPTION_DEFAULTS["num_shared_experts"], "always-on shared experts (one FFN), 0 = none"
+    )
+    shared_ffn_dim: int = option(
+        OPTION_DEFAULTS["shared_ffn_dim"], "hidden size of one shared expert; 0 = ffn_dim"
+    )
+    shared_expert_gate: bool = option(
+        OPTION_DEFAULTS["shared_expert_gate"],
+        "scale the shared output by sigmoid(x w), w [D, 1] (Qwen2-MoE)",
+    )
+    first_dense_layers: int = option(
+        OPTION_DEFAULTS["first_dense_layers"], "layers 0..k-1 dense (DeepSeek first_k_dense)"
+    )
+    dense_layers: str = option(
+        OPTION_DEFAULTS["dense_layers"], 'dense layer ids, e.g. "0,3" (Qwen mlp_only_layers)'
     )
 
     def check(self, depths: dict[str, int]) -> None:
@@ -148,6 +194,11 @@ class ModelOptions:
         0.0, "training only: embeddings, attention and FFN outputs, final norm"
     )
     max_len: int = option(0, "context: longest sequence trained on (train sets it); 0 = unknown")
+    qk_norm: str = option(
+        "none",
+        "RMSNorm on queries/keys before rotary: head (Qwen3) | projection (OLMoE) | none",
+        QK_NORMS,
+    )
     moe: MoEOptions = field(default_factory=MoEOptions)
 
     def check(self) -> None:
@@ -178,6 +229,7 @@ class ModelOptions:
         if self.arch == "encoder_decoder" and self.num_encoder_layers:
             depths["model.num_encoder_layers"] = self.num_encoder_layers
         self.moe.check(depths)
+        self._check_today()
         _need(
             0.0 <= self.dropout_rate < 1.0,
             f"model.dropout_rate={self.dropout_rate} not in [0, 1)",
@@ -190,6 +242,41 @@ class ModelOptions:
             for key in ("relpos_buckets", "relpos_max_distance"):
                 value = getattr(self, key)
                 _need(value > 0, f"model.{key}={value} must be positive")
+
+    def _check_today(self) -> None:
+        """qk_norm and the MoE options of today's designs that depend on the model."""
+        _need(
+            self.qk_norm == "none" or self.arch == "decoder",
+            f"model.qk_norm={self.qk_norm!r} is implemented for decoder models only",
+        )
+        moe = self.moe
+        if not moe.num_experts:
+            return
+        _need(
+            moe.bias_update_rate == 0 or self.arch == "decoder",
+            "model.moe.bias_update_rate > 0 is implemented for decoder models only",
+        )
+        _need(
+            moe.first_dense_layers >= 0,
+            f"model.moe.first_dense_layers={moe.first_dense_layers} must be >= 0",
+        )
+        try:
+            dense_layer_ids(moe.dense_layers, self.num_layers)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        from jaxmoe.models.ffn import is_moe_layer
+        from jaxmoe.models.stack import check_scannable
+
+        if self.arch == "decoder":
+            _need(
+                any(is_moe_layer(self, i) for i in range(self.num_layers)),
+                "model.moe: first_dense_layers / dense_layers leave no MoE layer "
+                "(model.moe.num_experts=0 is the dense model)",
+            )
+        try:
+            check_scannable(self)
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
 
     def _check_rope(self) -> None:
         if self.rope_type != "default":

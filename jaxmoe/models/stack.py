@@ -51,6 +51,28 @@ def period_of(cfg) -> int:
     return int(cfg.moe.every) if cfg.moe.num_experts > 0 else 1
 
 
+def check_scannable(cfg, num_layers: int | None = None) -> None:
+    """ValueError (one line) when `model.scan_layers` meets an MoE placement that is not the
+    `moe.every` pattern (first_dense_layers / dense_layers): one scan body holds one period,
+    so every period must have the same layer kinds. Such models run unrolled."""
+    if not cfg.scan_layers or cfg.moe.num_experts <= 0:
+        return
+    from jaxmoe.models.ffn import is_moe_layer  # ffn imports the MoE options
+
+    every = int(cfg.moe.every)
+    irregular = [
+        i
+        for i in range(int(num_layers or cfg.num_layers))
+        if is_moe_layer(cfg, i) != ((i + 1) % every == 0)
+    ]
+    if irregular:
+        raise ValueError(
+            f"model.scan_layers=True needs every layer kind to repeat with model.moe.every="
+            f"{every}, but first_dense_layers / dense_layers make layer {irregular[0]} dense; "
+            "set model.scan_layers=False"
+        )
+
+
 class ScannedStack(nnx.Module):
     """`num_layers` blocks made by `make_block(i, rngs)`, stacked by period for a scan."""
 
@@ -80,6 +102,7 @@ def _stacked(template: nnx.Module, members: list[nnx.Module]) -> nnx.Module:
 def build_stack(cfg, make_block: Callable, num_layers: int, rngs: nnx.Rngs):
     """An nnx.List of blocks, or a ScannedStack when `cfg.scan_layers`."""
     if cfg.scan_layers:
+        check_scannable(cfg, num_layers)
         return ScannedStack(make_block, num_layers, period_of(cfg), rngs=rngs)
     return nnx.List([make_block(i, rngs) for i in range(num_layers)])
 

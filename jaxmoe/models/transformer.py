@@ -39,6 +39,8 @@ class DecoderBlock(nnx.Module):
             rope_scaling=RopeScaling.from_config(cfg),
             qkv_bias=cfg.qkv_bias,
             causal_block=cfg.attention_block,
+            qk_norm=getattr(cfg, "qk_norm", "none"),
+            norm_eps=cfg.norm_eps,
             rngs=rngs,
         )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)

@@ -13,10 +13,20 @@ With `moe.router_bias` the router also has router_bias [E] (None), added to the 
 (Flaxformer's RouterWeights with use_bias; its default and the released Switch / ST-MoE
 configs have none).
 
+Today's designs (router.py has the routing rule): with `moe.selection_bias` the layer has
+selection_bias [E] (None), added to the scores for choosing experts only and never trained
+by the optimizer (its gradient is stopped; training/steps.py keeps the optimizer's update
+off it and applies `moe.bias_update_rate` balancing instead). With `moe.num_shared_experts`
+> 0 a shared FFN `shared/{wi_0, wi_1, wo}` (like layers.GatedMLP, width num_shared_experts
+* (shared_ffn_dim or ffn_dim)) is added to every token's output, scaled by
+sigmoid(x shared_gate/kernel [D, 1]) when `moe.shared_expert_gate` (Qwen2-MoE).
+
 `MoE(cfg, rngs=...)(x_BLD, train=..., token_mask_BL=...)` returns (y_BLD, aux) with aux
 scalars `top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`,
 `balance_loss`,
-`router_z_loss` (losses unweighted) and `top2_per_example` [B]. `token_mask_BL` (bool, None
+`router_z_loss` (losses unweighted), `top2_per_example` [B], `expert_load` [E] (token-slots
+per expert, real tokens) and, when `moe.sequence_balance_weight` > 0,
+`sequence_balance_loss` (unweighted). `token_mask_BL` (bool, None
 = every token) marks the real tokens: padding still goes through the experts (its output is
 unused) but counts in none of the aux values, so they equal those of the batch without its
 padding. Dispatch choices are in dispatch.py; under a mesh with more than one device the FFN
@@ -28,13 +38,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.layers import (
+    MLP,
+    GatedMLP,
     activation_fn,
     cast_weight,
     fan_in_init,
     make_param,
     ungated_gate_fn,
 )
-from jaxmoe.models.moe import dispatch, expert_parallel, gates
+from jaxmoe.models.moe import dispatch, expert_parallel, gates, router
+from jaxmoe.models.moe.router import moe_option
 
 
 def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
@@ -92,6 +105,59 @@ def check_moe_config(cfg) -> None:
         )
     for gating in {moe.gating, moe.eval_gating or moe.gating}:
         gate_config(moe, gating)  # the gate's own checks (names, top_k, top_p, threshold)
+    check_today_options(moe, num_experts)
+
+
+def check_today_options(moe, num_experts: int) -> None:
+    """The checks of router.py's options and the shared experts (ValueError, one line)."""
+    scoring = moe_option(moe, "router_scoring")
+    if scoring not in router.SCORINGS:
+        raise ValueError(
+            f"model.moe.router_scoring: got {scoring!r}, expected " + " | ".join(router.SCORINGS)
+        )
+    if float(moe_option(moe, "routed_scaling_factor")) <= 0:
+        raise ValueError("model.moe.routed_scaling_factor: expected a number > 0")
+    for key in ("bias_update_rate", "sequence_balance_weight"):
+        if float(moe_option(moe, key)) < 0:
+            raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
+    for key in ("num_shared_experts", "shared_ffn_dim"):
+        if int(moe_option(moe, key)) < 0:
+            raise ValueError(f"model.moe.{key}: expected an integer >= 0, got {moe[key]!r}")
+    if moe_option(moe, "shared_expert_gate") and not int(moe_option(moe, "num_shared_experts")):
+        raise ValueError("model.moe.shared_expert_gate needs model.moe.num_shared_experts > 0")
+    if float(moe_option(moe, "bias_update_rate")) > 0 and not moe_option(moe, "selection_bias"):
+        raise ValueError("model.moe.bias_update_rate > 0 needs model.moe.selection_bias=True")
+    n_group, topk_group = int(moe_option(moe, "n_group")), int(moe_option(moe, "topk_group"))
+    if n_group < 1 or num_experts % n_group:
+        raise ValueError(
+            f"model.moe.n_group={n_group} must be >= 1 and divide num_experts={num_experts}"
+        )
+    if n_group > 1 and num_experts // n_group < 2:
+        raise ValueError(
+            f"model.moe.n_group={n_group}: a group is scored by its two best experts, so it "
+            f"needs >= 2 of the num_experts={num_experts}"
+        )
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"model.moe.topk_group={topk_group} must be in [1, n_group={n_group}]")
+    rcfg = router.RouterConfig.from_config(moe)
+    if rcfg.plain:
+        return
+    # Sigmoid scores, a selection bias and group limits are defined for top-k choice: the
+    # adaptive gates read gaps and sums of softmax probabilities.
+    for key in ("gating", "eval_gating"):
+        if moe[key] and moe[key] not in router.TOPK_GATES:
+            raise ValueError(
+                f"model.moe.{key}={moe[key]!r}: router_scoring=sigmoid, selection_bias and "
+                "n_group > 1 need a top-k gate (" + " | ".join(router.TOPK_GATES) + ")"
+            )
+    for gating in {moe.gating, moe.eval_gating or moe.gating}:
+        slots = gates.num_slots(gate_config(moe, gating))
+        reachable = topk_group * (num_experts // n_group)
+        if slots > reachable:
+            raise ValueError(
+                f"model.moe.top_k: {slots} experts per token exceed the {reachable} in "
+                f"topk_group={topk_group} of n_group={n_group} groups"
+            )
 
 
 class MoE(nnx.Module):
@@ -127,6 +193,17 @@ class MoE(nnx.Module):
         expert_out = ("expert", "expert_mlp", "embed")
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
+        self.router_cfg = router.RouterConfig.from_config(moe)
+        if self.router_cfg.selection_bias:
+            self.selection_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
+        self.sequence_balance = float(moe_option(moe, "sequence_balance_weight")) > 0
+        num_shared = int(moe_option(moe, "num_shared_experts"))
+        if num_shared:
+            width = num_shared * (int(moe_option(moe, "shared_ffn_dim")) or ffn)
+            mlp = GatedMLP if self.gated else MLP
+            self.shared = mlp(dim, width, cfg.activation, rngs=rngs)
+            if moe_option(moe, "shared_expert_gate"):
+                self.shared_gate = SharedGate(dim, rngs=rngs)
 
     def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
         """Router logits and probabilities, f32 [B*L, E] each (jitter only in training; the
@@ -141,7 +218,19 @@ class MoE(nnx.Module):
         logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
         if hasattr(self, "router_bias"):
             logits_TE = logits_TE + self.router_bias[...]
-        return logits_TE, jax.nn.softmax(logits_TE, axis=-1)
+        return logits_TE, router.router_scores(logits_TE, self.router_cfg.scoring)
+
+    def route(self, x_BLD: jax.Array, *, train: bool, gate_cfg=None):
+        """(logits_TE, scores_TE, Routing) of the layer's router: `route_probs` plus the gate
+        (the training or evaluation one unless `gate_cfg` is given) and router.py's rule."""
+        if gate_cfg is None:
+            gate_cfg = self.train_gate if train else self.eval_gate
+        logits_TE, scores_TE = self.route_probs(x_BLD, train=train)
+        bias_E = None
+        if self.router_cfg.selection_bias:
+            # Balancing moves the bias (training/steps.py); the loss must not.
+            bias_E = jax.lax.stop_gradient(self.selection_bias[...])
+        return logits_TE, scores_TE, router.route(scores_TE, bias_E, self.router_cfg, gate_cfg)
 
     def __call__(
         self, x_BLD: jax.Array, *, train: bool, token_mask_BL: jax.Array | None = None
@@ -152,8 +241,7 @@ class MoE(nnx.Module):
                 f"MoE: x has shape {x_BLD.shape}, expected last dim {self.router.shape[0]}"
             )
         gate_cfg = self.train_gate if train else self.eval_gate
-        logits_TE, probs_TE = self.route_probs(x_BLD, train=train)
-        routing = gates.route(probs_TE, gate_cfg)
+        logits_TE, scores_TE, routing = self.route(x_BLD, train=train, gate_cfg=gate_cfg)
         slots = routing.indices.shape[-1]
 
         def per_seq(a_TK):
@@ -198,11 +286,35 @@ class MoE(nnx.Module):
         real_BLK = mask_BLK & token_mask_BL[..., None]
         assigned = jnp.maximum(jnp.sum(real_BLK.astype(jnp.float32)), 1.0)
         aux["exchange_overflow"] = jnp.sum((overflow_BLK & real_BLK).astype(jnp.float32)) / assigned
+        norm_scores_TE = router.normalised_scores(scores_TE, self.router_cfg.scoring)
         aux["balance_loss"] = gates.balance_loss(
-            probs_TE, routing, gate_cfg.gating, self.balance_fractions, token_mask_T
+            norm_scores_TE, routing, gate_cfg.gating, self.balance_fractions, token_mask_T
         )
         aux["router_z_loss"] = gates.z_loss(logits_TE, token_mask_T)
-        return y_BLD.astype(dtype), aux
+        aux["expert_load"] = router.expert_load(routing, self.num_experts, token_mask_T)
+        if self.sequence_balance:
+            aux["sequence_balance_loss"] = router.sequence_balance_loss(
+                norm_scores_TE.reshape(batch, length, -1), indices_BLK, mask_BLK, token_mask_BL
+            )
+        y_BLD = y_BLD.astype(dtype)
+        if hasattr(self, "shared"):
+            shared_BLD, _ = self.shared(x_BLD)
+            if hasattr(self, "shared_gate"):
+                shared_BLD = shared_BLD * self.shared_gate(x_BLD)
+            y_BLD = y_BLD + shared_BLD
+        return y_BLD, aux
+
+
+class SharedGate(nnx.Module):
+    """Qwen2-MoE's shared-expert gate: sigmoid(x kernel), kernel [D, 1] ("embed", None)."""
+
+    def __init__(self, dim: int, *, rngs: nnx.Rngs):
+        self.kernel = make_param(rngs, fan_in_init((0,)), (dim, 1), ("embed", None))
+
+    def __call__(self, x_BLD):
+        """[B, L, 1] in x's dtype (the product in f32: a gate is a probability)."""
+        logit_BL1 = x_BLD.astype(jnp.float32) @ self.kernel[...]
+        return jax.nn.sigmoid(logit_BL1).astype(x_BLD.dtype)
 
 
 def routing_metrics(

@@ -1,0 +1,153 @@
+"""Today's top-k routers (DeepSeek-V3, Qwen-MoE): sigmoid scores, a selection bias, group
+limits, a routed scaling factor, and DeepSeek-V3's sequence-wise balance loss.
+
+The classic path (softmax scores, no bias, one group) goes through gates.route unchanged;
+`RouterConfig.plain` says when. Otherwise the choice and the weights come apart:
+- scores_TE = softmax(logits) or sigmoid(logits) (`router_scoring`);
+- choice_TE = scores + selection_bias [E] (when `selection_bias`), restricted to each
+  token's `topk_group` best of `n_group` equal expert groups, a group scored by the sum of
+  its two best biased scores (DeepSeek-V3 `noaux_tc`; experts outside get -inf);
+- the top-k of choice_TE are the experts; their weights are their UNBIASED scores,
+  renormalised when `renormalize` (softmax: as gates.combine_weights; sigmoid: / (sum +
+  1e-20) as DeepSeek-V3), then times `routed_scaling_factor`.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jaxmoe.models.moe import gates
+
+SCORINGS = ("softmax", "sigmoid")
+
+# Defaults of the model.moe keys added for today's designs (options.py declares them from
+# this table). Layers read them through `moe_option`, so a hand-built config without them
+# builds today's models unchanged.
+OPTION_DEFAULTS = {
+    "router_scoring": "softmax",
+    "routed_scaling_factor": 1.0,
+    "selection_bias": False,
+    "bias_update_rate": 0.0,
+    "sequence_balance_weight": 0.0,
+    "n_group": 1,
+    "topk_group": 1,
+    "num_shared_experts": 0,
+    "shared_ffn_dim": 0,
+    "shared_expert_gate": False,
+    "first_dense_layers": 0,
+    "dense_layers": "",
+}
+
+
+def moe_option(moe_cfg, key: str):
+    """model.moe.<key> of a ConfigDict (or MoEOptions), its default when the config lacks it."""
+    return getattr(moe_cfg, key, OPTION_DEFAULTS[key])
+
+
+TOPK_GATES = ("top1", "top2", "topk")  # the gates a selection bias / group limit works with
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Static router options (hashable)."""
+
+    scoring: str = "softmax"
+    selection_bias: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+
+    @classmethod
+    def from_config(cls, moe_cfg) -> "RouterConfig":
+        return cls(
+            scoring=str(moe_option(moe_cfg, "router_scoring")),
+            selection_bias=bool(moe_option(moe_cfg, "selection_bias")),
+            n_group=int(moe_option(moe_cfg, "n_group")),
+            topk_group=int(moe_option(moe_cfg, "topk_group")),
+            routed_scaling_factor=float(moe_option(moe_cfg, "routed_scaling_factor")),
+        )
+
+    @property
+    def plain(self) -> bool:
+        """Choice and weights from the same softmax probabilities (the classic gates)."""
+        return self.scoring == "softmax" and not self.selection_bias and self.n_group == 1
+
+
+def router_scores(logits_TE: jax.Array, scoring: str) -> jax.Array:
+    """f32 [T, E]: softmax over experts, or an independent sigmoid per expert."""
+    logits_TE = logits_TE.astype(jnp.float32)
+    if scoring == "sigmoid":
+        return jax.nn.sigmoid(logits_TE)
+    return jax.nn.softmax(logits_TE, axis=-1)
+
+
+def normalised_scores(scores_TE: jax.Array, scoring: str) -> jax.Array:
+    """Scores that sum to one per token (what balance losses average): sigmoid scores divided
+    by their sum, softmax probabilities as they are."""
+    if scoring == "sigmoid":
+        return scores_TE / jnp.sum(scores_TE, axis=-1, keepdims=True)
+    return scores_TE
+
+
+def choice_scores(scores_TE, bias_E, n_group: int, topk_group: int) -> jax.Array:
+    """The scores experts are chosen by: biased, -inf outside the token's best groups."""
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E
+    if n_group == 1:
+        return choice_TE
+    tokens, experts = choice_TE.shape
+    grouped_TGS = choice_TE.reshape(tokens, n_group, experts // n_group)
+    group_score_TG = jnp.sum(jax.lax.top_k(grouped_TGS, 2)[0], axis=-1)
+    _, best_groups_TK = jax.lax.top_k(group_score_TG, topk_group)
+    keep_TG = jnp.any(jax.nn.one_hot(best_groups_TK, n_group, dtype=bool), axis=1)
+    keep_TGS = jnp.broadcast_to(keep_TG[..., None], grouped_TGS.shape)
+    return jnp.where(keep_TGS, grouped_TGS, -jnp.inf).reshape(tokens, experts)
+
+
+def route(scores_TE, bias_E, router: RouterConfig, gate: gates.GateConfig) -> gates.Routing:
+    """Top-k routing of the module docstring; `gate` gives k and `renormalize`."""
+    if router.plain:
+        routing = gates.route(scores_TE, gate)
+    else:
+        choice_TE = choice_scores(scores_TE, bias_E, router.n_group, router.topk_group)
+        _, indices_TK = jax.lax.top_k(choice_TE, gates.num_slots(gate))
+        indices_TK = indices_TK.astype(jnp.int32)
+        chosen_TK = jnp.take_along_axis(scores_TE, indices_TK, axis=-1)
+        mask_TK = jnp.ones(indices_TK.shape, bool)
+        if router.scoring == "sigmoid":
+            weights_TK = chosen_TK
+            if gate.renormalize:
+                weights_TK = chosen_TK / (jnp.sum(chosen_TK, axis=-1, keepdims=True) + 1e-20)
+        else:
+            weights_TK = gates.combine_weights(chosen_TK, mask_TK, gate)
+        routing = gates.Routing(indices_TK, weights_TK, mask_TK)
+    if router.routed_scaling_factor != 1.0:
+        routing = routing._replace(weights=routing.weights * router.routed_scaling_factor)
+    return routing
+
+
+def expert_load(routing: gates.Routing, num_experts: int, token_mask_T) -> jax.Array:
+    """f32 [E]: token-slots routed to each expert over the real tokens (before any drop).
+    Under a mesh the sum over tokens is the cross-device reduction of the global batch."""
+    chosen_TK = routing.mask & token_mask_T[:, None]
+    onehot_TKE = jax.nn.one_hot(routing.indices, num_experts, dtype=jnp.float32)
+    return jnp.sum(onehot_TKE * chosen_TK[..., None].astype(jnp.float32), axis=(0, 1))
+
+
+def sequence_balance_loss(norm_scores_BLE, routing_BLK, mask_BLK, token_mask_BL) -> jax.Array:
+    """DeepSeek-V3's sequence-wise balance loss, the mean over sequences of
+    E / K * sum_e f_e P_e, f_e = (slots of the sequence routed to e) / (real tokens),
+    P_e = mean over its real tokens of the normalised scores (1 under perfect balance).
+    K is the number of slots per token. f32 scalar; a sequence without real tokens gives 0."""
+    num_experts = norm_scores_BLE.shape[-1]
+    slots = routing_BLK.shape[-1]
+    real_BL = token_mask_BL.astype(jnp.float32)
+    tokens_B = jnp.maximum(jnp.sum(real_BL, axis=1), 1.0)
+    chosen_BLK = mask_BLK.astype(jnp.float32) * real_BL[..., None]
+    onehot_BLKE = jax.nn.one_hot(routing_BLK, num_experts, dtype=jnp.float32)
+    counts_BE = jnp.sum(onehot_BLKE * chosen_BLK[..., None], axis=(1, 2))
+    f_BE = jax.lax.stop_gradient(counts_BE / tokens_B[:, None])  # hard choices: no gradient
+    p_BE = jnp.sum(norm_scores_BLE * real_BL[..., None], axis=1) / tokens_B[:, None]
+    per_seq_B = num_experts / slots * jnp.sum(f_BE * p_BE, axis=-1)
+    has_tokens_B = jnp.sum(real_BL, axis=1) > 0
+    return jnp.sum(per_seq_B * has_tokens_B) / jnp.maximum(jnp.sum(has_tokens_B), 1.0)
