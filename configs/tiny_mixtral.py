@@ -22,7 +22,7 @@ VARIANTS = ("top2", "top1", "adaptive", "dense")
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
-    c = base_config()  # every key and its one-line comment live in jaxmoe/config/defaults.py
+    c = base_config()  # every key: `python -m jaxmoe.config` (docs/configs.md)
     m = c.model
     m.vocab_size = 8192
     m.num_layers = 4

@@ -6,7 +6,7 @@
     models/, data/, checkpoints/   (config validation sits above models: it checks their
                                     options; data never reads a checkpoint: a command names
                                     a train.init_from checkpoint's tokenizer first)
-    parallel/, storage/, config defaults
+    parallel/, storage/, config defaults (built from the sections' option dataclasses)
     compat/ (the one adapter to other libraries' private APIs), errors
 
 checkpoints/ saves and restores trees, whatever model they belong to: it imports nothing
