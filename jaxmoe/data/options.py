@@ -6,23 +6,13 @@ The curriculum option lists live here, not in curriculum.py: that module imports
 pipeline (and through it the checkpoint reader), which the config schema must not.
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from jaxmoe.errors import ConfigError
+from jaxmoe.config.fields import need, option
 
 CURRICULUM_POLICIES = ("none", "paper", "magnitude")  # data.curriculum (curriculum.py)
 # data.curriculum_source (training/curriculum_hooks.py): where complexities come from.
 CURRICULUM_SOURCES = ("previous_epoch", "scoring_pass")
-
-
-def option(default, doc: str, choices: tuple = ()):
-    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
-    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -64,9 +54,9 @@ class DataOptions:
     mean_noise_span: float = option(3.0, "encoder_decoder span corruption: mean masked span length")
 
     def check(self) -> None:
-        _need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
-        _need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
-        _need(
+        need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
+        need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
+        need(
             self.prepare_timeout_s > 0,
             f"data.prepare_timeout_s={self.prepare_timeout_s} must be positive",
         )

@@ -2,14 +2,10 @@
 checks (jaxmoe/config builds the ConfigDict defaults from these and runs the checks through
 `jaxmoe.config.typed`; mesh.py fills a partial mapping of axis sizes from them)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from jaxmoe.config.fields import option
 from jaxmoe.errors import ConfigError
-
-
-def option(default, doc: str, choices: tuple = ()):
-    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
-    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
 
 
 @dataclass(frozen=True)

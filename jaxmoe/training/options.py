@@ -2,21 +2,12 @@
 and the checks of their values (jaxmoe/config builds the ConfigDict defaults from these and
 runs the checks through `jaxmoe.config.typed`)."""
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
 from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
 from jaxmoe.training.profiling import parse_profile_steps
-
-
-def option(default, doc: str, choices: tuple = ()):
-    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
-    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -57,12 +48,12 @@ class TrainOptions:
     def check(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             value = getattr(self, key)
-            _need(value > 0, f"train.{key}={value} must be positive")
-        _need(
+            need(value > 0, f"train.{key}={value} must be positive")
+        need(
             self.max_skipped_steps > 0,
             f"train.max_skipped_steps={self.max_skipped_steps} must be positive",
         )
-        _need(
+        need(
             self.batch_size % self.grad_accum == 0,
             f"train.batch_size={self.batch_size} is not divisible by "
             f"train.grad_accum={self.grad_accum}",
@@ -70,14 +61,14 @@ class TrainOptions:
         # 0 means "only at the end" / "the whole split" / "seed 0"; below 0 means nothing.
         for key in ("eval_every", "checkpoint_every", "eval_batches", "seed"):
             value = getattr(self, key)
-            _need(value >= 0, f"train.{key}={value} must be >= 0")
-        _need(self.max_to_keep >= 1, f"train.max_to_keep={self.max_to_keep} must be >= 1")
-        _need(self.peak_flops >= 0, f"train.peak_flops={self.peak_flops} must be >= 0")
+            need(value >= 0, f"train.{key}={value} must be >= 0")
+        need(self.max_to_keep >= 1, f"train.max_to_keep={self.max_to_keep} must be >= 1")
+        need(self.peak_flops >= 0, f"train.peak_flops={self.peak_flops} must be >= 0")
         try:
             parse_profile_steps(self.profile_steps)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        _need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
+        need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -111,27 +102,27 @@ class OptimizerOptions:
     momentum: float = option(0.0, "t5x_adafactor: first-moment decay (0 = none, as T5.1.1)")
 
     def check(self) -> None:
-        _need(
+        need(
             self.learning_rate > 0,
             f"optimizer.learning_rate={self.learning_rate} must be positive",
         )
-        _need(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+        need(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
         for key in ("start_step", "schedule_steps"):
             value = getattr(self, key)
-            _need(value >= 0, f"optimizer.{key}={value} must be >= 0")
-        _need(0.0 < self.decay_rate <= 1.0, f"optimizer.decay_rate={self.decay_rate} not in (0, 1]")
-        _need(
+            need(value >= 0, f"optimizer.{key}={value} must be >= 0")
+        need(0.0 < self.decay_rate <= 1.0, f"optimizer.decay_rate={self.decay_rate} not in (0, 1]")
+        need(
             self.clipping_threshold >= 0,
             f"optimizer.clipping_threshold={self.clipping_threshold} < 0",
         )
-        _need(0.0 <= self.momentum < 1.0, f"optimizer.momentum={self.momentum} not in [0, 1)")
+        need(0.0 <= self.momentum < 1.0, f"optimizer.momentum={self.momentum} not in [0, 1)")
         for key in ("b1", "b2"):
             value = getattr(self, key)
-            _need(0.0 <= value < 1.0, f"optimizer.{key}={value} not in [0, 1)")
+            need(0.0 <= value < 1.0, f"optimizer.{key}={value} not in [0, 1)")
         for key in ("weight_decay", "grad_clip_norm", "eps"):
             value = getattr(self, key)
-            _need(value >= 0, f"optimizer.{key}={value} must be >= 0")
-        _need(
+            need(value >= 0, f"optimizer.{key}={value} must be >= 0")
+        need(
             0.0 <= self.min_lr_ratio <= 1.0,
             f"optimizer.min_lr_ratio={self.min_lr_ratio} not in [0, 1]",
         )
