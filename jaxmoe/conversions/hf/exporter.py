@@ -77,11 +77,13 @@ def _stored_layout(stored: StoredParams, leaves: dict, m) -> bool:
     """Whether the checkpoint keeps its layers stacked (scanned layout), whichever layout
     `model.scan_layers` names; one CheckpointError when it fits neither."""
     per_layer = unflatten(leaves)
+    if set(flatten(per_layer)) == stored.paths:  # before stacking: irregular dense/MoE
+        check_params_match(stored.step_dir, per_layer)  # placements (dense_layers) never stack
+        return False
     stacked = stack_layers(per_layer, m)
-    for is_stacked, tree in ((False, per_layer), (True, stacked)):
-        if set(flatten(tree)) == stored.paths:
-            check_params_match(stored.step_dir, tree)  # shapes too
-            return is_stacked
+    if set(flatten(stacked)) == stored.paths:
+        check_params_match(stored.step_dir, stacked)  # shapes too
+        return True
     check_params_match(stored.step_dir, stacked if m.scan_layers else per_layer)
     raise CheckpointError(f"checkpoint {str(stored.step_dir)!r}: parameters do not match")
 
