@@ -3,7 +3,7 @@
 import ml_dtypes
 import numpy as np
 
-from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.errors import CheckpointError
 
 OUTPUT_DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 

@@ -30,14 +30,10 @@ from jaxmoe.checkpoints.tokenizer_item import (
     tokenizer_files,
     write_tokenizer_files,
 )
-from jaxmoe.errors import ConfigError
+from jaxmoe.errors import CheckpointError, ConfigError
 from jaxmoe.storage.paths import absolute_path, finished_steps, is_remote
 
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(ValueError):
-    pass
 
 
 class CheckpointMismatch(CheckpointError):
