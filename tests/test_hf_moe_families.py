@@ -202,7 +202,12 @@ def test_olmoe_converts_and_exports(norm, tmp_path):
 
 @pytest.mark.parametrize(
     ("family", "field"),
-    [("olmoe", {"clip_qkv": 8.0}), ("qwen3_moe", {"attention_bias": True})],
+    [
+        ("olmoe", {"clip_qkv": 8.0}),
+        ("qwen3_moe", {"attention_bias": True}),
+        ("qwen3_moe", {"mlp_only_layers": [1, 7]}),
+        ("qwen2_moe", {"sliding_window": 4, "use_sliding_window": True}),
+    ],
 )
 def test_unrepresentable_field_refused_in_one_line(family, field, tmp_path):
     model = qwen3_moe(norm=True, tie=False, seed=34)
@@ -230,6 +235,7 @@ def test_unrepresentable_field_refused_in_one_line(family, field, tmp_path):
         ),
         (("model.moe.dense_layers=0", "model.moe.gating=top2"), "dense layers [0]"),
         (("model.qk_norm=head", "model.moe.num_experts=0"), "model.qk_norm='head'"),
+        (("model.moe.gating=adaptive_k",), "model.moe.gating='adaptive_k'"),
     ],
 )
 def test_export_refuses_what_the_families_cannot_express(overrides, reason):

@@ -14,6 +14,8 @@ from jaxmoe.conversions.hf.names import QWEN_EXPERT_NAMES, TensorMap, decoder_ma
 from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
 from jaxmoe.models.ffn import is_moe_layer
 
+# The gates modeling_jaxmoe_moe.py implements (its router's rules).
+REMOTE_GATES = ("top1", "top2", "topk", "adaptive", "top_p")
 _ACT_TO_HF = {"silu": "silu", "gelu": "gelu_pytorch_tanh", "relu": "relu"}
 
 
@@ -51,6 +53,8 @@ def _mixtral_fields(m: ConfigDict) -> dict:
     }
     k = stock_top_k(moe, gating)
     if k is None:
+        if gating not in REMOTE_GATES:  # a gate newer than modeling_jaxmoe_moe.py
+            _refuse(f"model.moe.gating={gating!r} (the shipped modeling file has no such gate)")
         return fields | remote_fields(moe, gating)
     return fields | {
         "architectures": ["MixtralForCausalLM"],
