@@ -32,8 +32,7 @@ class RoutingProbe(nnx.Module):
         y_BLD, aux = self.moe(x_BLD, train=train, token_mask_BL=token_mask_BL)
         batch, length, _ = x_BLD.shape
         # The layer's own router code: borderline gaps fall on the same side of the threshold.
-        _, probs_TE = self.moe.route_probs(x_BLD, train=False)
-        routing = gates.route(probs_TE, self.gate_cfg)
+        _, _, routing = self.moe.route(x_BLD, train=False, gate_cfg=self.gate_cfg)
         top2_BL = (jnp.sum(routing.mask, axis=-1) >= 2).reshape(batch, length)
         return y_BLD, {**aux, "top2_mask_BL": top2_BL}
 

@@ -15,9 +15,22 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.moe import balancing
+from jaxmoe.models.moe.router import moe_option
 from jaxmoe.models.spec import merge_model
+from jaxmoe.models.stack import period_of
 
 SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction", "exchange_overflow")
+# Micro-batch values that add up to the step's (the rest are averaged).
+SUMMED_KEYS = (
+    "nll_sum",
+    "weighted_balance_loss",
+    "weighted_router_z_loss",
+    "weighted_sequence_balance_loss",
+    "logits_z_loss",
+    "expert_load_ME",
+)
 
 
 @dataclass(frozen=True)
@@ -34,10 +47,19 @@ class StepFns:
     rest: nnx.State | None = None  # non-parameter model state (ModelSpec.rest)
     seed: int = 0  # base of the per-step router-jitter and dropout keys
     logits_z_loss: float = 0.0  # T5X's output z-loss coefficient (train.logits_z_loss)
+    sequence_balance_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
+    # Selection biases (model.moe.selection_bias): kept off the optimizer, moved by
+    # bias_update_rate * sign(mean load - load) after each step over these decoder layers.
+    selection_bias: bool = False
+    bias_update_rate: float = 0.0
+    moe_layer_ids: tuple = ()
+    period: int = 1
 
 
 def step_fns(config, spec, optimizer, schedule) -> StepFns:
     """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer."""
+    m = config.model
+    moe = m.moe
     return StepFns(
         graphdef=spec.graphdef,
         optimizer=optimizer,
@@ -49,6 +71,11 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         rest=spec.rest,
         seed=config.train.seed,
         logits_z_loss=config.train.logits_z_loss,
+        sequence_balance_weight=float(moe_option(moe, "sequence_balance_weight")),
+        selection_bias=bool(moe.num_experts and moe_option(moe, "selection_bias")),
+        bias_update_rate=float(moe_option(moe, "bias_update_rate")),
+        moe_layer_ids=tuple(i for i in range(m.num_layers) if is_moe_layer(m, i)),
+        period=period_of(m),
     )
 
 
@@ -109,6 +136,13 @@ def _loss(params, batch, total_weight, rng, fns: StepFns):
         loss = loss + (balance + z) / fns.grad_accum
         # Weighted sums (what the loss adds); balance_loss / router_z_loss are unweighted means.
         extra |= {"weighted_balance_loss": balance, "weighted_router_z_loss": z}
+        if fns.sequence_balance_weight:
+            seq = sum(aux[i]["sequence_balance_loss"] for i in layers)
+            seq = seq * fns.sequence_balance_weight
+            loss = loss + seq / fns.grad_accum
+            extra["weighted_sequence_balance_loss"] = seq
+        if fns.bias_update_rate:  # per-layer loads for the balancing update, layer order
+            extra["expert_load_ME"] = jnp.stack([aux[i]["expert_load"] for i in layers])
         extra |= moe_summary(aux)
         extra["routing_BM"] = jnp.stack([aux[i]["top2_per_example"] for i in layers], axis=1)
     return loss, extra
@@ -139,8 +173,7 @@ def train_step(state, batch, fns: StepFns):
         extra = {
             key: (
                 jnp.sum(value, 0)
-                if key
-                in ("nll_sum", "weighted_balance_loss", "weighted_router_z_loss", "logits_z_loss")
+                if key in SUMMED_KEYS
                 else value.reshape(-1, *value.shape[2:])
                 if key == "routing_BM"
                 else jnp.mean(value, 0)
@@ -150,9 +183,19 @@ def train_step(state, batch, fns: StepFns):
         if "weighted_balance_loss" in extra:  # each micro-batch's term was already divided
             extra["weighted_balance_loss"] /= fns.grad_accum
             extra["weighted_router_z_loss"] /= fns.grad_accum
+            if "weighted_sequence_balance_loss" in extra:
+                extra["weighted_sequence_balance_loss"] /= fns.grad_accum
 
     updates, opt_state = fns.optimizer.update(grads, state["opt_state"], params)
     new_params = optax.apply_updates(params, updates)
+    if fns.selection_bias:
+        new_params = balancing.keep_selection_biases(new_params, params)
+    if fns.bias_update_rate:
+        loads_ME = extra.pop("expert_load_ME")
+        loads = dict(zip(fns.moe_layer_ids, loads_ME, strict=True))
+        new_params = balancing.update_selection_biases(
+            new_params, loads, fns.bias_update_rate, fns.period
+        )
     nll = extra.pop("nll_sum") / total_weight
     finite = jnp.isfinite(nll) & jnp.isfinite(optax.tree.norm(grads))
     new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
