@@ -177,6 +177,25 @@ def test_qwen2_moe_fused_in_memory_names(qwen2_moe, tmp_path):
     assert_same_nll(jaxmoe_logits(load_converted(tmp_path / "ckpt"), IDS), hf_logits(model, IDS))
 
 
+def test_qwen2_moe_scanned_layers(qwen2_moe, tmp_path):
+    """MoE every 2nd layer repeats: `scan_layers` converts (stacked by period) and exports."""
+    model, src = qwen2_moe
+    want = hf_logits(model, IDS)
+    convert_hf(str(src), str(tmp_path / "ckpt"), overrides=["--config.model.scan_layers=True"])
+    assert read_config(str(tmp_path / "ckpt")).model.scan_layers
+    assert_same_nll(jaxmoe_logits(load_converted(tmp_path / "ckpt"), IDS), want)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert_same_nll(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), IDS), want)
+
+
+def test_irregular_dense_layers_refuse_scan_layers(tmp_path):
+    qwen3_moe(norm=True, tie=False, seed=36).save_pretrained(tmp_path / "src")
+    scan = ["--config.model.scan_layers=True"]
+    src, dst = str(tmp_path / "src"), str(tmp_path / "out")
+    message = one_line_error(convert_hf, src, dst, "float32", scan)
+    assert "scan_layers" in message and "layer 1" in message
+
+
 # ----------------------------------------------------------------------------- OLMoE
 
 
