@@ -62,9 +62,10 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         description=(
             "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
             "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
-            "as Mixtral, other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
-            "(trust_remote_code), T5 v1.1 as T5, each with its tokenizer. "
-            "Models HF cannot express (moe.every > 1, capacity_factor > 0, GQA T5) are refused."
+            "as Mixtral (with q/k norms or a shared expert: Qwen3-MoE, OLMoE, Qwen2-MoE), "
+            "other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
+            "(trust_remote_code), T5 v1.1 as T5, each with its tokenizer. Models HF cannot "
+            "express (dense layers in a Mixtral, capacity_factor > 0, GQA T5) are refused."
         ),
     )
     parser.add_argument(
