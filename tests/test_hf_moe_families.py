@@ -101,26 +101,29 @@ def check_family(model, src, tmp_path, architecture: str, ids=IDS):
 # ----------------------------------------------------------------------------- Qwen3-MoE
 
 
-def qwen3_moe(norm: bool, tie: bool, seed: int) -> Qwen3MoeForCausalLM:
-    """3 layers, layer 1 dense (mlp_only_layers); head_dim 16 != d / heads; 8 experts top-2."""
+def qwen3_moe(norm: bool, tie: bool, seed: int, k: int = 2) -> Qwen3MoeForCausalLM:
+    """3 layers, layer 1 dense (mlp_only_layers); head_dim 16 != d / heads; 8 experts top-k."""
     config = Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=2, moe_intermediate_size=24, mlp_only_layers=[1],
+        num_experts_per_tok=k, moe_intermediate_size=24, mlp_only_layers=[1],
         norm_topk_prob=norm, tie_word_embeddings=tie, rms_norm_eps=1e-5, rope_theta=500.0,
         router_aux_loss_coef=0.02,
     )  # fmt: skip
     return build(Qwen3MoeForCausalLM, config, seed)
 
 
-@pytest.mark.parametrize(("norm", "tie"), [(True, False), (False, True)])
-def test_qwen3_moe_converts_and_exports(norm, tie, tmp_path):
-    model = qwen3_moe(norm, tie, seed=31)
+@pytest.mark.parametrize(
+    ("norm", "tie", "k"), [(True, False, 2), (False, True, 2), (False, False, 1)]
+)
+def test_qwen3_moe_converts_and_exports(norm, tie, k, tmp_path):
+    """k = 1: one expert weighted by its probability (raw) or by 1 (norm_topk_prob)."""
+    model = qwen3_moe(norm, tie, seed=31, k=k)
     model.save_pretrained(tmp_path / "src")
     config, *_ = check_family(model, tmp_path / "src", tmp_path, "Qwen3MoeForCausalLM")
     m = config.model
     assert (m.qk_norm, m.head_dim, m.tie_embeddings, m.qkv_bias) == ("head", 16, tie, False)
-    assert (m.moe.num_experts, m.moe.top_k, m.moe.renormalize) == (8, 2, norm)
+    assert (m.moe.num_experts, m.moe.top_k, m.moe.renormalize) == (8, k, norm)
     assert (m.moe.ffn_dim, m.moe.dense_layers, m.moe.balance_loss_weight) == (24, "1", 0.02)
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["mlp_only_layers"] == [1] and exported["norm_topk_prob"] is norm
