@@ -15,7 +15,7 @@ and with --json also docs/results/YYYY-MM-DD-adaptive-k-curve.json; --figure cop
 
     python -m benchmarks adaptive_k_curve --out runs/akc --json \
         --figure docs/figures/adaptive_k_curve.png
-    python -m benchmarks adaptive_k_curve --quick --out /tmp/akc        # ~1 min smoke test
+    python -m benchmarks adaptive_k_curve --quick --out /tmp/akc        # ~2 min smoke test
 
 The eval loss is computed by this module's own step (the model plus a probe that counts the
 kept slots); for the training gate it is checked against `jaxmoe.inference.evaluate` and
@@ -257,7 +257,7 @@ def parse_args(argv):
     p.add_argument("--out", required=True, help="directory for runs, JSON and plot")
     p.add_argument("--steps", type=int, default=None, help="training steps per seed (300)")
     p.add_argument("--seeds", default=None, help="comma-separated (default 0,1,2)")
-    p.add_argument("--quick", action="store_true", help="tiny model, 8 steps, 1 seed, 4 gates")
+    p.add_argument("--quick", action="store_true", help="tinier model, 8 steps, 1 seed, 4 gates")
     p.add_argument("--figure", default=None, help="also copy the plot to this path")
     add_json_flag(p)
     args = p.parse_args(argv)
