@@ -92,8 +92,6 @@ def probe_class():
     """The probe module (built here so that listing the benchmarks imports no framework)."""
     from flax import nnx
 
-    from jaxmoe.models.moe import gates
-
     class Probe(nnx.Module):
         """An MoE layer whose aux also holds kept_sum (kept slots over real tokens) and
         real_sum (real tokens), counted with the gate the layer runs (its eval gate)."""
@@ -105,8 +103,7 @@ def probe_class():
             import jax.numpy as jnp
 
             y_BLD, aux = self.moe(x_BLD, train=train, token_mask_BL=token_mask_BL)
-            _, probs_TE = self.moe.route_probs(x_BLD, train=False)
-            routing = gates.route(probs_TE, self.moe.eval_gate)
+            _, _, routing = self.moe.route(x_BLD, train=False)  # the layer's own eval routing
             real_T = token_mask_BL.reshape(-1).astype(jnp.float32)
             kept = jnp.sum(jnp.sum(routing.mask, axis=-1) * real_T)
             return y_BLD, {**aux, "kept_sum": kept, "real_sum": jnp.sum(real_T)}
