@@ -80,11 +80,14 @@ def _stored_layout(stored: StoredParams, leaves: dict, m) -> bool:
     if set(flatten(per_layer)) == stored.paths:  # before stacking: irregular dense/MoE
         check_params_match(stored.step_dir, per_layer)  # placements (dense_layers) never stack
         return False
-    stacked = stack_layers(per_layer, m)
-    if set(flatten(stacked)) == stored.paths:
+    try:
+        stacked = stack_layers(per_layer, m)
+    except ValueError:  # periods of different layer kinds: only the per-layer layout exists
+        stacked = None
+    if stacked is not None and set(flatten(stacked)) == stored.paths:
         check_params_match(stored.step_dir, stacked)  # shapes too
         return True
-    check_params_match(stored.step_dir, stacked if m.scan_layers else per_layer)
+    check_params_match(stored.step_dir, stacked if m.scan_layers and stacked else per_layer)
     raise CheckpointError(f"checkpoint {str(stored.step_dir)!r}: parameters do not match")
 
 
