@@ -204,3 +204,28 @@ def test_scanned_step_moves_every_row_by_the_rate():
     moved = np.abs(new - old)
     assert set(np.unique(moved)) <= {0.0, 0.25}  # 0 only for an expert exactly at the mean
     assert np.all(np.sum(moved > 0, axis=1) >= E // 2)
+
+
+def test_everything_at_once_trains_sharded_with_expert_parallelism():
+    """Shared expert + gate, groups, QK-norm and balancing on data x fsdp x expert: the new
+    parameters' logical axes shard, and the step stays finite."""
+    _, _, before, after, _ = one_step(
+        0.01,
+        "model.moe.num_shared_experts=1",
+        "model.moe.shared_expert_gate=true",
+        "model.moe.n_group=4",
+        "model.moe.topk_group=2",
+        "model.moe.sequence_balance_weight=0.001",
+        "model.qk_norm=projection",
+        "mesh.tensor=1",
+        "mesh.expert=2",
+    )
+    for name, layer in after["params"]["layers"].items():
+        old = before["params"]["layers"][name]
+        assert np.all(np.isfinite(layer["ffn"]["shared"]["wo"]))
+        assert not np.array_equal(
+            layer["ffn"]["shared_gate"]["kernel"], old["ffn"]["shared_gate"]["kernel"]
+        )
+        assert not np.array_equal(layer["attn"]["q_norm"]["scale"], old["attn"]["q_norm"]["scale"])
+        moved = np.abs(layer["ffn"]["selection_bias"] - old["ffn"]["selection_bias"])
+        np.testing.assert_allclose(moved[moved > 0], 0.01, rtol=1e-4)

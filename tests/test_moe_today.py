@@ -457,3 +457,16 @@ def test_qk_norm_param_paths():
     attn = nnx.to_pure_dict(params)["layers"][0]["attn"]
     assert attn["q_norm"]["scale"].shape == (4 * 8,)
     assert attn["k_norm"]["scale"].shape == (2 * 8,)
+
+
+def test_flops_count_the_shared_experts():
+    from jaxmoe.models.flops import ffn_macs_per_token
+
+    base = ("model.moe.gating=topk", "model.moe.top_k=2")
+    plain = ffn_macs_per_token(moe_model_cfg(*base), 0)
+    shared = moe_model_cfg(
+        *base, "model.moe.num_shared_experts=2", "model.moe.shared_ffn_dim=24",
+        "model.moe.shared_expert_gate=true",
+    )  # fmt: skip
+    # D = 32: 2 x 24 hidden units of a gated FFN (3 matrices), plus the gate's D.
+    assert ffn_macs_per_token(shared, 0) - plain == 3 * 32 * 48 + 32
