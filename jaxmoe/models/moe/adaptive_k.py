@@ -14,12 +14,11 @@ logit_1 - logit_j < log((1 + T) / (1 - T)), whatever the number of experts. Why 
 not a chain of neighbour gaps or cumulative top-p: docs/adaptive_k.md.
 
 Shapes are static: max_k slots per token, slot j the rank-(j+1) expert, masked slots weight 0.
+This module holds the rule; gates.py's `adaptive_k_gate` turns it into a Routing.
 """
 
 import jax
 import jax.numpy as jnp
-
-from jaxmoe.models.moe import gates
 
 
 def kept_ranks(chosen_TK: jax.Array, threshold: float, gap_normalization: str) -> jax.Array:
@@ -32,12 +31,3 @@ def kept_ranks(chosen_TK: jax.Array, threshold: float, gap_normalization: str) -
     # Slot 0 is always kept: its gap is 0, which threshold 0 would otherwise reject.
     first_TK = jnp.arange(chosen_TK.shape[1]) == 0
     return first_TK | (gap_TK < threshold)
-
-
-def adaptive_k_gate(probs_TE: jax.Array, cfg: gates.GateConfig) -> gates.Routing:
-    """The top-1 expert plus every expert up to rank max_k within the gap threshold of it."""
-    k = min(cfg.max_k, probs_TE.shape[-1])
-    chosen_TK, indices_TK = jax.lax.top_k(probs_TE, k)  # ties: lower index first
-    mask_TK = kept_ranks(chosen_TK, cfg.threshold, cfg.gap_normalization)
-    weights_TK = gates.combine_weights(chosen_TK, mask_TK, cfg)
-    return gates.Routing(indices_TK.astype(jnp.int32), weights_TK, mask_TK)

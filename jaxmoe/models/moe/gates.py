@@ -47,6 +47,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.moe.adaptive_k import kept_ranks
+
 GATES = ("top1", "top2", "topk", "adaptive", "top_p", "adaptive_k")
 GAP_NORMALIZATIONS = ("top2", "none")
 SINGLE_WEIGHTS = ("prob", "one")
@@ -144,6 +146,14 @@ def top_p_gate(probs_TE, cfg: GateConfig) -> Routing:
     return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
 
 
+def adaptive_k_gate(probs_TE, cfg: GateConfig) -> Routing:
+    """The top-1 expert plus every expert up to rank max_k within the gap threshold of it
+    (the rule: adaptive_k.py)."""
+    chosen_TK, indices_TK = _first_k(probs_TE, cfg.max_k)
+    mask_TK = kept_ranks(chosen_TK, cfg.threshold, cfg.gap_normalization)
+    return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
+
+
 def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
     """Applies the gate named by cfg.gating to probs_TE [T, E]."""
     if cfg.gating == "adaptive":
@@ -151,8 +161,6 @@ def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
     if cfg.gating == "top_p":
         return top_p_gate(probs_TE, cfg)
     if cfg.gating == "adaptive_k":
-        from jaxmoe.models.moe.adaptive_k import adaptive_k_gate  # imports this module
-
         return adaptive_k_gate(probs_TE, cfg)
     return topk_gate(probs_TE, cfg, num_slots(cfg))
 
