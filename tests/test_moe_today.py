@@ -440,13 +440,25 @@ def test_qk_norm_matches_transformers(kind):
 QK_DECODERS = {
     "qk_head": ("model.moe.num_experts=0", "model.qk_norm=head"),
     "qk_projection_moe": ("model.moe.num_experts=4", "model.qk_norm=projection"),
+    "deepseek_like": (
+        "model.moe.num_experts=4",
+        "model.moe.gating=topk",
+        "model.moe.router_scoring=sigmoid",
+        "model.moe.renormalize=true",
+        "model.moe.selection_bias=true",
+        "model.moe.n_group=2",
+        "model.moe.num_shared_experts=1",
+        "model.moe.shared_expert_gate=true",
+        "model.qk_norm=head",
+    ),
 }
 
 
 @test_one_forward.LAYOUTS
 @pytest.mark.parametrize("name", list(QK_DECODERS))
 def test_qk_norm_cached_decoding_gives_the_full_forward(name, layout, monkeypatch):
-    """tests/test_one_forward.py's check (cached decoding == full forward) on QK-norm models."""
+    """tests/test_one_forward.py's check (cached decoding == full forward) on QK-norm models
+    and a DeepSeek-style router with a gated shared expert."""
     monkeypatch.setitem(test_one_forward.DECODERS, name, QK_DECODERS[name])
     test_one_forward.test_cached_decoder_gives_the_full_forward_logits(name, layout)
 
