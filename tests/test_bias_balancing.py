@@ -229,3 +229,14 @@ def test_everything_at_once_trains_sharded_with_expert_parallelism():
         assert not np.array_equal(layer["attn"]["q_norm"]["scale"], old["attn"]["q_norm"]["scale"])
         moved = np.abs(layer["ffn"]["selection_bias"] - old["ffn"]["selection_bias"])
         np.testing.assert_allclose(moved[moved > 0], 0.01, rtol=1e-4)
+
+
+def test_micro_batches_count_the_whole_batch():
+    """grad_accum=2: the loads of both micro-batches add up, so the update is the one of the
+    whole batch (routing is per token: the same choices either way)."""
+    _, _, _, whole, _ = one_step(0.01)
+    _, _, _, accumulated, _ = one_step(0.01, "train.grad_accum=2")
+    for name, layer in accumulated["params"]["layers"].items():
+        np.testing.assert_array_equal(
+            layer["ffn"]["selection_bias"], whole["params"]["layers"][name]["ffn"]["selection_bias"]
+        )
