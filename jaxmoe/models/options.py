@@ -51,7 +51,9 @@ class MoEOptions:
     gap_normalization: str = option(
         "top2", "adaptive gap on: top2 (p1,p2 renormalised) | none (raw)", GAP_NORMALIZATIONS
     )
-    renormalize: bool = option(False, "renormalise the chosen experts' weights to sum to one")
+    renormalize: bool = option(
+        False, "chosen weights / their sum (HF norm_topk_prob; sigmoid: / (sum + 1e-20))"
+    )
     single_weight: str = option("prob", "weight of a one-expert token", SINGLE_WEIGHTS)
     capacity_factor: float = option(0.0, "0 = dropless; > 0 = fixed capacity that drops overflow")
     balance_loss_weight: float = option(0.01, "load-balancing loss coefficient")
