@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from ml_collections import ConfigDict
 
+from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
 from jaxmoe.models.ffn import dense_layer_ids
@@ -21,16 +22,6 @@ from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES
 from jaxmoe.models.moe.layer import check_moe_config
 from jaxmoe.models.moe.router import OPTION_DEFAULTS, SCORINGS
 from jaxmoe.models.stack import REMAT_POLICIES
-
-
-def option(default, doc: str, choices: tuple = ()):
-    """A config key: its default, its one-line doc and, for a choice, the allowed values."""
-    return field(default=default, metadata={"doc": doc, "choices": tuple(choices)})
-
-
-def _need(ok: bool, message: str) -> None:
-    if not ok:
-        raise ConfigError(message)
 
 
 @dataclass(frozen=True)
@@ -123,13 +114,13 @@ class MoEOptions:
 
     def check(self, depths: dict[str, int]) -> None:
         """The MoE ranges; `depths` names the layer counts `every` must not exceed."""
-        _need(self.num_experts >= 0, f"model.moe.num_experts={self.num_experts} must be >= 0")
+        need(self.num_experts >= 0, f"model.moe.num_experts={self.num_experts} must be >= 0")
         if not self.num_experts:
             return
-        _need(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
+        need(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
         # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
         # is, and the run would silently train a dense model.
-        _need(
+        need(
             self.every <= max(depths.values()),
             f"model.moe.every={self.every} exceeds "
             + " and ".join(f"{k}={v}" for k, v in depths.items())
@@ -207,22 +198,22 @@ class ModelOptions:
         """Ranges and combinations of the model keys (and model.moe's)."""
         for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
             value = getattr(self, key)
-            _need(value > 0, f"model.{key}={value} must be positive")
-        _need(
+            need(value > 0, f"model.{key}={value} must be positive")
+        need(
             self.num_heads % self.num_kv_heads == 0,
             f"model.num_heads={self.num_heads} is not divisible by "
             f"model.num_kv_heads={self.num_kv_heads}",
         )
-        _need(
+        need(
             not self.rope_theta or self.head_dim % 2 == 0,
             f"model.head_dim={self.head_dim} must be even for rotary positions (model.rope_theta)",
         )
         self._check_rope()
-        _need(
+        need(
             not self.qkv_bias or self.arch == "decoder",
             "model.qkv_bias=True is implemented for decoder models only (model.arch='decoder')",
         )
-        _need(
+        need(
             self.attention_block >= -1,
             f"model.attention_block={self.attention_block} must be -1 (auto), 0 (dense) or a "
             "block size",
@@ -232,33 +223,33 @@ class ModelOptions:
             depths["model.num_encoder_layers"] = self.num_encoder_layers
         self.moe.check(depths)
         self._check_today()
-        _need(
+        need(
             0.0 <= self.dropout_rate < 1.0,
             f"model.dropout_rate={self.dropout_rate} not in [0, 1)",
         )
         for key in ("vocab_size", "max_len", "num_encoder_layers", "encoder_num_kv_heads"):
             value = getattr(self, key)
-            _need(value >= 0, f"model.{key}={value} must be >= 0 (0 = the default)")
-        _need(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive")
+            need(value >= 0, f"model.{key}={value} must be >= 0 (0 = the default)")
+        need(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive")
         if self.arch == "encoder_decoder":
             for key in ("relpos_buckets", "relpos_max_distance"):
                 value = getattr(self, key)
-                _need(value > 0, f"model.{key}={value} must be positive")
+                need(value > 0, f"model.{key}={value} must be positive")
 
     def _check_today(self) -> None:
         """qk_norm and the MoE options of today's designs that depend on the model."""
-        _need(
+        need(
             self.qk_norm == "none" or self.arch == "decoder",
             f"model.qk_norm={self.qk_norm!r} is implemented for decoder models only",
         )
         moe = self.moe
         if not moe.num_experts:
             return
-        _need(
+        need(
             moe.bias_update_rate == 0 or self.arch == "decoder",
             "model.moe.bias_update_rate > 0 is implemented for decoder models only",
         )
-        _need(
+        need(
             moe.first_dense_layers >= 0,
             f"model.moe.first_dense_layers={moe.first_dense_layers} must be >= 0",
         )
@@ -270,7 +261,7 @@ class ModelOptions:
         from jaxmoe.models.stack import check_scannable
 
         if self.arch == "decoder":
-            _need(
+            need(
                 any(is_moe_layer(self, i) for i in range(self.num_layers)),
                 "model.moe: first_dense_layers / dense_layers leave no MoE layer "
                 "(model.moe.num_experts=0 is the dense model)",
@@ -282,19 +273,19 @@ class ModelOptions:
 
     def _check_rope(self) -> None:
         if self.rope_type != "default":
-            _need(
+            need(
                 self.rope_theta > 0,
                 f"model.rope_type={self.rope_type!r} needs model.rope_theta > 0",
             )
-            _need(self.rope_factor > 0, f"model.rope_factor={self.rope_factor} must be positive")
+            need(self.rope_factor > 0, f"model.rope_factor={self.rope_factor} must be positive")
         if self.rope_type == "llama3":
             low, high = self.rope_low_freq_factor, self.rope_high_freq_factor
-            _need(
+            need(
                 0 < low < high,
                 f"model.rope_low_freq_factor={low} and model.rope_high_freq_factor={high} "
                 "must satisfy 0 < low < high",
             )
-            _need(
+            need(
                 self.rope_original_max_len > 0,
                 f"model.rope_original_max_len={self.rope_original_max_len} must be positive",
             )
