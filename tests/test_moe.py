@@ -9,6 +9,7 @@ import pytest
 from flax import nnx
 from ml_collections import ConfigDict
 
+from jaxmoe.config.defaults import base_config
 from jaxmoe.models.moe import dispatch
 from jaxmoe.models.moe.layer import MoE, gate_config
 from tests.test_gates import ref_choose, ref_weights
@@ -17,15 +18,12 @@ B, L, D, F, E = 4, 16, 16, 32, 8
 
 
 def moe_config(**moe) -> ConfigDict:
-    base = dict(
-        num_experts=E, every=1, ffn_dim=F, gating="adaptive", threshold=0.1, top_k=2,
-        top_p=0.4, max_k=2, eval_gating="", gap_normalization="top2", renormalize=False,
-        single_weight="prob", capacity_factor=0.0, balance_loss_weight=0.01,
-        z_loss_weight=0.001, jitter=0.0, block_size=8, dispatch="blocks",
-        balance_fractions="auto", router_bias=False, ep_exchange="auto", ep_buffer_factor=2.0,
-    )  # fmt: skip
-    base.update(moe)
-    return ConfigDict(dict(d_model=D, activation="silu", ffn_gated=True, moe=base))
+    """The complete default model config (as every command gets one) at this file's sizes."""
+    model = base_config().model
+    model.update(d_model=D, activation="silu", ffn_gated=True)
+    model.moe.update(num_experts=E, ffn_dim=F, block_size=8, dispatch="blocks")
+    model.moe.update(moe)
+    return model
 
 
 # ---------------------------------------------------------------------------------------

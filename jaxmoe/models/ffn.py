@@ -8,7 +8,6 @@ so which layers are MoE is decided here once.
 from flax import nnx
 
 from jaxmoe.models.layers import MLP, GatedMLP
-from jaxmoe.models.moe.router import moe_option
 
 
 def dense_layer_ids(spec: str, num_layers: int | None = None) -> frozenset[int]:
@@ -39,8 +38,8 @@ def is_moe_layer(cfg, layer_index: int) -> bool:
     return (
         moe.num_experts > 0
         and (layer_index + 1) % moe.every == 0
-        and layer_index >= int(moe_option(moe, "first_dense_layers"))
-        and layer_index not in dense_layer_ids(moe_option(moe, "dense_layers"))
+        and layer_index >= int(moe.first_dense_layers)
+        and layer_index not in dense_layer_ids(moe.dense_layers)
     )
 
 

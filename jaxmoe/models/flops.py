@@ -10,7 +10,6 @@ or the MoE block loops with their traced trip counts), so it undercounts such pr
 """
 
 from jaxmoe.models.ffn import is_moe_layer
-from jaxmoe.models.moe.router import moe_option
 
 
 def experts_per_token(moe_cfg) -> float:
@@ -35,11 +34,9 @@ def ffn_macs_per_token(cfg, layer_index: int) -> float:
         router = cfg.d_model * moe.num_experts
         routed = experts_per_token(moe) * matrices * cfg.d_model * moe.ffn_dim
         # Shared experts (one FFN every token runs) and Qwen2-MoE's [D, 1] gate on them.
-        shared_width = int(moe_option(moe, "num_shared_experts")) * (
-            int(moe_option(moe, "shared_ffn_dim")) or moe.ffn_dim
-        )
+        shared_width = int(moe.num_shared_experts) * (int(moe.shared_ffn_dim) or moe.ffn_dim)
         shared = matrices * cfg.d_model * shared_width
-        if moe_option(moe, "shared_expert_gate"):
+        if moe.shared_expert_gate:
             shared += cfg.d_model
         return router + routed + shared
     return matrices * cfg.d_model * cfg.ffn_dim

@@ -20,7 +20,7 @@ from jaxmoe.models.moe.dispatch import DISPATCHES
 from jaxmoe.models.moe.expert_parallel import EXCHANGES
 from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
 from jaxmoe.models.moe.layer import check_moe_config
-from jaxmoe.models.moe.router import OPTION_DEFAULTS, SCORINGS
+from jaxmoe.models.moe.router import SCORINGS
 from jaxmoe.models.stack import REMAT_POLICIES
 
 
@@ -69,48 +69,36 @@ class MoEOptions:
     )
     # Today's designs (docs/moe.md "Today's designs"; defaults from moe/router.py).
     router_scoring: str = option(
-        OPTION_DEFAULTS["router_scoring"],
+        "softmax",
         "expert scores: softmax | sigmoid (DeepSeek-V3: independent per expert)",
         SCORINGS,
     )
     routed_scaling_factor: float = option(
-        OPTION_DEFAULTS["routed_scaling_factor"],
+        1.0,
         "routed experts' combine weights times this, after renormalize (DeepSeek)",
     )
     selection_bias: bool = option(
-        OPTION_DEFAULTS["selection_bias"],
+        False,
         "a per-expert bias [E] on the scores for choosing only, not trained (DeepSeek-V3)",
     )
     bias_update_rate: float = option(
-        OPTION_DEFAULTS["bias_update_rate"],
+        0.0,
         "aux-loss-free balancing: bias += rate * sign(mean load - load) per step (0 = off)",
     )
     sequence_balance_weight: float = option(
-        OPTION_DEFAULTS["sequence_balance_weight"],
+        0.0,
         "DeepSeek-V3's sequence-wise balance loss coefficient (0 = off)",
     )
-    n_group: int = option(
-        OPTION_DEFAULTS["n_group"], "group-limited routing: experts in n_group equal groups"
-    )
-    topk_group: int = option(
-        OPTION_DEFAULTS["topk_group"], "group-limited routing: groups a token may use"
-    )
-    num_shared_experts: int = option(
-        OPTION_DEFAULTS["num_shared_experts"], "always-on shared experts (one FFN), 0 = none"
-    )
-    shared_ffn_dim: int = option(
-        OPTION_DEFAULTS["shared_ffn_dim"], "hidden size of one shared expert; 0 = ffn_dim"
-    )
+    n_group: int = option(1, "group-limited routing: experts in n_group equal groups")
+    topk_group: int = option(1, "group-limited routing: groups a token may use")
+    num_shared_experts: int = option(0, "always-on shared experts (one FFN), 0 = none")
+    shared_ffn_dim: int = option(0, "hidden size of one shared expert; 0 = ffn_dim")
     shared_expert_gate: bool = option(
-        OPTION_DEFAULTS["shared_expert_gate"],
+        False,
         "scale the shared output by sigmoid(x w), w [D, 1] (Qwen2-MoE)",
     )
-    first_dense_layers: int = option(
-        OPTION_DEFAULTS["first_dense_layers"], "layers 0..k-1 dense (DeepSeek first_k_dense)"
-    )
-    dense_layers: str = option(
-        OPTION_DEFAULTS["dense_layers"], 'dense layer ids, e.g. "0,3" (Qwen mlp_only_layers)'
-    )
+    first_dense_layers: int = option(0, "layers 0..k-1 dense (DeepSeek first_k_dense)")
+    dense_layers: str = option("", 'dense layer ids, e.g. "0,3" (Qwen mlp_only_layers)')
 
     def check(self, depths: dict[str, int]) -> None:
         """The MoE ranges; `depths` names the layer counts `every` must not exceed."""

@@ -39,7 +39,7 @@ class DecoderBlock(nnx.Module):
             rope_scaling=RopeScaling.from_config(cfg),
             qkv_bias=cfg.qkv_bias,
             causal_block=cfg.attention_block,
-            qk_norm=getattr(cfg, "qk_norm", "none"),
+            qk_norm=cfg.qk_norm,
             norm_eps=cfg.norm_eps,
             rngs=rngs,
         )

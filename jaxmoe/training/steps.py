@@ -17,7 +17,6 @@ from flax import nnx
 
 from jaxmoe.models.ffn import is_moe_layer
 from jaxmoe.models.moe import balancing
-from jaxmoe.models.moe.router import moe_option
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import period_of
 
@@ -71,9 +70,9 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         rest=spec.rest,
         seed=config.train.seed,
         logits_z_loss=config.train.logits_z_loss,
-        sequence_balance_weight=float(moe_option(moe, "sequence_balance_weight")),
-        selection_bias=bool(moe.num_experts and moe_option(moe, "selection_bias")),
-        bias_update_rate=float(moe_option(moe, "bias_update_rate")),
+        sequence_balance_weight=float(moe.sequence_balance_weight),
+        selection_bias=bool(moe.num_experts and moe.selection_bias),
+        bias_update_rate=float(moe.bias_update_rate),
         moe_layer_ids=tuple(i for i in range(m.num_layers) if is_moe_layer(m, i)),
         period=period_of(m),
     )

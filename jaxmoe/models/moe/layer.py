@@ -47,7 +47,6 @@ from jaxmoe.models.layers import (
     ungated_gate_fn,
 )
 from jaxmoe.models.moe import dispatch, expert_parallel, gates, router
-from jaxmoe.models.moe.router import moe_option
 
 
 def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
@@ -110,24 +109,24 @@ def check_moe_config(cfg) -> None:
 
 def check_today_options(moe, num_experts: int) -> None:
     """The checks of router.py's options and the shared experts (ValueError, one line)."""
-    scoring = moe_option(moe, "router_scoring")
+    scoring = moe.router_scoring
     if scoring not in router.SCORINGS:
         raise ValueError(
             f"model.moe.router_scoring: got {scoring!r}, expected " + " | ".join(router.SCORINGS)
         )
-    if float(moe_option(moe, "routed_scaling_factor")) <= 0:
+    if float(moe.routed_scaling_factor) <= 0:
         raise ValueError("model.moe.routed_scaling_factor: expected a number > 0")
     for key in ("bias_update_rate", "sequence_balance_weight"):
-        if float(moe_option(moe, key)) < 0:
+        if float(moe[key]) < 0:
             raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
     for key in ("num_shared_experts", "shared_ffn_dim"):
-        if int(moe_option(moe, key)) < 0:
+        if int(moe[key]) < 0:
             raise ValueError(f"model.moe.{key}: expected an integer >= 0, got {moe[key]!r}")
-    if moe_option(moe, "shared_expert_gate") and not int(moe_option(moe, "num_shared_experts")):
+    if moe.shared_expert_gate and not int(moe.num_shared_experts):
         raise ValueError("model.moe.shared_expert_gate needs model.moe.num_shared_experts > 0")
-    if float(moe_option(moe, "bias_update_rate")) > 0 and not moe_option(moe, "selection_bias"):
+    if float(moe.bias_update_rate) > 0 and not moe.selection_bias:
         raise ValueError("model.moe.bias_update_rate > 0 needs model.moe.selection_bias=True")
-    n_group, topk_group = int(moe_option(moe, "n_group")), int(moe_option(moe, "topk_group"))
+    n_group, topk_group = int(moe.n_group), int(moe.topk_group)
     if n_group < 1 or num_experts % n_group:
         raise ValueError(
             f"model.moe.n_group={n_group} must be >= 1 and divide num_experts={num_experts}"
@@ -196,13 +195,13 @@ class MoE(nnx.Module):
         self.router_cfg = router.RouterConfig.from_config(moe)
         if self.router_cfg.selection_bias:
             self.selection_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
-        self.sequence_balance = float(moe_option(moe, "sequence_balance_weight")) > 0
-        num_shared = int(moe_option(moe, "num_shared_experts"))
+        self.sequence_balance = float(moe.sequence_balance_weight) > 0
+        num_shared = int(moe.num_shared_experts)
         if num_shared:
-            width = num_shared * (int(moe_option(moe, "shared_ffn_dim")) or ffn)
+            width = num_shared * (int(moe.shared_ffn_dim) or ffn)
             mlp = GatedMLP if self.gated else MLP
             self.shared = mlp(dim, width, cfg.activation, rngs=rngs)
-            if moe_option(moe, "shared_expert_gate"):
+            if moe.shared_expert_gate:
                 self.shared_gate = SharedGate(dim, rngs=rngs)
 
     def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:

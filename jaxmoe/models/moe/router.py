@@ -21,30 +21,6 @@ from jaxmoe.models.moe import gates
 
 SCORINGS = ("softmax", "sigmoid")
 
-# Defaults of the model.moe keys added for today's designs (options.py declares them from
-# this table). Layers read them through `moe_option`, so a hand-built config without them
-# builds today's models unchanged.
-OPTION_DEFAULTS = {
-    "router_scoring": "softmax",
-    "routed_scaling_factor": 1.0,
-    "selection_bias": False,
-    "bias_update_rate": 0.0,
-    "sequence_balance_weight": 0.0,
-    "n_group": 1,
-    "topk_group": 1,
-    "num_shared_experts": 0,
-    "shared_ffn_dim": 0,
-    "shared_expert_gate": False,
-    "first_dense_layers": 0,
-    "dense_layers": "",
-}
-
-
-def moe_option(moe_cfg, key: str):
-    """model.moe.<key> of a ConfigDict (or MoEOptions), its default when the config lacks it."""
-    return getattr(moe_cfg, key, OPTION_DEFAULTS[key])
-
-
 TOPK_GATES = ("top1", "top2", "topk")  # the gates a selection bias / group limit works with
 
 
@@ -61,11 +37,11 @@ class RouterConfig:
     @classmethod
     def from_config(cls, moe_cfg) -> "RouterConfig":
         return cls(
-            scoring=str(moe_option(moe_cfg, "router_scoring")),
-            selection_bias=bool(moe_option(moe_cfg, "selection_bias")),
-            n_group=int(moe_option(moe_cfg, "n_group")),
-            topk_group=int(moe_option(moe_cfg, "topk_group")),
-            routed_scaling_factor=float(moe_option(moe_cfg, "routed_scaling_factor")),
+            scoring=str(moe_cfg.router_scoring),
+            selection_bias=bool(moe_cfg.selection_bias),
+            n_group=int(moe_cfg.n_group),
+            topk_group=int(moe_cfg.topk_group),
+            routed_scaling_factor=float(moe_cfg.routed_scaling_factor),
         )
 
     @property
