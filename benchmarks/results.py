@@ -1,6 +1,7 @@
 """Where a benchmark's result goes: a Markdown table, and with --json a dated JSON file.
 
-The table goes to stdout; the JSON to docs/results/YYYY-MM-DD-NAME.json (today's date).
+The table goes to stdout; the JSON to docs/results/YYYY-MM-DD-NAME.json (today's date),
+with a "host" record (host_info: CPU model, vector extensions, cores, library versions).
 
 Every benchmark that produces numbers takes the same flag:
     --json          write docs/results/YYYY-MM-DD-NAME.json
@@ -13,6 +14,8 @@ import datetime
 import json
 import sys
 from pathlib import Path
+
+from benchmarks.host_info import host_info
 
 RESULTS_DIR = Path(__file__).resolve().parents[1] / "docs" / "results"
 DATED = "dated"  # --json without a value
@@ -66,9 +69,11 @@ def publish(name: str, result: dict, table: str, destination: str | None) -> Pat
 
 
 def write_json(name: str, result: dict, destination: str | None) -> Path | None:
-    """`result` where --json said: the dated file, PATH, or stdout for '-'."""
+    """`result` where --json said: the dated file, PATH, or stdout for '-'; with the host
+    it was measured on (a result that brings its own "host" keeps it)."""
     if destination is None:
         return None
+    result = {**result, "host": result.get("host") or host_info()}
     if destination == "-":
         print(json.dumps(result), flush=True)
         return None
