@@ -65,6 +65,14 @@ def add_generate_flags(parser) -> None:
     group.add_argument("--top_p", type=float, default=1.0, help="1 = off")
     group.add_argument("--seed", type=non_negative_int, default=0)
     group.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a stop string (repeatable): predictions are cut before it and, when sampling "
+        "or greedy, a row stops generating once it is safe to",
+    )
+    group.add_argument(
         "--batch_size",
         type=non_negative_int,
         default=0,
@@ -90,6 +98,7 @@ def _generate(args, config, overrides) -> dict:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        stop_strings=tuple(args.stop),
         batch_size=args.batch_size,
         output=args.output,
         config=config,

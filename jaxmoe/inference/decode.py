@@ -83,6 +83,7 @@ class Generation:
     prefill_s: float
     decode_s: float
     compile_s: float
+    steps: int = 0  # decode loop iterations (tokens generated per row, at most)
 
     @property
     def num_new_tokens(self) -> int:
@@ -179,11 +180,11 @@ def _decode_loop(
     tokens_BN = jnp.full((b, new_bucket), PAD_ID, jnp.int32).at[:, 0].set(first_B)
 
     def cond(carry):
-        t, _, _, _, done_B, _ = carry
+        t, _, _, _, done_B, _, _ = carry
         return (t < max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        t, prev_B, caches, tokens_BN, done_B, key = carry
+        t, prev_B, caches, tokens_BN, done_B, key, text_B = carry
         index = state["index"] + t - 1
         logits_B1V, caches = cached_step(model, prev_B[:, None], caches, index, state)
         caches = [constrain(c) for c in caches]
@@ -191,11 +192,28 @@ def _decode_loop(
         next_B = sample_tokens(logits_B1V[:, -1, :vocab_limit], sub, sampling)
         next_B = jnp.where(done_B, PAD_ID, next_B)
         tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, next_B[:, None], (jnp.int32(0), t))
-        return t + 1, next_B, caches, tokens_BN, done_B | jnp.isin(next_B, stop_S), key
+        text_B, stopped_B = _stop_string_step(state, text_B, next_B)
+        done_B = done_B | jnp.isin(next_B, stop_S) | stopped_B
+        return t + 1, next_B, caches, tokens_BN, done_B, key, text_B
 
-    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B | jnp.isin(first_B, stop_S), key)
-    steps, _, caches, tokens_BN, _, _ = jax.lax.while_loop(cond, body, carry)
+    text_B, stopped_B = _stop_string_step(state, jnp.zeros((2, b), jnp.int32), first_B)
+    done_B = done_B | jnp.isin(first_B, stop_S) | stopped_B
+    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B, key, text_B)
+    steps, _, caches, tokens_BN, _, _, _ = jax.lax.while_loop(cond, body, carry)
     return tokens_BN, steps, caches
+
+
+def _stop_string_step(state: dict, text_2B, token_B):
+    """One token through the stop-string automaton of stop_strings.py, when the request
+    has one (`state["stop_next_SV"]`): (automaton state and strings seen [2, B], whether
+    each row may stop now). Without one, nothing stops here."""
+    if "stop_next_SV" not in state:
+        return text_2B, jnp.zeros(token_B.shape, bool)
+    at_B, seen_B = text_2B
+    seen_B = seen_B | state["stop_completes_SV"][at_B, token_B]
+    at_B = state["stop_next_SV"][at_B, token_B]
+    stopped_B = (seen_B != 0) & ((state["stop_pending_S"][at_B] & ~seen_B) == 0)
+    return jnp.stack([at_B, seen_B]), stopped_B
 
 
 class Generator:
@@ -313,10 +331,13 @@ class Generator:
         compiled, seconds = self._compile(("prefill", cache_len), fn, self.params, *args)
         return compiled(self.params, *args), rows, seconds
 
-    def decode(self, state, num_prompts: int, max_new_tokens: int, sampling, seed: int = 0):
+    def decode(
+        self, state, num_prompts: int, max_new_tokens: int, sampling, seed: int = 0, stop=None
+    ):
         """(tokens [rows, bucket] np.int32, loop steps, compile seconds).
 
-        Consumes `state`: its caches are donated to the loop and updated in place.
+        Consumes `state`: its caches are donated to the loop and updated in place. `stop`
+        (stop_strings.StopStrings) also ends a row at its stop strings.
         """
         rows = state["logits_BV"].shape[0]
         new_bucket = bucket(max_new_tokens)
@@ -339,6 +360,9 @@ class Generator:
             constrain=self._constrain(rows, cache_len),
         )
         rest = {k: v for k, v in state.items() if k != "caches"}
+        if stop is not None and stop.tables is not None:
+            replicated = NamedSharding(self.mesh, PartitionSpec())
+            rest.update(jax.device_put(stop.tables, replicated))
         args = (state["caches"], rest, done, jnp.int32(max_new_tokens), jax.random.key(seed))
         name = ("decode", new_bucket, sampling)
         compiled, seconds = self._compile(name, fn, self.params, *args, donate=(1,))
@@ -391,8 +415,10 @@ class Generator:
         max_new_tokens: int,
         sampling: Sampling = Sampling(),
         seed: int = 0,
+        stop=None,
     ) -> Generation:
-        """New tokens for each prompt (token id lists), greedy or sampled."""
+        """New tokens for each prompt (token id lists), greedy or sampled. With `stop`
+        (stop_strings.StopStrings) a row also ends inside the loop at its stop strings."""
         if not prompts:
             raise ValueError("no prompts given")
         for i, prompt in enumerate(prompts):
@@ -407,8 +433,20 @@ class Generator:
         jax.block_until_ready(state)
         prefill_s = time.perf_counter() - start - compile_prefill
         start = time.perf_counter()
-        tokens, _, compile_decode = self.decode(state, len(prompts), max_new_tokens, sampling, seed)
+        tokens, steps, compile_decode = self.decode(
+            state, len(prompts), max_new_tokens, sampling, seed, stop
+        )
         decode_s = time.perf_counter() - start - compile_decode
         rows = tokens[: len(prompts), :max_new_tokens].tolist()
         out = [cut_at_stop(row, self.stop_ids) for row in rows]
-        return Generation(out, prefill_s, decode_s, compile_prefill + compile_decode)
+        result = Generation(out, prefill_s, decode_s, compile_prefill + compile_decode, steps)
+        if stop is not None and stop.tables is not None:
+            from jaxmoe.inference.stop_strings import cut_rows_at_stops
+
+            out = cut_rows_at_stops(out, stop)
+            if out is None:  # the tokenizer broke the automaton's assumption: no early stop
+                again = self.generate(prompts, max_new_tokens, sampling, seed)
+                again.compile_s += result.compile_s
+                return again
+            result.tokens = out
+        return result

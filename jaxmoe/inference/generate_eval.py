@@ -20,6 +20,7 @@ import numpy as np
 from etils import epath
 
 from jaxmoe.inference.decode import Generation, Sampling, without_stop
+from jaxmoe.inference.stop_strings import StopStrings, cut_at_strings
 
 
 def normalize_answer(text: str) -> str:
@@ -77,9 +78,12 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
     return pairs
 
 
-def generate_all(generator, prompts, *, rows, max_new_tokens, sampling, beams, alpha, seed):
+def generate_all(
+    generator, prompts, *, rows, max_new_tokens, sampling, beams, alpha, seed, stop=None
+):
     """New tokens for every prompt, in length-sorted batches of `rows` prompts (filler
-    prompts complete the last one); returns (tokens per prompt, summed Generation)."""
+    prompts complete the last one); returns (tokens per prompt, summed Generation). With
+    `stop` (StopStrings) sampled or greedy rows end inside the loop at their stop strings."""
     from jaxmoe.inference.beam_search import beam_search
 
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
@@ -91,13 +95,14 @@ def generate_all(generator, prompts, *, rows, max_new_tokens, sampling, beams, a
         if beams > 1:
             result, _ = beam_search(generator, batch, max_new_tokens, beams, alpha)
         else:
-            result = generator.generate(batch, max_new_tokens, sampling, seed + start)
+            result = generator.generate(batch, max_new_tokens, sampling, seed + start, stop)
         for i, new in zip(chunk, result.tokens, strict=False):
             tokens[i] = new
             total.tokens.append(new)
         total.prefill_s += result.prefill_s
         total.decode_s += result.decode_s
         total.compile_s += result.compile_s
+        total.steps += result.steps
     return tokens, total
 
 
@@ -112,12 +117,14 @@ def generate_eval(
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
+    stop_strings: tuple[str, ...] = (),
     batch_size: int = 0,
     output: str | None = None,
     config=None,
     overrides=(),
 ) -> dict:
-    """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`."""
+    """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`;
+    predictions are cut before the first of `stop_strings` as lm-eval cuts them."""
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.trained_model import TrainedModel
 
@@ -150,9 +157,13 @@ def generate_eval(
         beams=num_beams,
         alpha=length_penalty,
         seed=seed,
+        stop=StopStrings(stop_strings, tokenizer, generator.vocab_limit) if stop_strings else None,
     )
     seconds = time.perf_counter() - start
-    predictions = [tokenizer.decode(without_stop(new, generator.stop_ids)[0]) for new in tokens]
+    predictions = [
+        cut_at_strings(tokenizer.decode(without_stop(new, generator.stop_ids)[0]), stop_strings)
+        for new in tokens
+    ]
     targets = [target for _, target in pairs]
     result = {
         "num_examples": len(pairs),
@@ -161,6 +172,7 @@ def generate_eval(
         if num_beams > 1
         else ("greedy" if temperature == 0 else f"sample temperature={temperature}"),
         "new_tokens": total.num_new_tokens,
+        "decode_steps": total.steps,
         "tokens_per_s": total.tokens_per_s,
         "compile_s": total.compile_s,
         "seconds": seconds,

@@ -8,8 +8,9 @@ lm-eval's three request kinds:
   continuation's summed log-probabilities read from the logits. Sequences are sorted by
   length, right-padded to power-of-two lengths and batched in a fixed number of rows, so
   each (rows, length) bucket compiles once, whatever the number of requests.
-- generate_until: the KV-cache generator of `jaxmoe decode`, batched the same way, cut at
-  the first stop string.
+- generate_until: the KV-cache generator of `jaxmoe decode`, batched the same way; a row
+  stops inside the loop once its stop strings allow (inference/stop_strings.py) and its
+  text is cut at the first stop string as lm-eval's own backends cut it.
 
 Tokenization follows lm-eval's Hugging Face backend (TemplateLM): context and continuation
 are encoded together and split at the context's length (an encoder-decoder encodes them
@@ -42,6 +43,7 @@ from tqdm import tqdm
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference.decode import Sampling, bucket, without_stop
+from jaxmoe.inference.stop_strings import StopStrings
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import forward
 
@@ -240,13 +242,14 @@ class JaxmoeLM(TemplateLM):
                 i: (self.tok_encode(requests[i].args[0]) or [self.prefix_token_id])[-room:]
                 for i in indices
             }
+            stop = StopStrings(until, self.tokenizer, self.generator.vocab_limit)
             order = sorted(indices, key=lambda i: -len(prompts[i]))
             for start in range(0, len(order), self.rows):
                 chunk = order[start : start + self.rows]
                 # Filler rows keep every batch at `rows` rows: one compile per length bucket.
                 batch = [prompts[i] for i in chunk]
                 batch += [[self.eot_token_id]] * (self.rows - len(chunk))
-                generation = self.generator.generate(batch, max_new, sampling, seed=start)
+                generation = self.generator.generate(batch, max_new, sampling, start, stop)
                 for i, new in zip(chunk, generation.tokens, strict=False):
                     new, _ = without_stop(new, self.generator.stop_ids)
                     text = postprocess_generated_text(self.tok_decode(new), until, None)
