@@ -11,6 +11,10 @@ generated code). Cases:
   (one per chip, no micro-batches), bf16 compute, f32 weights, AdamW, fsdp 16 x expert 8,
   full remat. jaxmoe runs its adaptive gate (configs/mixtral_8x7b_adaptive.py), MaxText
   Mixtral's top-2; both size their expert buffers for two experts per token.
+- qwen3_30b_a3b: Qwen3-30B-A3B (configs/qwen3_30b_a3b.py: 48 layers, 128 experts of 768,
+  top-8 renormalised, head QK-norm) on v5p-64 (32 chips), 128 sequences of 4096 tokens per
+  step (4 per chip, no micro-batches), fsdp 4 x expert 8, full remat, bf16 compute, f32
+  weights, AdamW; MaxText's own qwen3-30b-a3b model with sparse_matmul and megablox.
 - moe16_gpt2_medium: the 16-expert GPT-2-medium MoE (configs/moe16_gpt2_medium.py) on v5p-8
   (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
@@ -77,6 +81,22 @@ CASES = {
             "per_device_batch_size=1",
             "max_target_length=2048",
             "ici_fsdp_parallelism=16",
+            "ici_expert_parallelism=8",
+            "remat_policy=full",
+            "sparse_matmul=true",
+            "megablox=true",
+            "dtype=bfloat16",
+            "weight_dtype=float32",
+        ],
+    },
+    "qwen3_30b_a3b": {
+        "topology": "v5p-64",
+        "jaxmoe": ["configs/qwen3_30b_a3b.py"],  # 128 x 4096 tokens, fsdp 4 x expert 8
+        "maxtext": [
+            "model_name=qwen3-30b-a3b",
+            "per_device_batch_size=4",
+            "max_target_length=4096",
+            "ici_fsdp_parallelism=4",
             "ici_expert_parallelism=8",
             "remat_policy=full",
             "sparse_matmul=true",
@@ -239,20 +259,23 @@ def run(args) -> dict:
     rows, loads = [], []
     pythons = [sys.executable] + ([str(maxtext_python)] if have_maxtext else [])
     versions = {python: compiler_versions(python) for python in pythons}
+    wanted = set(args.systems)
     for name in args.cases:
         case = CASES[name]
         row = {"case": name, "topology": case["topology"]}
-        if have_maxtext:
+        if have_maxtext and "maxtext" in wanted:
             compiler = versions[str(maxtext_python)]
             row["maxtext"] = run_maxtext(venv, case) | {"compiler": compiler}
-        row["jaxmoe"] = run_jaxmoe(case) | {"compiler": versions[sys.executable]}
-        if have_maxtext:  # the same program through MaxText's jax and libtpu
+        if "jaxmoe" in wanted:
+            row["jaxmoe"] = run_jaxmoe(case) | {"compiler": versions[sys.executable]}
+        if have_maxtext and SAME_COMPILER in wanted:  # the same program, MaxText's jax/libtpu
+            compiler = versions[str(maxtext_python)]
             same = run_jaxmoe(case, str(maxtext_python)) | {"compiler": compiler}
             row[SAME_COMPILER] = same
         for system in SYSTEMS:
             if system in row:
                 loads += [row[system]["load_before"], row[system]["load_after"]]
-        mt, jm = row.get("maxtext", {}), row.get(SAME_COMPILER, row["jaxmoe"])
+        mt, jm = row.get("maxtext", {}), row.get(SAME_COMPILER, row.get("jaxmoe", {}))
         if "peak_hbm_bytes" in mt and "peak_hbm_bytes" in jm:
             row["jaxmoe_over_maxtext_peak"] = round(jm["peak_hbm_bytes"] / mt["peak_hbm_bytes"], 3)
             row["jaxmoe_over_maxtext_wall"] = round(jm["wall_s"] / mt["wall_s"], 2)
@@ -301,6 +324,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--maxtext_venv", default=DEFAULT_MAXTEXT_VENV, help="MaxText's venv")
+    parser.add_argument(
+        "--systems",
+        nargs="+",
+        choices=SYSTEMS,
+        default=list(SYSTEMS),
+        help="rows to compile (on a loaded host: maxtext and jaxmoe@maxtext_env, back to back)",
+    )
     add_json_flag(parser)
     args = parser.parse_args(argv)
     result = run(args)

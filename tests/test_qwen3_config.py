@@ -1,0 +1,117 @@
+"""configs/qwen3_30b_a3b.py has Qwen3-30B-A3B's sizes: the same parameter count as
+transformers' Qwen3MoeForCausalLM built from the checkpoint's config.json values (on the
+meta device: nothing allocated), and its `:tiny` variant is the same design at test size,
+whose sharded step compiles for a TPU slice with experts split over chips."""
+
+import math
+
+import jax
+import pytest
+
+from jaxmoe.aot.compile_check import compile_for_topology
+from jaxmoe.config.loading import load_config
+from jaxmoe.models.spec import model_spec
+from jaxmoe.parallel.mesh import make_mesh
+from tests.helpers import compile_cache_off
+
+CONFIG = "configs/qwen3_30b_a3b.py"
+# Qwen/Qwen3-30B-A3B's config.json (the values that size or shape the model).
+QWEN3_30B_A3B = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}
+
+
+def _jaxmoe_count(config) -> int:
+    mesh_config = config.mesh.copy_and_resolve_references()
+    mesh_config.expert = 1  # one device: the count does not depend on the mesh
+    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
+    spec = model_spec(config.model, mesh)  # eval_shape only
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))
+
+
+def _hf_count(hf: dict) -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    hf = dict(hf)
+    rope_theta = hf.pop("rope_theta")
+    config = transformers.Qwen3MoeConfig(**hf)
+    config.rope_parameters = {"rope_type": "default", "rope_theta": rope_theta}
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _as_hf(config) -> dict:
+    """The config.json a jaxmoe model config stands for (written out by hand here)."""
+    m = config.model
+    return {
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_kv_heads,
+        "head_dim": m.head_dim,
+        "moe_intermediate_size": m.moe.ffn_dim,
+        "intermediate_size": m.ffn_dim,
+        "num_experts": m.moe.num_experts,
+        "num_experts_per_tok": m.moe.top_k,
+        "norm_topk_prob": m.moe.renormalize,
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": m.rope_theta,
+        "tie_word_embeddings": m.tie_embeddings,
+        "decoder_sparse_step": m.moe.every,
+        "mlp_only_layers": [int(i) for i in m.moe.dense_layers.split(",") if i],
+        "router_aux_loss_coef": m.moe.balance_loss_weight,
+    }
+
+
+def test_full_config_is_qwen3_30b_a3b():
+    config = load_config(CONFIG)
+    assert _as_hf(config) == QWEN3_30B_A3B
+    m = config.model
+    assert (m.qk_norm, m.activation, m.moe.gating, m.moe.router_scoring) == (
+        "head", "silu", "topk", "softmax",
+    )  # fmt: skip
+    assert m.moe.num_shared_experts == 0 and m.moe.z_loss_weight == 0.0
+    # 30.5B parameters, as the model card says; transformers counts the same.
+    count = _jaxmoe_count(config)
+    assert count == _hf_count(QWEN3_30B_A3B) == 30_532_122_624
+    # The step of issue 27: 128 x 4096 tokens, no micro-batches, fsdp 4 x expert 8 on 32.
+    t = config.train
+    assert (t.batch_size, t.seq_len, t.grad_accum) == (128, 4096, 1)
+    assert (m.dtype, m.remat, config.optimizer.name, config.mesh.expert) == (
+        "bfloat16", "full", "adamw", 8,
+    )  # fmt: skip
+
+
+def test_tiny_variant_is_the_same_design_and_compiles_with_expert_parallelism():
+    config = load_config(f"{CONFIG}:tiny")
+    full = _as_hf(load_config(CONFIG))
+    tiny = _as_hf(config)
+    same = ("norm_topk_prob", "tie_word_embeddings", "decoder_sparse_step", "mlp_only_layers")
+    assert {k: tiny[k] for k in same} == {k: full[k] for k in same}
+    assert tiny["num_experts"] > tiny["num_experts_per_tok"] > 2  # fine-grained top-k
+    assert config.model.qk_norm == "head"
+    assert _jaxmoe_count(config) == _hf_count(tiny)
+    overrides = ["mesh.expert=4", "model.dtype=bfloat16"]
+    config = load_config(f"{CONFIG}:tiny", overrides)
+    with compile_cache_off():
+        report = compile_for_topology(config, "v5p-8")
+    assert report["verdict"] == "fits"
+    assert report["mesh"]["expert"] == 4
