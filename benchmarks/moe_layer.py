@@ -19,6 +19,7 @@ neighbours (robust to the drifting load of a shared machine); times are minima.
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import jax
@@ -35,42 +36,57 @@ BATCH, LENGTH, D_MODEL, FFN, EXPERTS = 16, 256, 256, 1024, 8
 CLEAR_GAP, NEAR_TIE = 1.5, 0.02  # logit gaps top-1 - top-2: adaptive gap 0.64 / 0.01
 
 
-def model_config(gating: str, dispatch: str, capacity_factor: float, block_size: int):
+@dataclass(frozen=True)
+class LayerShape:
+    """The timed layer's sizes (default: the Table 1 layer above; stragglers.py times a
+    data-parallel shard of its own model)."""
+
+    batch: int = BATCH
+    length: int = LENGTH
+    d_model: int = D_MODEL
+    ffn: int = FFN
+    experts: int = EXPERTS
+
+
+TABLE1 = LayerShape()
+
+
+def model_config(gating: str, dispatch: str, capacity_factor: float, block_size: int, shape=TABLE1):
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(str(root / "configs" / "default.py")).model
-    cfg.d_model = D_MODEL
+    cfg.d_model = shape.d_model
     cfg.activation = "silu"
     moe = cfg.moe
-    moe.num_experts, moe.ffn_dim, moe.gating, moe.threshold = EXPERTS, FFN, gating, 0.1
+    moe.num_experts, moe.ffn_dim, moe.gating, moe.threshold = shape.experts, shape.ffn, gating, 0.1
     moe.gap_normalization, moe.capacity_factor, moe.jitter = "top2", capacity_factor, 0.0
     moe.dispatch, moe.block_size = dispatch, block_size
     return cfg
 
 
-def forced_inputs(share: float, seed: int = 0):
+def forced_inputs(share: float, seed: int = 0, shape=TABLE1):
     """x_BLD whose first E features are the router logits (the router reads them 1:1)."""
     rng = np.random.default_rng(seed)
-    tokens = BATCH * LENGTH
-    first = rng.integers(0, EXPERTS, tokens)
-    second = (first + rng.integers(1, EXPERTS, tokens)) % EXPERTS
+    tokens, experts = shape.batch * shape.length, shape.experts
+    first = rng.integers(0, experts, tokens)
+    second = (first + rng.integers(1, experts, tokens)) % experts
     single = rng.permutation(tokens) < round(share * tokens)
-    logits = np.zeros((tokens, EXPERTS), np.float32)
+    logits = np.zeros((tokens, experts), np.float32)
     logits[np.arange(tokens), first] = 3.0
     logits[np.arange(tokens), second] = 3.0 - np.where(single, CLEAR_GAP, NEAR_TIE)
-    x = rng.normal(size=(tokens, D_MODEL)).astype(np.float32)
-    x[:, :EXPERTS] = logits
-    return jnp.asarray(x.reshape(BATCH, LENGTH, D_MODEL))
+    x = rng.normal(size=(tokens, shape.d_model)).astype(np.float32)
+    x[:, :experts] = logits
+    return jnp.asarray(x.reshape(shape.batch, shape.length, shape.d_model))
 
 
-def make_layer(cfg):
+def make_layer(cfg, shape=TABLE1):
     """(jitted fwd+bwd step, params): the router is the identity on the first E features."""
     model = MoE(cfg, rngs=nnx.Rngs(0))
-    router = np.zeros((D_MODEL, EXPERTS), np.float32)
-    router[:EXPERTS] = np.eye(EXPERTS)
+    router = np.zeros((shape.d_model, shape.experts), np.float32)
+    router[: shape.experts] = np.eye(shape.experts)
     model.router[...] = jnp.asarray(router)
     graphdef, params = nnx.split(model)
     moe = cfg.moe
-    cotangent = jax.random.normal(jax.random.key(1), (BATCH, LENGTH, D_MODEL))
+    cotangent = jax.random.normal(jax.random.key(1), (shape.batch, shape.length, shape.d_model))
 
     @jax.jit
     def step(params, x):
