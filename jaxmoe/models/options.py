@@ -16,6 +16,7 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
 from jaxmoe.models.ffn import dense_layer_ids
 from jaxmoe.models.layers import ACTIVATIONS
+from jaxmoe.models.mla import ATTENTION_KINDS
 from jaxmoe.models.moe.dispatch import DISPATCHES
 from jaxmoe.models.moe.expert_parallel import EXCHANGES
 from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
@@ -141,7 +142,9 @@ class ModelOptions:
     )
     norm_eps: float = option(1e-6, "RMSNorm epsilon")
     rope_theta: float = option(10000.0, "rotary base; 0 disables rotary positions")
-    rope_type: str = option("default", "rotary frequency scaling (default: none)", ROPE_TYPES)
+    rope_type: str = option(
+        "default", "rotary frequency scaling (default: none; yarn: MLA only)", (*ROPE_TYPES, "yarn")
+    )
     rope_factor: float = option(
         1.0, "linear / llama3: context-extension factor frequencies divide by"
     )
@@ -180,6 +183,27 @@ class ModelOptions:
         "RMSNorm on queries/keys before rotary: head (Qwen3) | projection (OLMoE) | none",
         QK_NORMS,
     )
+    # Multi-head latent attention (DeepSeek-V2/V3; docs/mla.md, models/mla.py).
+    attention: str = option(
+        "gqa",
+        "self-attention: gqa (MHA/GQA/MQA by num_kv_heads) | mla (latent keys/values)",
+        ATTENTION_KINDS,
+    )
+    q_lora_rank: int = option(0, "mla: rank of the low-rank query path; 0 = full-rank queries")
+    kv_lora_rank: int = option(512, "mla: width of the compressed key/value latent (cached)")
+    qk_nope_head_dim: int = option(128, "mla: per-head query/key dims without rotary")
+    qk_rope_head_dim: int = option(64, "mla: rotary query dims per head = the shared rotary key")
+    v_head_dim: int = option(128, "mla: per-head value width")
+    rope_beta_fast: float = option(32.0, "yarn: dims turning more often than this kept")
+    rope_beta_slow: float = option(1.0, "yarn: dims turning less often than this interpolated")
+    rope_mscale: float = option(0.0, "yarn: mscale of the rotary factor (0 = not given)")
+    rope_mscale_all_dim: float = option(
+        0.0, "yarn: mscale_all_dim; softmax scale times mscale(factor, it)**2 (0 = off)"
+    )
+    rope_attention_factor: float = option(
+        0.0, "yarn: rotary q/k multiplier; 0 = derived from factor and the mscales"
+    )
+    rope_truncate: bool = option(True, "yarn: round the ramp's ends to whole dims")
     moe: MoEOptions = field(default_factory=MoEOptions)
 
     def check(self) -> None:
@@ -197,6 +221,7 @@ class ModelOptions:
             f"model.head_dim={self.head_dim} must be even for rotary positions (model.rope_theta)",
         )
         self._check_rope()
+        self._check_latent()
         need(
             not self.qkv_bias or self.arch == "decoder",
             "model.qkv_bias=True is implemented for decoder models only (model.arch='decoder')",
@@ -277,3 +302,37 @@ class ModelOptions:
                 self.rope_original_max_len > 0,
                 f"model.rope_original_max_len={self.rope_original_max_len} must be positive",
             )
+
+    def _check_latent(self) -> None:
+        """model.attention=mla and YaRN (implemented for MLA only)."""
+        need(
+            self.rope_type != "yarn" or self.attention == "mla",
+            "model.rope_type='yarn' is implemented for model.attention='mla' only",
+        )
+        if self.rope_type == "yarn":
+            need(
+                self.rope_original_max_len > 0,
+                f"model.rope_original_max_len={self.rope_original_max_len} must be positive",
+            )
+            need(
+                self.rope_beta_fast > 0 and self.rope_beta_slow > 0,
+                "model.rope_beta_fast and model.rope_beta_slow must be positive",
+            )
+        if self.attention != "mla":
+            return
+        need(self.arch == "decoder", "model.attention='mla' is implemented for decoders only")
+        for key in ("kv_lora_rank", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, key)
+            need(value > 0, f"model.{key}={value} must be positive for model.attention='mla'")
+        for key in ("q_lora_rank", "qk_nope_head_dim"):
+            value = getattr(self, key)
+            need(value >= 0, f"model.{key}={value} must be >= 0")
+        need(
+            self.qk_rope_head_dim % 2 == 0,
+            f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even (rotary pairs)",
+        )
+        need(self.rope_theta > 0, "model.attention='mla' needs rotary positions (rope_theta > 0)")
+        need(
+            not self.qkv_bias and self.qk_norm == "none",
+            "model.attention='mla' has no qkv_bias or qk_norm (its latents are normed)",
+        )

@@ -13,6 +13,7 @@ from jaxmoe.models.kv_cache import (
     decoder_mask,
     self_attention,
 )
+from jaxmoe.models.latent_cache import latent_self_attention
 from jaxmoe.models.layers import (
     Embed,
     RMSNorm,
@@ -23,6 +24,7 @@ from jaxmoe.models.layers import (
     make_param,
     matmul_2d,
 )
+from jaxmoe.models.mla import LatentAttention
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -30,19 +32,22 @@ from jaxmoe.parallel.sharding import constrain_batch
 class DecoderBlock(nnx.Module):
     def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
-        self.attn = Attention(
-            cfg.d_model,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            rope_theta=cfg.rope_theta,
-            rope_scaling=RopeScaling.from_config(cfg),
-            qkv_bias=cfg.qkv_bias,
-            causal_block=cfg.attention_block,
-            qk_norm=cfg.qk_norm,
-            norm_eps=cfg.norm_eps,
-            rngs=rngs,
-        )
+        if cfg.attention == "mla":  # DeepSeek's latent attention (latent_cache.py decodes)
+            self.attn = LatentAttention(cfg, rngs=rngs)
+        else:
+            self.attn = Attention(
+                cfg.d_model,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                rope_theta=cfg.rope_theta,
+                rope_scaling=RopeScaling.from_config(cfg),
+                qkv_bias=cfg.qkv_bias,
+                causal_block=cfg.attention_block,
+                qk_norm=cfg.qk_norm,
+                norm_eps=cfg.norm_eps,
+                rngs=rngs,
+            )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
@@ -51,7 +56,8 @@ class DecoderBlock(nnx.Module):
         """(x, aux, cache). With `slot` (kv_cache.CacheSlot, decoding) the self-attention
         reads and writes the layer's KV cache and `cache` is the updated one (else None).
         `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
-        h_BLD, cache = self_attention(
+        latent = isinstance(self.attn, LatentAttention)
+        h_BLD, cache = (latent_self_attention if latent else self_attention)(
             self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)

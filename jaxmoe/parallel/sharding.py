@@ -28,6 +28,7 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
     "head_dim": (),
+    "latent": (),  # MLA: the compressed query/key-value latent (models/mla.py)
     "norm": (),
     "expert": ("expert",),
     "expert_mlp": ("tensor",),
