@@ -239,8 +239,8 @@ def test_command_line_and_a_non_t5_checkpoint(tmp_path, round_trip):
     summary = json.loads(done.stdout.strip().splitlines()[-1])
     assert summary["checkpoint"] == str(tmp_path / "cli" / "checkpoint_0")
     config = json.loads((root / "first" / "config" / "config.json").read_text())
-    config["model"]["moe"]["num_experts"] = 4
-    bad = tmp_path / "moe"
+    config["model"]["qkv_bias"] = True
+    bad = tmp_path / "biased"
     bad.mkdir()
     shutil.copytree(root / "first" / "params", bad / "params")
     (bad / "config").mkdir()
@@ -248,7 +248,7 @@ def test_command_line_and_a_non_t5_checkpoint(tmp_path, round_trip):
     done = run_cli("export", "t5x", str(bad), str(tmp_path / "x"))
     assert done.returncode == 2
     lines = done.stderr.strip().splitlines()
-    assert lines[-1].startswith("jaxmoe export: error:") and "num_experts=4" in lines[-1]
+    assert lines[-1].startswith("jaxmoe export: error:") and "qkv_bias=True" in lines[-1]
     assert not (tmp_path / "x").exists()
 
 

@@ -1,5 +1,10 @@
 """`jaxmoe export t5x CKPT OUT`: a jaxmoe T5.1.1 checkpoint -> T5X checkpoint `OUT/checkpoint_S/`.
 
+An MoE checkpoint (every `moe.every`-th layer sparse, a router and stacked experts) is
+written in Flaxformer's MoeLayer layout (Switch Transformer / ST-MoE; moe.py), the inverse
+of `convert t5x`; ReLU (ungated `wi`: T5 v1.0, Switch Base) and tied logits (no
+`decoder/logits_dense`, the embedding scaled by 1/sqrt(D)) are written as those read them.
+
 Written as T5X's msgpack + TensorStore `Checkpointer.save` writes it from one host:
 - `checkpoint`: a flax msgpack file `{'version': 3, 'optimizer': {'state': {'param_states':
   ..., 'step': int32}, 'target': params}}`, keys sorted below `optimizer` (T5X builds the
@@ -59,12 +64,17 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
 def check_exportable(m) -> None:
     """T5X's T5.1.1 (`t5x/examples/t5/network.py`) holds what `convert t5x` converts; refuse
     what it cannot hold, naming the setting."""
+    ffn = (m.activation, bool(m.ffn_gated))
+    mixed = "Flaxformer's MIXED placement, every moe.every-th layer"
     problems = [
         (m.arch != "encoder_decoder", f"model.arch={m.arch!r} (T5X T5.1.1 is encoder_decoder)"),
-        (m.moe.num_experts > 0, f"model.moe.num_experts={m.moe.num_experts} (MoE layers)"),
-        (m.tie_embeddings, "model.tie_embeddings=True (T5.1.1 has its own logits_dense)"),
-        (m.activation != "gelu", f"model.activation={m.activation!r} (T5.1.1: gated gelu)"),
-        (not m.ffn_gated, "model.ffn_gated=False (T5.1.1: gated gelu)"),
+        (
+            ffn not in (("gelu", True), ("relu", False)),
+            f"model.activation={m.activation!r} with model.ffn_gated={m.ffn_gated} (T5.1.1 "
+            "and Switch XXL: gated gelu; Switch Base / Large: ungated relu)",
+        ),
+        (m.moe.num_experts and m.moe.first_dense_layers, f"model.moe.first_dense_layers ({mixed})"),
+        (m.moe.num_experts and m.moe.dense_layers, f"model.moe.dense_layers ({mixed})"),
         (not m.relpos_buckets, "model.relpos_buckets=0 (T5 needs a relative-position bias)"),
         (m.qkv_bias, "model.qkv_bias=True (T5 has no biases)"),
     ]
@@ -144,7 +154,9 @@ def export_t5x(
     check_exportable(config.model)
     abstract = flatten(abstract_params(unrolled_config(config.model)))  # per-layer paths
     shapes = {path: tuple(leaf.shape) for path, leaf in abstract.items()}
-    names = {path: t5x_name(path) for path in shapes}  # raises for parameters T5X lacks
+    # An MoE layer's FFN kernels are its stacked experts [E, ...] (`mlp/expert/...`).
+    expert = {p: len(s) == 3 and p[2:3] == ("ffn",) for p, s in shapes.items()}
+    names = {p: t5x_name(p, expert=expert[p]) for p in shapes}  # raises where T5X has none
     keep = _keeps_adafactor(str(ckpt), config) and not config.model.scan_layers
     moments, count = adafactor_states(str(ckpt), config, shapes, keep)
     if count is not None:
