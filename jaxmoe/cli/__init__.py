@@ -2,6 +2,8 @@
 
 One module per command, each with `add_parser(subparsers)` (which sets `run`) and
 `run(args) -> exit code`; `--config.KEY=VALUE` overrides arrive as `args.overrides`.
+The command modules import only what their parsers need (argparse and light constant
+modules); each `run` imports the library it calls, so `--help` never starts JAX.
 """
 
 import argparse
@@ -64,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(rest)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    if args.command == "lm-eval" and lm_eval.wants_help(args):
+        return lm_eval.print_help()  # lm-eval's own help: no backend, so no JAX
     skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
     if args.command in COMPUTING:
         retain_freed_host_memory()  # before any backend starts its threads

@@ -13,8 +13,7 @@ from jaxmoe.cli.flags import (
     positive_int,
     writable_dir,
 )
-from jaxmoe.inference.routing_analysis import analyze_routing
-from jaxmoe.inference.routing_probe import GATE_CHOICES
+from jaxmoe.inference.choices import GATE_CHOICES
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -54,6 +53,8 @@ def run(args) -> int:
     """The command: analyse, write the files, print one JSON line with the main rates."""
     overrides = args.overrides
     import jax
+
+    from jaxmoe.inference.routing_analysis import analyze_routing
 
     initialize_from_flags(args)
     config = checkpoint_config_override(args)

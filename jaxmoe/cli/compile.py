@@ -4,12 +4,8 @@ TPU topology on this host; exit 0 if it fits, 2 if not or on error."""
 import json
 import sys
 
-import jax
-import numpy as np
-
-from jaxmoe.aot import compile_check
-from jaxmoe.aot.compile_check import EXIT_FAILS, EXIT_FITS, compile_for_topology, format_report
-from jaxmoe.cli.flags import add_override_flag
+from jaxmoe.aot.exit_codes import EXIT_FAILS, EXIT_FITS
+from jaxmoe.cli.flags import add_override_flag, module_docstring
 from jaxmoe.errors import ConfigError
 
 
@@ -18,7 +14,7 @@ def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
         "compile",
         help="compile the train step for a TPU topology on this host and check it fits",
-        description=compile_check.__doc__.split("\n\n")[1],
+        description=module_docstring("jaxmoe.aot.compile_check").split("\n\n")[1],
     )
     parser.add_argument("--config", required=True, help="config file, optionally with :variant")
     add_override_flag(parser)
@@ -36,6 +32,8 @@ def add_parser(subparsers) -> None:
 def _compile_on_cpu_host() -> None:
     """Keep this process off any local TPU: compiling needs none, and a running job may hold
     it. Only when the user chose no platform."""
+    import jax
+
     if jax.config.jax_platforms is None:
         jax.config.update("jax_platforms", "cpu")
 
@@ -43,6 +41,7 @@ def _compile_on_cpu_host() -> None:
 def run(args) -> int:
     """`jaxmoe compile`: print the report (or JSON); 0 if the step fits, 2 if not or on error."""
     overrides = args.overrides
+    from jaxmoe.aot.compile_check import compile_for_topology, format_report
     from jaxmoe.config.loading import load_config
 
     _compile_on_cpu_host()
@@ -64,6 +63,8 @@ def run(args) -> int:
 
 
 def _json_default(value):
+    import numpy as np
+
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")

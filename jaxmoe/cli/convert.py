@@ -9,17 +9,11 @@ import math
 import time
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.checkpoints.staging import interrupts_in_one_line
-from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.conversions.hf.importer import convert_hf
-from jaxmoe.conversions.surgery import METHODS, convert_gqa, convert_upcycle
-from jaxmoe.conversions.t5x.convert import convert_t5x
-from jaxmoe.models.spec import abstract_params
-from jaxmoe.models.stack import unrolled_config
+from jaxmoe.conversions.choices import METHODS
 from jaxmoe.storage.paths import absolute_path
+
+# Each run_* imports its converter: `jaxmoe convert --help` must not start JAX.
 
 
 def add_parser(subparsers) -> None:
@@ -72,6 +66,9 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
 
 def run_t5x(args) -> int:
     """Runs the conversion for parsed `args`; prints one JSON line describing DST."""
+    from jaxmoe.checkpoints.staging import interrupts_in_one_line
+    from jaxmoe.conversions.t5x.convert import convert_t5x
+
     overrides = args.overrides
     start = time.perf_counter()
     with interrupts_in_one_line(args.dst):
@@ -105,6 +102,12 @@ def run_t5x(args) -> int:
 
 def convert_hf_summary(src: str, dst: str, dtype: str = "float32", overrides=()) -> int:
     """`jaxmoe convert hf SRC DST [--dtype] [--config.KEY=VALUE ...]`: prints one JSON line."""
+    from jaxmoe.checkpoints.staging import interrupts_in_one_line
+    from jaxmoe.checkpoints.trees import flatten
+    from jaxmoe.conversions.hf.importer import convert_hf
+    from jaxmoe.models.spec import abstract_params
+    from jaxmoe.models.stack import unrolled_config
+
     start = time.perf_counter()
     with interrupts_in_one_line(dst):
         config = convert_hf(src, dst, dtype, overrides)
@@ -182,7 +185,7 @@ def _add_surgery(subparsers) -> None:
     upcycle.set_defaults(run=run_upcycle)
 
 
-def _summary(dst: str, config: ConfigDict, start: float) -> None:
+def _summary(dst: str, config, start: float) -> None:
     m = config.model
     print(
         json.dumps(
@@ -201,6 +204,9 @@ def _summary(dst: str, config: ConfigDict, start: float) -> None:
 
 
 def run_gqa(args) -> int:
+    from jaxmoe.checkpoints.staging import interrupts_in_one_line
+    from jaxmoe.conversions.surgery import convert_gqa
+
     start = time.perf_counter()
     with interrupts_in_one_line(args.dst):
         config = convert_gqa(
@@ -211,6 +217,9 @@ def run_gqa(args) -> int:
 
 
 def run_upcycle(args) -> int:
+    from jaxmoe.checkpoints.staging import interrupts_in_one_line
+    from jaxmoe.conversions.surgery import convert_upcycle
+
     start = time.perf_counter()
     with interrupts_in_one_line(args.dst):
         config = convert_upcycle(

@@ -8,7 +8,6 @@ from jaxmoe.cli.flags import (
     non_negative_int,
     positive_int,
 )
-from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.storage.paths import absolute_path
 
 
@@ -36,6 +35,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
+    from jaxmoe.inference.decode_text import decode_main
+
     overrides = args.overrides
     config = checkpoint_config_override(args)
     decode_main(

@@ -6,15 +6,8 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.checkpoints.staging import (
-    check_new_directory,
-    check_writable,
-    interrupts_in_one_line,
-)
-from jaxmoe.conversions.hf.exporter import DEFAULT_MAX_SHARD_SIZE, export_hf
-from jaxmoe.conversions.hf.tokenizer_files import TOKENIZER_FILES
-from jaxmoe.conversions.t5x.exporter import export_t5x
+from jaxmoe.conversions.choices import DEFAULT_MAX_SHARD_SIZE
+from jaxmoe.errors import CheckpointError
 from jaxmoe.storage.paths import absolute_path
 
 
@@ -35,6 +28,10 @@ def export_hf_summary(
 ) -> int:
     """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
     JSON line."""
+    from jaxmoe.checkpoints.staging import check_new_directory, interrupts_in_one_line
+    from jaxmoe.conversions.hf.exporter import export_hf
+    from jaxmoe.conversions.hf.tokenizer_files import TOKENIZER_FILES
+
     check_new_directory(dst)  # before any work: the write comes last
     if Path(dst).is_file():
         raise CheckpointError(
@@ -119,6 +116,9 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
 
 def run_t5x(args) -> int:
     """`jaxmoe export t5x CKPT OUT [--dtype] [--step]`: prints one JSON line."""
+    from jaxmoe.checkpoints.staging import check_writable, interrupts_in_one_line
+    from jaxmoe.conversions.t5x.exporter import export_t5x
+
     if args.overrides:
         raise CheckpointError(f"export t5x takes no --config overrides (got {args.overrides[0]!r})")
     check_writable(args.out)  # before any work: the write comes last

@@ -152,3 +152,14 @@ def checkpoint_config_override(args):
     from jaxmoe.config.loading import load_config
 
     return load_config(args.config, args.overrides) if args.config else None
+
+
+def module_docstring(name: str) -> str:
+    """A module's docstring read from its source, without importing it (and what it imports):
+    a command's help may quote the library module that does the work."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    with open(spec.origin, encoding="utf-8") as source:
+        return ast.get_docstring(ast.parse(source.read())) or ""

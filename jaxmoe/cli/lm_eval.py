@@ -1,6 +1,10 @@
 """`jaxmoe lm-eval --tasks T --model_args checkpoint=C ...`: lm-evaluation-harness tasks on a
 checkpoint. Every flag after `lm-eval` is lm-eval's own (`--model jaxmoe` is implied)."""
 
+import sys
+
+EXTRA_HINT = "install the eval extra: pip install 'jaxmoe[eval]'"
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser(
@@ -11,9 +15,30 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run, lm_eval_args=[])
 
 
+def wants_help(args) -> bool:
+    return bool({"-h", "--help"} & set(args.lm_eval_args))
+
+
 def run(args) -> int:
+    if wants_help(args):
+        return print_help()
     try:
         from jaxmoe.inference.lm_eval_backend import run_lm_eval
     except ImportError as error:
-        raise RuntimeError(f"{error}; install the eval extra: pip install 'jaxmoe[eval]'") from None
+        raise RuntimeError(f"{error}; {EXTRA_HINT}") from None
     return run_lm_eval(args.lm_eval_args)
+
+
+def print_help() -> int:
+    """lm-eval's own `run --help`, without jaxmoe's backend (which starts JAX)."""
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ImportError as error:
+        raise RuntimeError(f"{error}; {EXTRA_HINT}") from None
+    print("jaxmoe lm-eval: lm-eval's flags below; --model jaxmoe is implied\n")
+    sys.argv = ["jaxmoe lm-eval", "run", "--help"]
+    try:
+        cli_evaluate()
+    except SystemExit as done:  # argparse leaves after printing the help
+        return done.code or 0
+    return 0

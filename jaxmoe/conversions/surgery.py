@@ -39,6 +39,7 @@ from jaxmoe.checkpoints.restore import restore_on_mesh
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR, inherited_tokenizer
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.conversions.choices import METHODS
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
 from jaxmoe.models.stack import layer_layouts, stack_layers, unrolled_config
@@ -46,7 +47,6 @@ from jaxmoe.parallel.mesh import make_mesh
 
 log = logging.getLogger(__name__)
 
-METHODS = ("mean", "first", "random")
 # The mesh conversions run on: every device along fsdp, so no device holds a full copy.
 _CONVERT_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
 _EXPERT_KERNELS = ("wi_0", "wi_1", "wi", "wo")

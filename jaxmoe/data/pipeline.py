@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxmoe.compat.optional import require
 from jaxmoe.data.mixture import MixtureBatches, component_config, parse_mixture
 from jaxmoe.data.multihost import Barrier, TracedBatches, prepare_once
 from jaxmoe.data.packing import PackedWindows
@@ -116,7 +117,7 @@ class TrainBatches:
         """The epoch's local batches as a random-access grain dataset (index = step)."""
         # Imported here: grain imports jax (~0.7 s), and jaxmoe.data should stay cheap to
         # import for tools that only prepare data.
-        import grain
+        grain = require("grain", "training batches")
 
         order = np.asarray(self.epoch_order(epoch))
         if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):

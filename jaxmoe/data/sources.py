@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from jaxmoe.compat.optional import require
 from jaxmoe.data import corpus
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
@@ -83,6 +84,8 @@ def open_split(config, split_key: str) -> SplitDocuments:
     """Documents of the split named by `data.<split_key>`, preparing a local source first."""
     # Imported here: commands that read no data (`jaxmoe compile`) then run without
     # tensorflow_datasets installed, e.g. in another project's venv with its own libtpu.
+    for package in ("tensorflow_datasets", "array_record"):
+        require(package, f"reading data.source={config.data.source!r}")
     from jaxmoe.data import tfds_text
 
     spec = corpus.parse_source(config.data.source)

@@ -15,7 +15,7 @@ own forward pass (and so every later layer's input) always uses the evaluation g
 `jaxmoe eval` does. Router jitter is never applied.
 """
 
-from jaxmoe.inference.routing_probe import GATE_CHOICES
+from jaxmoe.inference.choices import GATE_CHOICES
 
 # JAX and the model code are imported inside the functions: the CLI builds its parser
 # without loading them.

@@ -12,12 +12,11 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxmoe.inference.choices import GATE_CHOICES
 from jaxmoe.inference.routing_counts import RoutingCounts
 from jaxmoe.models.moe import gates
 from jaxmoe.models.moe.layer import MoE
 from jaxmoe.models.stack import stack_modules
-
-GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
 
 
 class RoutingProbe(nnx.Module):

@@ -20,6 +20,7 @@ import time
 import jax
 from etils import epath
 
+from jaxmoe.compat.optional import require
 from jaxmoe.storage.paths import is_remote
 
 log = logging.getLogger("jaxmoe")
@@ -73,7 +74,7 @@ class MetricsWriter:
             return
         if wandb is not None:
             self._wandb = _start_wandb(workdir, wandb)
-        from tensorboardX import SummaryWriter
+        SummaryWriter = require("tensorboardX", "TensorBoard metrics").SummaryWriter
 
         # purge_step: TensorBoard hides the interrupted run's events after the restored step.
         self._tb = SummaryWriter(self.tb_dir, purge_step=start_step + 1 if start_step else None)

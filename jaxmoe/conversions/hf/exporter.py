@@ -31,6 +31,7 @@ from jaxmoe.checkpoints.leafwise import Index, StoredParams
 from jaxmoe.checkpoints.manager import CheckpointError, check_params_match, read_config
 from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.conversions.choices import DEFAULT_MAX_SHARD_SIZE
 from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.conversions.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage
 from jaxmoe.conversions.hf.names import ImportPlan, TensorMap
@@ -42,7 +43,6 @@ from jaxmoe.storage.paths import absolute_path
 
 _SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16"}
 SHARD_FILE = "model-{:05d}-of-{:05d}.safetensors"  # save_pretrained's shard names
-DEFAULT_MAX_SHARD_SIZE = "5GB"  # save_pretrained's default
 # Decimal and binary units, as save_pretrained's max_shard_size reads them.
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS |= {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -99,6 +99,10 @@ def _location(t: TensorMap, m, stacked: bool) -> tuple[tuple[str, ...], Index]:
 
 def _hf_tensor(stored: StoredParams, t: TensorMap, m, stacked: bool, dtype) -> np.ndarray:
     value = stored.read(*_location(t, m, stacked))
+    if hasattr(t.layout, "to_hf_pair"):  # one HF tensor packs two (GPT-OSS gate_up_proj)
+        partner = TensorMap(t.hf_name, (*t.path[:-1], t.layout.partner), t.layout, t.expert)
+        packed = t.layout.to_hf_pair(value, stored.read(*_location(partner, m, stacked)))
+        return np.array(packed, dtype=dtype, order="C")
     return np.array(t.layout.to_hf(value), dtype=dtype, order="C")  # one copy
 
 
