@@ -411,6 +411,70 @@ def plot(report: dict, out: Path) -> list[Path]:
     return paths
 
 
+def plot_concentration(report: dict, out: Path) -> Path:
+    """Share of tokens concentrated on their top-1 expert, per MoE layer, over training."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    first = next(iter(report["seeds"].values()))["variants"]
+    layers = sorted(
+        {k for r in first.values() for p in r["curve"] for k in p.get("concentrated", {})}
+    )
+    fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), sharey=True)
+    for ax, layer in zip(np.atleast_1d(axes), layers, strict=True):
+        for i, (n, r) in enumerate(first.items()):
+            pts = [p for p in r["curve"] if layer in p.get("concentrated", {})]
+            if pts:
+                ax.plot([p["step"] for p in pts], [p["concentrated"][layer] for p in pts],
+                        color=f"C{i}", label=n)  # fmt: skip
+        ax.axhline(0.55, color="gray", linestyle="--", linewidth=1)
+        ax.set_xlabel("training step")
+        ax.set_title(f"{layer}: gap >= {CONCENTRATION_T} (dashed: paper's 55%)", fontsize=10)
+    np.atleast_1d(axes)[0].set_ylabel("share of eval tokens on one expert")
+    np.atleast_1d(axes)[0].legend(fontsize=7)
+    fig.tight_layout()
+    path = out / "concentration.png"
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def concentration_table(report: dict) -> str:
+    """Mean over seeds of the concentrated share per layer at a few points of training."""
+    seeds = list(report["seeds"].values())
+    names = [n for n, r in seeds[0]["variants"].items() if r["gating"] != "dense"]
+    steps = [p["step"] for p in seeds[0]["variants"][names[0]]["curve"]]
+    picks = sorted({steps[0], steps[len(steps) // 4], steps[len(steps) // 2], steps[-1]})
+    layers = sorted(seeds[0]["variants"][names[0]]["curve"][0]["concentrated"])
+    rows = []
+    for n in names:
+        for layer in layers:
+            cells = []
+            for step in picks:
+                vals = [
+                    p["concentrated"][layer]
+                    for s in seeds
+                    for p in s["variants"][n]["curve"]
+                    if p["step"] == step
+                ]
+                cells.append(f"{np.mean(vals):.0%}")
+            rows.append([n, layer, *cells])
+    return markdown_table(["variant", "layer", *(f"step {k}" for k in picks)], rows)
+
+
+def report_only(path: str, figures: str) -> int:
+    """Re-render the table and plots of a finished run's time_to_target.json."""
+    report = json.loads(Path(path).read_text())
+    out = Path(figures) if figures else Path(path).parent
+    out.mkdir(parents=True, exist_ok=True)
+    plot(report, out)
+    plot_concentration(report, out)
+    print(table(report), "", concentration_table(report), sep="\n", flush=True)
+    return 0
+
+
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", required=True, help="directory for the JSON, routing.npz and plots")
@@ -425,6 +489,7 @@ def parse_args(argv):
     p.add_argument("--figures", default="", help="also copy the plots into this directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps: a smoke test")
+    p.add_argument("--report", default="", help="train nothing: re-render this JSON's tables/plots")
     add_json_flag(p)
     args = p.parse_args(argv)
     args.steps = args.steps or (12 if args.quick else 314)
@@ -447,6 +512,8 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report:
+        return report_only(args.report, args.figures)
     import jax
 
     out = Path(args.out)
@@ -489,6 +556,7 @@ def main(argv=None) -> int:
                 routing[f"seed{seed}/{n}/example_ids"] = np.stack(rec["example_ids"])
                 routing[f"seed{seed}/{n}/top2_BM"] = np.stack(rec["top2_BM"])
         routing[f"seed{seed}/steps_per_epoch"] = np.asarray(data.steps_per_epoch)
+        routing["seq_len"] = np.asarray(variants[args.variants[0]].config.train.seq_len)
         np.savez_compressed(out / "routing.npz", **routing)
     cfg = variants[REFERENCE].config if REFERENCE in variants else pilot_cfg
     m = cfg.model
@@ -517,11 +585,11 @@ def main(argv=None) -> int:
         "summary": summarize(per_seed),
     }
     (out / "time_to_target.json").write_text(json.dumps(report, indent=1))
-    for path in plot(report, out):
+    for path in [*plot(report, out), plot_concentration(report, out)]:
         if args.figures:
             Path(args.figures).mkdir(parents=True, exist_ok=True)
             (Path(args.figures) / path.name).write_bytes(path.read_bytes())
-    print(table(report), flush=True)
+    print(table(report), "", concentration_table(report), sep="\n", flush=True)
     write_json("time_to_target", report, args.json)
     return 0
 
