@@ -30,6 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.moe.grouping import block_rows, tail_rows
+
 Activation = Callable[[jax.Array], jax.Array]
 
 
@@ -61,7 +63,7 @@ def expert_ranks(expert_A: jax.Array, valid_A: jax.Array, num_experts: int):
 
 def block_sizes(block_size: int) -> tuple[int, ...]:
     """(block_size, block_size // 4): full blocks, then tail blocks for the remainder."""
-    tail = max(block_size // 4, 1)
+    tail = tail_rows(block_size)
     return (block_size, tail) if tail < block_size else (block_size,)
 
 
@@ -210,17 +212,11 @@ def grouped_ffn_blocks(
     """
     x_ND = jnp.asarray(x_ND)
     num_experts = wi_0_EDF.shape[0]
-    # Few assignments per expert (decoding, a small per-device shard): the tail block must not
-    # exceed an expert's average share, or every expert pads a few rows to a 64-row product.
+    # Few assignments per expert (decoding, a small shard, many fine-grained experts): blocks
+    # shrink to an expert's average share of rows, or padding would outweigh the rows.
     # Decoding 8 sequences with 8 experts (2 rows each) ran 64-row blocks at 263-357 ms per
     # token; 2-row blocks take 96 ms (loaded 2-core host, benchmarks/decode_peer.py's model).
-    # And a block may not exceed the row buffer.
-    per_expert = -(-src_A.shape[0] // num_experts)
-    while block_size > 1 and (
-        block_sizes(block_size)[-1] > per_expert
-        or block_size > src_A.shape[0] + num_experts * block_sizes(block_size)[-1]
-    ):
-        block_size //= 2
+    block_size = block_rows(src_A.shape[0], num_experts, block_size)
     sizes = block_sizes(block_size)
     rows = expert_layout(
         src_A,
