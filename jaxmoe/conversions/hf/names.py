@@ -29,6 +29,7 @@ from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.models.ffn import is_moe_layer
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "jaxmoe_moe")
+SUPPORTED_MODEL_TYPES += ("deepseek_v2", "deepseek_v3")  # names_deepseek.py
 # Tensors HF itself skips when loading: derived buffers and an unused T5 table.
 _IGNORED = (
     re.compile(r".*\.rotary_emb\.inv_freq"),
@@ -389,5 +390,10 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         )
     if model_type == "t5":
         return _t5_plan(hf, present, m)
+    if model_type in ("deepseek_v2", "deepseek_v3"):
+        # names_deepseek builds on this module's tables, so it is imported here.
+        from jaxmoe.conversions.hf.names_deepseek import deepseek_plan
+
+        return deepseek_plan(hf, present, m)
     supported = " | ".join(SUPPORTED_MODEL_TYPES)
     raise CheckpointError(f"config.json: model_type {model_type!r} is not supported ({supported})")

@@ -1,0 +1,257 @@
+"""DeepSeek-V2 / V3 config.json and tensor names <-> jaxmoe (`convert hf`, `export hf`).
+
+Attention is multi-head latent attention (model.attention=mla, models/mla.py); the HF
+tensors map one to one onto jaxmoe's, so both directions are transposes and reshapes:
+q_proj or q_a_proj / q_a_layernorm / q_b_proj -> query or q_down / q_norm / q_up,
+kv_a_proj_with_mqa [r + dr, D] -> kv_down, kv_a_layernorm -> kv_norm,
+kv_b_proj [H (dn + dv), r] -> kv_up [r, H, dn + dv], o_proj -> out. Both write their
+rotary dims interleaved (V3's rope_interleave=true; V2 rotates complex pairs), which is
+mla.py's layout, so nothing is permuted.
+
+The FFN is dense in layers 0..first_k_dense_replace-1 and an MoE after that: routed experts
+`mlp.experts.{e}.{gate,up,down}_proj`, the always-on `mlp.shared_experts` (one FFN of
+n_shared_experts x moe_intermediate_size) and the router `mlp.gate`. V3 scores experts by
+sigmoid, chooses with e_score_correction_bias (model.moe.selection_bias) inside the
+topk_group best of n_group groups, renormalises with norm_topk_prob and scales by
+routed_scaling_factor; V2 takes the softmax top-k (transformers ignores its
+norm_topk_prob) times routed_scaling_factor. V3's multi-token-prediction layers are not
+part of jaxmoe's model: a checkpoint holding them is refused, one announcing them without
+the tensors (what transformers saves) converts with a warning.
+"""
+
+import re
+import sys
+
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.conversions.hf.hf_config import (
+    check_layer_count,
+    config_number,
+    config_size,
+    read_decoder_basics,
+)
+from jaxmoe.conversions.hf.names import (
+    QWEN_EXPERT_NAMES,
+    SAME,
+    FusedGateUp,
+    ImportPlan,
+    Linear,
+    StackedDown,
+    TensorMap,
+    _gated_ffn_maps,
+)
+from jaxmoe.models.ffn import is_moe_layer
+
+DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
+_YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
+
+
+def _rope_params(hf: dict) -> dict:
+    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise CheckpointError(f"config.json: rope_parameters={params!r} is not an object")
+    return params
+
+
+def _read_rope(hf: dict, m: ConfigDict) -> None:
+    """Plain or YaRN rotary of the rope dims (transformers 5.x `rope_parameters` or 4.x
+    `rope_scaling` + `rope_theta`)."""
+    params = _rope_params(hf)
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ("default", "yarn"):
+        raise CheckpointError(
+            f"config.json: rope_type {rope_type!r} is not supported for DeepSeek (default | yarn)"
+        )
+    m.rope_theta = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m.rope_type = rope_type
+    if rope_type == "default":
+        return
+    m.rope_original_max_len = config_size(params, "original_max_position_embeddings")
+    if params.get("factor") is None:  # transformers' rule: the context's stretch
+        m.rope_factor = m.max_len / m.rope_original_max_len
+    else:
+        m.rope_factor = config_number(params, "factor")
+    defaults = {"beta_fast": 32.0, "beta_slow": 1.0}
+    for key in _YARN_KEYS:
+        value = params.get(key)
+        value = defaults.get(key, 0.0) if not value else config_number(params, key)
+        setattr(m, f"rope_{key}", value)
+    m.rope_truncate = bool(params.get("truncate", True))
+
+
+def _mtp_layers(hf: dict, present: set[str], num_layers: int) -> None:
+    """Refuse multi-token-prediction layers held in the files; warn when only announced."""
+    nextn = hf.get("num_nextn_predict_layers") or 0
+    extra = sorted(
+        {
+            int(x.group(1))
+            for n in present
+            if (x := re.match(r"model\.layers\.(\d+)\.", n)) and int(x.group(1)) >= num_layers
+        }
+    )
+    if extra:
+        raise CheckpointError(
+            f"config.json: num_nextn_predict_layers={nextn}: the checkpoint holds "
+            f"multi-token-prediction layer(s) model.layers.{extra[0]}.*, which jaxmoe does not "
+            "implement; remove those tensors to convert the main model"
+        )
+    if nextn:
+        print(
+            f"convert hf: num_nextn_predict_layers={nextn} announced but no such tensors in "
+            "the checkpoint: converting the main model only",
+            file=sys.stderr,
+        )
+
+
+def _refuse_unsupported(hf: dict, family: str) -> None:
+    if hf.get("attention_bias"):
+        raise CheckpointError("config.json: attention_bias=true: jaxmoe's MLA has no biases")
+    if family == "deepseek_v3" and hf.get("rope_interleave") is False:
+        raise CheckpointError(
+            "config.json: rope_interleave=false: jaxmoe's MLA rotates interleaved pairs only"
+        )
+    if (hf.get("moe_layer_freq") or 1) != 1:
+        raise CheckpointError(
+            f"config.json: moe_layer_freq={hf['moe_layer_freq']!r}: jaxmoe reads DeepSeek "
+            "models with an MoE FFN in every layer after first_k_dense_replace"
+        )
+    method = hf.get("topk_method") or "greedy"
+    if family == "deepseek_v2" and method != "greedy":
+        raise CheckpointError(
+            f"config.json: topk_method={method!r}: jaxmoe's group-limited routing ranks "
+            "groups by their top-2 sum (DeepSeek-V3), not V2's max; greedy is supported"
+        )
+
+
+def read_deepseek(hf: dict, present: set[str], m: ConfigDict) -> str:
+    """Sets model config `m` from a DeepSeek-V2/V3 config.json `hf`; returns the experts'
+    tensor style (`per_expert` or `fused`)."""
+    family = hf["model_type"]
+    _refuse_unsupported(hf, family)
+    layers = config_size(hf, "num_hidden_layers")
+    _mtp_layers(hf, present, layers)
+    # The Llama-like sizes; rotary is read below (YaRN is MLA's, not read_rope's).
+    basics = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
+    basics["head_dim"] = None
+    read_decoder_basics(basics, present, m)
+    m.attention = "mla"
+    m.num_kv_heads = m.num_heads  # every head has its own key and value (rebuilt)
+    m.q_lora_rank = config_size(hf, "q_lora_rank", 0) if hf.get("q_lora_rank") else 0
+    m.kv_lora_rank = config_size(hf, "kv_lora_rank")
+    m.qk_nope_head_dim = config_size(hf, "qk_nope_head_dim")
+    m.qk_rope_head_dim = config_size(hf, "qk_rope_head_dim")
+    m.v_head_dim = config_size(hf, "v_head_dim")
+    m.head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
+    m.qkv_bias, m.qk_norm = False, "none"
+    _read_rope(hf, m)
+    _read_moe(hf, m, family)
+    return _expert_style(present, m)
+
+
+def _read_moe(hf: dict, m: ConfigDict, family: str) -> None:
+    moe = m.moe
+    moe.num_experts = config_size(hf, "n_routed_experts")
+    k = config_size(hf, "num_experts_per_tok")
+    if k > moe.num_experts:
+        raise CheckpointError(
+            f"config.json: num_experts_per_tok={k} exceeds n_routed_experts={moe.num_experts}"
+        )
+    moe.ffn_dim = config_size(hf, "moe_intermediate_size")
+    moe.every, moe.dense_layers = 1, ""
+    moe.first_dense_layers = int(hf.get("first_k_dense_replace") or 0)
+    moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
+    moe.top_k, moe.eval_gating = k, ""
+    moe.routed_scaling_factor = config_number(hf, "routed_scaling_factor", 1.0)
+    moe.capacity_factor, moe.jitter, moe.z_loss_weight = 0.0, 0.0, 0.0
+    moe.balance_loss_weight = config_number(hf, "aux_loss_alpha", 0.0)
+    shared = int(hf.get("n_shared_experts") or 0)
+    moe.num_shared_experts = shared
+    moe.shared_ffn_dim = moe.ffn_dim if shared else 0
+    moe.shared_expert_gate = False
+    if family == "deepseek_v3":
+        moe.router_scoring, moe.selection_bias = "sigmoid", True
+        moe.renormalize = bool(hf.get("norm_topk_prob", True))
+        moe.n_group = config_size(hf, "n_group", 1)
+        moe.topk_group = config_size(hf, "topk_group", 1)
+        moe.balance_loss_weight = 0.0  # auxiliary-loss-free (selection bias)
+    else:  # transformers' V2 router: the softmax top-k, never renormalised
+        moe.router_scoring, moe.selection_bias, moe.renormalize = "softmax", False, False
+        moe.single_weight = "prob"
+        moe.n_group, moe.topk_group = 1, 1
+
+
+def _expert_style(present: set[str], m: ConfigDict) -> str:
+    if any(n.endswith(".experts.gate_up_proj") for n in present):
+        return "fused"
+    first = next((i for i in range(m.num_layers) if is_moe_layer(m, i)), None)
+    if first is not None:
+        pattern = rf"model\.layers\.{first}\.mlp\.experts\.(\d+)\.gate_proj\."
+        check_layer_count(present, pattern, "n_routed_experts", m.moe.num_experts)
+    return "per_expert"
+
+
+def _attention_maps(m: ConfigDict, hf: str, path: tuple[str, ...]) -> list[TensorMap]:
+    if m.q_lora_rank:
+        maps = [
+            TensorMap(hf + "q_a_proj.weight", (*path, "q_down"), Linear(1)),
+            TensorMap(hf + "q_a_layernorm.weight", (*path, "q_norm", "scale"), SAME),
+            TensorMap(hf + "q_b_proj.weight", (*path, "q_up"), Linear(1)),
+        ]
+    else:
+        maps = [TensorMap(hf + "q_proj.weight", (*path, "query"), Linear(1))]
+    return [
+        *maps,
+        TensorMap(hf + "kv_a_proj_with_mqa.weight", (*path, "kv_down"), Linear(1)),
+        TensorMap(hf + "kv_a_layernorm.weight", (*path, "kv_norm", "scale"), SAME),
+        TensorMap(hf + "kv_b_proj.weight", (*path, "kv_up"), Linear(1)),
+        TensorMap(hf + "o_proj.weight", (*path, "out"), Linear(2)),
+    ]
+
+
+def _moe_maps(m: ConfigDict, hf: str, path: tuple[str, ...], style: str) -> list[TensorMap]:
+    maps = [TensorMap(hf + "gate.weight", (*path, "router"), Linear(1))]
+    if m.moe.selection_bias:
+        maps.append(TensorMap(hf + "gate.e_score_correction_bias", (*path, "selection_bias"), SAME))
+    if style == "fused":
+        fused = hf + "experts.gate_up_proj"
+        maps += [
+            TensorMap(fused, (*path, "wi_0"), FusedGateUp(0)),
+            TensorMap(fused, (*path, "wi_1"), FusedGateUp(1)),
+            TensorMap(hf + "experts.down_proj", (*path, "wo"), StackedDown()),
+        ]
+    else:
+        for e in range(m.moe.num_experts):
+            for name, leaf in zip(QWEN_EXPERT_NAMES, ("wi_0", "wi_1", "wo"), strict=True):
+                weight = f"{hf}experts.{e}.{name}.weight"
+                maps.append(TensorMap(weight, (*path, leaf), Linear(1), expert=e))
+    if m.moe.num_shared_experts:
+        shared = tuple(f"{hf}shared_experts.{p}.weight" for p in QWEN_EXPERT_NAMES)
+        maps += _gated_ffn_maps(shared, (*path, "shared"))
+    return maps
+
+
+def deepseek_maps(m: ConfigDict, style: str = "per_expert") -> list[TensorMap]:
+    """Every tensor of a DeepSeek-V2/V3 causal LM with jaxmoe model config `m`."""
+    maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
+    for i in range(m.num_layers):
+        hf, path = f"model.layers.{i}.", ("layers", str(i))
+        maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
+        maps += _attention_maps(m, hf + "self_attn.", (*path, "attn"))
+        maps.append(
+            TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
+        )
+        if is_moe_layer(m, i):
+            maps += _moe_maps(m, hf + "mlp.", (*path, "ffn"), style)
+        else:
+            names = tuple(f"{hf}mlp.{p}.weight" for p in QWEN_EXPERT_NAMES)
+            maps += _gated_ffn_maps(names, (*path, "ffn"))
+    maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), SAME))
+    if not m.tie_embeddings:
+        maps.append(TensorMap("lm_head.weight", ("lm_head",), Linear(1)))
+    return maps
+
+
+def deepseek_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+    style = read_deepseek(hf, present, m)
+    return ImportPlan(deepseek_maps(m, style))
