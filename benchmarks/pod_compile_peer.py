@@ -15,6 +15,10 @@ generated code). Cases:
   top-8 renormalised, head QK-norm) on v5p-64 (32 chips), 128 sequences of 4096 tokens per
   step (4 per chip, no micro-batches), fsdp 4 x expert 8, full remat, bf16 compute, f32
   weights, AdamW; MaxText's own qwen3-30b-a3b model with sparse_matmul and megablox.
+- deepseek2_16b: DeepSeek-V2-Lite (configs/deepseek2_16b.py: 27 layers, multi-head latent
+  attention, a dense first layer, 64 experts of 1408 top-6 plus 2 shared) on v5p-32 (16
+  chips), 64 sequences of 4096 tokens (4 per chip), fsdp 2 x expert 8, otherwise as above;
+  MaxText's deepseek2-16b.
 - moe16_gpt2_medium: the 16-expert GPT-2-medium MoE (configs/moe16_gpt2_medium.py) on v5p-8
   (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
@@ -97,6 +101,22 @@ CASES = {
             "per_device_batch_size=4",
             "max_target_length=4096",
             "ici_fsdp_parallelism=4",
+            "ici_expert_parallelism=8",
+            "remat_policy=full",
+            "sparse_matmul=true",
+            "megablox=true",
+            "dtype=bfloat16",
+            "weight_dtype=float32",
+        ],
+    },
+    "deepseek2_16b": {
+        "topology": "v5p-32",
+        "jaxmoe": ["configs/deepseek2_16b.py"],  # 64 x 4096 tokens, fsdp 2 x expert 8
+        "maxtext": [
+            "model_name=deepseek2-16b",
+            "per_device_batch_size=4",
+            "max_target_length=4096",
+            "ici_fsdp_parallelism=2",
             "ici_expert_parallelism=8",
             "remat_policy=full",
             "sparse_matmul=true",
