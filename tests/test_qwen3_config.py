@@ -115,3 +115,31 @@ def test_tiny_variant_is_the_same_design_and_compiles_with_expert_parallelism():
         report = compile_for_topology(config, "v5p-8")
     assert report["verdict"] == "fits"
     assert report["mesh"]["expert"] == 4
+
+
+def test_pod_compile_peer_case_is_the_issues_maxtext_command(monkeypatch, capsys):
+    """MaxText's settings are issue 27's train_compile line word for word, and --systems
+    compiles only the rows asked for (both in one process each, stubbed here)."""
+    from benchmarks import pod_compile_peer as bench
+
+    case = bench.CASES["qwen3_30b_a3b"]
+    issue = str.split(
+        "model_name=qwen3-30b-a3b compile_topology=v5p-64 per_device_batch_size=4 "
+        "max_target_length=4096 ici_fsdp_parallelism=4 ici_expert_parallelism=8 "
+        "remat_policy=full sparse_matmul=true megablox=true dtype=bfloat16 weight_dtype=float32"
+    )
+    assert sorted([f"compile_topology={case['topology']}", *case["maxtext"]]) == sorted(issue)
+    assert case["jaxmoe"] == [CONFIG]
+    calls = []
+    stats = {"peak_hbm_bytes": 2, "wall_s": 3.0, "cpu_s": 3.0, "load_before": 0.0,
+             "load_after": 0.0}  # fmt: skip
+    monkeypatch.setattr(bench, "venv_python", lambda venv: "/venv/bin/python")
+    monkeypatch.setattr(bench, "compiler_versions", lambda python: {"jax": "x"})
+    monkeypatch.setattr(bench, "run_maxtext", lambda venv, case: calls.append("mt") or stats)
+    monkeypatch.setattr(
+        bench, "run_jaxmoe", lambda case, python=None: calls.append(python) or {**stats}
+    )
+    argv = ["--cases", "qwen3_30b_a3b", "--systems", "maxtext", "jaxmoe@maxtext_env"]
+    assert bench.main(argv) == 0
+    assert calls == ["mt", "/venv/bin/python"]  # MaxText, then jaxmoe by its interpreter
+    assert "| qwen3_30b_a3b | | jaxmoe / MaxText | 1.00x |" in capsys.readouterr().out
