@@ -9,10 +9,16 @@ per-example NLL (1e-4 relative); greedy decoding through jaxmoe's latent cache m
 transformers' `generate` token for token.
 """
 
+import json
+
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from flax import nnx
 from transformers import (
+    AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
@@ -20,6 +26,7 @@ from transformers import (
 )
 
 from jaxmoe.checkpoints.manager import CheckpointError, read_config
+from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.inference.decode import Generator
 from jaxmoe.parallel.mesh import make_mesh
@@ -98,6 +105,53 @@ def test_nll_matches_transformers(converted):
         assert (m.rope_mscale_all_dim, m.moe.renormalize) == (0.8, False)
 
 
+def test_export_loads_with_transformers_own_class(converted, tmp_path):
+    _, model, dst = converted
+    export_hf(str(dst), str(tmp_path / "hf"))
+    hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "auto_map" not in hf_config
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    assert type(reloaded) is type(model)
+    want = hf_logits(model, IDS)
+    np.testing.assert_allclose(
+        nll_per_example(hf_logits(reloaded, IDS), IDS),
+        nll_per_example(want, IDS),
+        rtol=REL_TOL,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("case", ["v2_softmax", "v3_full_rank_q"])
+def test_adaptive_gating_trains_after_convert(case, tmp_path):
+    """`--config.model.moe.gating=adaptive` on the converted model: one SGD step lowers
+    the loss. V3's sigmoid scores and selection bias are its routing; adaptive gating reads
+    softmax probabilities, so V3 is converted with softmax scores and no selection bias."""
+    build(case).save_pretrained(tmp_path / "src")
+    overrides = ["--config.model.moe.gating=adaptive"]
+    if case.startswith("v3"):
+        overrides += [
+            "--config.model.moe.router_scoring=softmax",
+            "--config.model.moe.n_group=1",
+            "--config.model.moe.topk_group=1",
+        ]
+    convert_hf(str(tmp_path / "src"), str(tmp_path / "adaptive"), overrides=overrides)
+    loaded = load_converted(tmp_path / "adaptive")
+    assert loaded.cfg.moe.gating == "adaptive"
+    ids = jnp.asarray(IDS)
+
+    def loss(params):
+        logits, _ = nnx.merge(loaded.graphdef, params)(ids[:, :-1], train=True)
+        logp = jax.nn.log_softmax(logits)
+        return -jnp.mean(jnp.take_along_axis(logp, ids[:, 1:, None], -1))
+
+    before, grads = jax.jit(jax.value_and_grad(loss))(loaded.params)
+    stepped = jax.tree.map(lambda p, g: p - 0.05 * g, loaded.params, grads)
+    after = jax.jit(loss)(stepped)
+    assert np.isfinite(float(before)) and float(after) < float(before)
+    kv_up = grads["layers"]["1"]["attn"]["kv_up"]
+    assert float(jnp.abs(kv_up).sum()) > 0
+
+
 def test_mtp_layer_tensors_are_refused(tmp_path):
     model = build("v3_full_rank_q")
     model.save_pretrained(tmp_path / "src")
@@ -127,6 +181,6 @@ def test_greedy_decoding_with_latent_cache_matches_generate(converted):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
         want.append(out[0, len(prompt) :].tolist())
     loaded = load_converted(dst)
-    mesh = make_mesh({"data": 2, "fsdp": 1, "tensor": 2, "expert": 1})
+    mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 2, "expert": 1})
     generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
     assert generator.generate(prompts, new).tokens == want

@@ -131,3 +131,14 @@ def test_bad_mla_keys_are_one_line(overrides, needle):
         apply_overrides(config, overrides)
         validate(config)
     assert needle in str(info.value) and "\n" not in str(info.value)
+
+
+def test_gqa_pooling_refuses_mla():
+    from jaxmoe.conversions.surgery import check_num_kv_heads
+
+    config = tiny_config("model.attention=mla", "model.qk_rope_head_dim=4")
+    with pytest.raises(ValueError) as info:
+        check_num_kv_heads(config.model, 1, "mean", False)
+    message = str(info.value)
+    assert "model.attention='mla'" in message and "no key/value heads" in message
+    assert "\n" not in message

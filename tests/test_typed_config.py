@@ -76,11 +76,12 @@ def test_generated_defaults_are_the_documented_ones(key, value):
 
 def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
     config = base_config()
-    # The keys jaxmoe had before the schema (109), plus issue 27's model.qk_norm and 12 moe keys.
-    assert len(_leaves(config)) == 122
+    # The keys jaxmoe had before the schema (109), plus issue 27's model.qk_norm and 12 moe
+    # keys, plus issue 31's model.moe.expert_dropout_rate.
+    assert len(_leaves(config)) == 123
     assert set(config.keys()) == {"model", "train", "optimizer", "mesh", "data"}
     lines = describe()
-    assert len(lines) == 122 and all("\n" not in line and "): " in line for line in lines)
+    assert len(lines) == 123 and all("\n" not in line and "): " in line for line in lines)
     arch = "model.arch (str, 'decoder'): the architecture ['decoder' | 'encoder_decoder']"
     assert lines[0] == arch
     view = typed(config)

@@ -90,6 +90,12 @@ def gqa_targets(model_cfg, include_encoder: bool) -> list[tuple[str, str, int]]:
 
 def check_num_kv_heads(model_cfg, num_kv_heads: int, method: str, include_encoder: bool):
     """One-line errors for a group count the model cannot take."""
+    if model_cfg.attention == "mla":
+        raise ValueError(
+            "model.attention='mla': latent attention has no key/value heads to pool (each "
+            "head's keys and values are rebuilt from one shared latent); GQA conversion "
+            "applies to model.attention='gqa' checkpoints"
+        )
     if method not in METHODS:
         raise ValueError(f"--method={method!r} is not one of {list(METHODS)}")
     heads = model_cfg.num_heads

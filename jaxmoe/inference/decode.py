@@ -275,6 +275,8 @@ class Generator:
 
         batch_axes = axes(logical_to_spec(("batch",), (batch,), sizes)[0])
         head_axes = axes(logical_to_spec(("kv_heads",), (self.cfg.num_kv_heads,), sizes)[0])
+        if self.cfg.attention == "mla":  # one latent row per sequence (latent_cache.py)
+            head_axes = ()
         rows = (*batch_axes, *head_axes)
 
         def place(x):  # a stacked cache [P, N, ...] keeps its layer axis whole
@@ -387,15 +389,13 @@ class Generator:
         params = state_bytes_per_device(
             self.spec.abstract_params, named(self.mesh, self.spec.param_specs)
         )
+        if cfg.attention == "mla":  # latent + rotary key per token, N = B rows
+            kv_heads, head_dim = 1, (cfg.kv_lora_rank + cfg.qk_rope_head_dim) / 2
+        else:
+            head_dim = cfg.head_dim
         return {
             "parameters": params,
-            "kv_cache": 2.0
-            * cfg.num_layers
-            * rows
-            * kv_heads
-            * cache_len
-            * cfg.head_dim
-            * itemsize,
+            "kv_cache": 2.0 * cfg.num_layers * rows * kv_heads * cache_len * head_dim * itemsize,
             "attention": float(rows) * heads * queries * keys * (4 + itemsize),
         }
 

@@ -10,6 +10,7 @@ import json
 import logging
 
 from jaxmoe.inference.decode import Sampling, without_stop
+from jaxmoe.models.latent_cache import cache_bytes_per_token
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,8 @@ def decode_main(
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
+        # What one more token of context costs in the decode cache, all layers together.
+        "cache_bytes_per_token": cache_bytes_per_token(config.model),
         "checkpoint": model.checkpoint,
         "step": model.step,
     }
@@ -126,7 +129,8 @@ def decode_main(
         f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "
         f"{result.prefill_s + result.decode_s:.2f} s: {result.tokens_per_s:.1f} tokens/s "
         f"(prefill {result.prefill_s:.2f} s, decode {result.decode_s:.2f} s; "
-        f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}"
+        f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}; "
+        f"cache {summary['cache_bytes_per_token']} bytes per token"
     )
     print_fn(json.dumps(summary))
     return {"texts": completions, "tokens": result.tokens, **summary}

@@ -14,7 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import (
+    RMSNorm,
+    cast_weight,
+    dropout_module,
+    dropout_multiplier,
+    fan_in_init,
+    make_param,
+    matmul_2d,
+)
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
@@ -110,11 +118,13 @@ def resolve_causal_block(setting: int, length: int) -> int:
 
 
 def grouped_attention(
-    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, causal_block=0
+    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, causal_block=0, keep_BH1S=None
 ):
     """softmax(q k^T * scale + bias, masked) v with K/V shared by groups of H // K heads.
 
     mask: bool, broadcastable to [B, L, S] (True = may attend). bias: [1 or B, H, L, S].
+    keep_BH1S: attention-probability dropout, keep / (1 - rate), applied after the softmax
+    and before the value product (T5X: one mask per key, shared by all queries).
     causal_block > 0 (self-attention, L == S, a mask that never lets query i see key j > i):
     queries go in blocks of that size, each against only the keys up to its end, which
     skips the masked half of the work and gives the same result.
@@ -122,7 +132,7 @@ def grouped_attention(
     """
     if causal_block:
         return _blocked_causal_attention(
-            q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, causal_block
+            q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, causal_block, keep_BH1S
         )
     b, l, h, d = q_BLHd.shape
     kv_heads = k_BSKd.shape[2]
@@ -137,11 +147,13 @@ def grouped_attention(
     if mask is not None:
         logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
     probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKd.dtype)
+    if keep_BH1S is not None:
+        probs = probs * keep_BH1S.reshape(b, kv_heads, groups, 1, -1)
     out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BSKd)
     return out.reshape(b, l, h, d)
 
 
-def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, block):
+def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, block, keep_BH1S):
     """`grouped_attention` for causal self-attention, one block of queries at a time.
 
     Block i holds queries [i c, (i + 1) c) and reads keys [0, (i + 1) c). A block's queries
@@ -177,6 +189,8 @@ def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, bl
             allowed = allowed & mask[:, None, None, start:end, :end]
         logits = jnp.where(allowed, logits, NEG_INF)
         probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKd.dtype)
+        if keep_BH1S is not None:
+            probs = probs * keep_BH1S[..., :end].reshape(b, kv_heads, groups, 1, end)
         out = jnp.einsum(
             "bkqs,bksd->bkqd",
             probs.reshape(b, kv_heads, groups * block, end),
@@ -213,6 +227,7 @@ class Attention(nnx.Module):
         causal_block: int = 0,
         qk_norm: str = "none",
         norm_eps: float = 1e-6,
+        dropout_rate: float = 0.0,
         rngs: nnx.Rngs,
     ):
         if num_heads % num_kv_heads:
@@ -255,6 +270,8 @@ class Attention(nnx.Module):
                 q_width, k_width = num_heads * head_dim, num_kv_heads * head_dim
             self.q_norm = RMSNorm(q_width, eps=norm_eps, rngs=rngs)
             self.k_norm = RMSNorm(k_width, eps=norm_eps, rngs=rngs)
+        # `dropout_rate` > 0: dropout on the probabilities in training (grouped_attention).
+        self.probs_dropout = dropout_module(dropout_rate, rngs, share_along_length=False)
 
     def _rope(self, x_BLNd, positions_BL):
         tables = rope_tables(positions_BL, self.head_dim, self.rope_theta, self.rope_scaling)
@@ -291,10 +308,11 @@ class Attention(nnx.Module):
     def project_out(self, o_BLHd):
         return matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
 
-    def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None):
+    def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None, train=False):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.
 
         With `causal_block` set (causal self-attention only) `mask` must be causal.
+        `train`: probability dropout on (cached decoding never comes here).
         """
         if positions_BL is None and self.rope_theta:
             positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
@@ -306,17 +324,21 @@ class Attention(nnx.Module):
         block = 0
         if kv_BSD is None and self.causal_block:
             block = resolve_causal_block(self.causal_block, x_BLD.shape[1])
+        keep_shape = (x_BLD.shape[0], self.num_heads, 1, k.shape[1])
+        keep = dropout_multiplier(self.probs_dropout, keep_shape, v.dtype, train)
         if block:
-            o = grouped_attention(q, k, v, mask, bias, self.scale, block)
+            o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep)
         else:
-            o = query_chunked_attention(q, k, v, mask, bias, self.scale)
+            o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep)
         return self.project_out(o)
 
 
 QUERY_CHUNK = 256  # queries per rematerialised piece of the dense path
 
 
-def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None):
+def query_chunked_attention(
+    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, keep_BH1S=None
+):
     """`grouped_attention` (dense path) in pieces of QUERY_CHUNK queries, each rematerialised.
 
     The same arithmetic per query row. No [B, H, L, S] scores are kept for the backward
@@ -329,7 +351,7 @@ def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, s
     b, length, h, d = q_BLHd.shape
     chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
     if chunk == length:
-        return _dense_rematted(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale)
+        return _dense_rematted(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, 0, keep_BH1S)
     pieces = length // chunk
 
     def by_piece(a):  # [..., L, S] -> [pieces, ..., chunk, S]; None / one row: shared
@@ -345,11 +367,12 @@ def query_chunked_attention(q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, s
         q_BCHd, mask_piece, bias_piece = xs
         mask_piece = shared(mask) if mask_piece is None else mask_piece
         bias_piece = shared(bias_bHLS) if bias_piece is None else bias_piece
-        return _dense_rematted(q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale)
+        # The probability dropout mask is per key, shared by every piece of queries.
+        return _dense_rematted(q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale, 0, keep_BH1S)
 
     q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
     out_PBCHd = jax.lax.map(piece, (q_PBCHd, by_piece(mask), by_piece(bias_bHLS)))
     return jnp.moveaxis(out_PBCHd, 0, 1).reshape(b, length, h, d)
 
 
-_dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5,))
+_dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5, 6))  # scale, block

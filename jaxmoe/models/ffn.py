@@ -51,4 +51,4 @@ def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
 
         return MoE(cfg, rngs=rngs)
     mlp = GatedMLP if cfg.ffn_gated else MLP
-    return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, rngs=rngs)
+    return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, dropout_rate=cfg.dropout_rate, rngs=rngs)

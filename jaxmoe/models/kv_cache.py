@@ -214,19 +214,22 @@ def attend_with_cache(
     return attn.project_out(o_BLHd), cache
 
 
-def self_attention(attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None, slot=None):
+def self_attention(
+    attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None, slot=None, train=False
+):
     """(output, updated LayerCache or None): plain self-attention, or with `slot` the new
-    tokens' keys/values written to the cache and attended over it."""
+    tokens' keys/values written to the cache and attended over it. `train`: probability
+    dropout (never with a cache)."""
     if slot is None:
-        return attn(x_BLD, mask=mask, bias=bias, positions_BL=positions_BL), None
+        return attn(x_BLD, mask=mask, bias=bias, positions_BL=positions_BL, train=train), None
     return attend_with_cache(attn, x_BLD, slot, mask, positions_BL, bias)
 
 
-def cross_attention(attn: Attention, x_BLD, encoded_BSD, *, mask, cross_kv=None):
+def cross_attention(attn: Attention, x_BLD, encoded_BSD, *, mask, cross_kv=None, train=False):
     """Cross-attention to the encoder output, or to its keys/values `cross_kv` (one layer's
-    LayerCache) projected once for decoding."""
+    LayerCache) projected once for decoding. `train`: probability dropout (never decoding)."""
     if cross_kv is None:
-        return attn(x_BLD, mask=mask, kv_BSD=encoded_BSD)
+        return attn(x_BLD, mask=mask, kv_BSD=encoded_BSD, train=train)
     o_BLHd = cached_attention(attn.project_q(x_BLD), cross_kv.k, cross_kv.v, mask, scale=attn.scale)
     return attn.project_out(o_BLHd)
 

@@ -76,13 +76,21 @@ def _f32_to_bf16_jvp(primals, tangents):
     return _f32_to_bf16(w), dw.astype(jnp.bfloat16)
 
 
-def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True):
-    """T5X's dropout of `model.dropout_rate`, or None at rate 0 (no RNG state in the model).
+def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True, rate=None):
+    """T5X's dropout of `model.dropout_rate` (or `rate`), or None at rate 0 (no RNG state in
+    the model).
 
     T5X shares one mask along the sequence axis (broadcast_dims=(-2,)) everywhere except
     after the encoder's final norm; its RNG stream is reseeded every step (steps.py).
     """
-    rate = float(cfg.dropout_rate)
+    return dropout_module(
+        float(cfg.dropout_rate if rate is None else rate), rngs, share_along_length
+    )
+
+
+def dropout_module(rate: float, rngs: nnx.Rngs, share_along_length: bool = True):
+    """An nnx.Dropout of `rate` (mask shared along axis -2 if `share_along_length`), or None
+    at rate 0."""
     if not rate:
         return None
     return nnx.Dropout(rate, broadcast_dims=(-2,) if share_along_length else (), rngs=rngs)
@@ -91,6 +99,15 @@ def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True):
 def dropout(module, x, train: bool):
     """`module` (from make_dropout) applied in training; identity at eval and decode."""
     return module(x, deterministic=False) if module is not None and train else x
+
+
+def dropout_multiplier(module, shape: tuple[int, ...], dtype, train: bool):
+    """keep / (1 - rate) of shape `shape` drawn by `module`, or None (rate 0, eval, decode):
+    for the sites where the mask is applied inside a product rather than to one array (the
+    attention probabilities, an expert's hidden units)."""
+    if module is None or not train:
+        return None
+    return module(jnp.ones(shape, dtype), deterministic=False)
 
 
 ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
@@ -169,38 +186,63 @@ def matmul_2d(x, w, contract: int = 1):
 
 
 class MLP(nnx.Module):
-    """Ungated FFN: act(x wi) wo (T5 v1.0 and Switch Base / Large / C with relu)."""
+    """Ungated FFN: act(x wi) wo (T5 v1.0 and Switch Base / Large / C with relu).
 
-    def __init__(self, d_model: int, ffn_dim: int, activation: str, *, rngs: nnx.Rngs):
+    `dropout_rate` > 0: in training, dropout on the hidden units before wo, one mask per
+    sequence shared along it (Flaxformer MlpBlock's intermediate_dropout)."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        activation: str,
+        *,
+        dropout_rate: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
         self.act = activation_fn(activation)
         self.wi = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
+        self.hidden_dropout = dropout_module(dropout_rate, rngs)
 
     def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
         """Returns (y_BLD, {}), like GatedMLP."""
-        del train, token_mask_BL
+        del token_mask_BL
         dtype = x_BLD.dtype
         hidden_BLF = self.act(matmul_2d(x_BLD, cast_weight(self.wi[...], dtype)))
+        hidden_BLF = dropout(self.hidden_dropout, hidden_BLF, train)
         return matmul_2d(hidden_BLF, cast_weight(self.wo[...], dtype)), {}
 
 
 class GatedMLP(nnx.Module):
-    """Gated FFN: act(x wi_0) * (x wi_1) wo. SwiGLU with silu, T5.1.1's gated GELU with gelu."""
+    """Gated FFN: act(x wi_0) * (x wi_1) wo. SwiGLU with silu, T5.1.1's gated GELU with gelu.
 
-    def __init__(self, d_model: int, ffn_dim: int, activation: str, *, rngs: nnx.Rngs):
+    `dropout_rate` > 0: in training, dropout on act(x wi_0) * (x wi_1) before wo, as MLP."""
+
+    def __init__(
+        self,
+        d_model: int,
+        ffn_dim: int,
+        activation: str,
+        *,
+        dropout_rate: float = 0.0,
+        rngs: nnx.Rngs,
+    ):
         self.act = activation_fn(activation)
         self.wi_0 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wi_1 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
+        self.hidden_dropout = dropout_module(dropout_rate, rngs)
 
     def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
         """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it; the
         token mask only matters to its routing statistics)."""
-        del train, token_mask_BL
+        del token_mask_BL
         dtype = x_BLD.dtype
         gate_BLF = self.act(matmul_2d(x_BLD, cast_weight(self.wi_0[...], dtype)))
         up_BLF = matmul_2d(x_BLD, cast_weight(self.wi_1[...], dtype))
-        return matmul_2d(gate_BLF * up_BLF, cast_weight(self.wo[...], dtype)), {}
+        hidden_BLF = dropout(self.hidden_dropout, gate_BLF * up_BLF, train)
+        return matmul_2d(hidden_BLF, cast_weight(self.wo[...], dtype)), {}
 
 
 def compute_dtype(cfg):

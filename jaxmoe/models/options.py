@@ -53,6 +53,11 @@ class MoEOptions:
         "auto", "balance loss counts: auto (adaptive top1) | top1 | chosen", BALANCE_FRACTIONS
     )
     z_loss_weight: float = option(0.001, "router z-loss coefficient")
+    expert_dropout_rate: float = option(
+        -1.0,
+        "training: dropout on an expert's hidden units, one mask per expert and step "
+        "(T5X EXPERT_DROPOUT_RATE); -1 = model.dropout_rate",
+    )
     jitter: float = option(0.0, "multiplicative router-input noise in training (0 = off)")
     router_bias: bool = option(False, "a router bias [E] (Flaxformer RouterWeights use_bias)")
     block_size: int = option(256, "rows per expert block in the block dispatch")
@@ -107,6 +112,10 @@ class MoEOptions:
         if not self.num_experts:
             return
         need(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
+        need(
+            self.expert_dropout_rate == -1.0 or 0.0 <= self.expert_dropout_rate < 1.0,
+            f"model.moe.expert_dropout_rate={self.expert_dropout_rate} not in [0, 1) or -1",
+        )
         # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
         # is, and the run would silently train a dense model.
         need(

@@ -97,6 +97,7 @@ def _attention(cfg, kv_heads, rngs, causal_block=0):
         rope_theta=0.0,
         scale_logits=False,
         causal_block=causal_block,
+        dropout_rate=cfg.dropout_rate,
         rngs=rngs,
     )
 
@@ -111,7 +112,8 @@ class EncoderBlock(nnx.Module):
         self.dropout = make_dropout(cfg, rngs)
 
     def __call__(self, x, *, mask, bias, train, token_mask_BL=None):
-        x = x + dropout(self.dropout, self.attn(self.attn_norm(x), mask=mask, bias=bias), train)
+        h = self.attn(self.attn_norm(x), mask=mask, bias=bias, train=train)
+        x = x + dropout(self.dropout, h, train)
         y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)
         return x + dropout(self.dropout, y, train), aux
 
@@ -144,11 +146,21 @@ class DecoderBlock(nnx.Module):
         encoder K/V) for `encoded`. `token_mask_BL` (bool, None = all) marks the real
         tokens for the MoE statistics."""
         h, cache = self_attention(
-            self.self_attn, self.self_attn_norm(x), mask=self_mask, bias=bias, slot=slot
+            self.self_attn,
+            self.self_attn_norm(x),
+            mask=self_mask,
+            bias=bias,
+            slot=slot,
+            train=train,
         )
         x = x + dropout(self.dropout, h, train)
         h = cross_attention(
-            self.cross_attn, self.cross_attn_norm(x), encoded, mask=cross_mask, cross_kv=cross_kv
+            self.cross_attn,
+            self.cross_attn_norm(x),
+            encoded,
+            mask=cross_mask,
+            cross_kv=cross_kv,
+            train=train,
         )
         x = x + dropout(self.dropout, h, train)
         y, aux = self.ffn(self.ffn_norm(x), train=train, token_mask_BL=token_mask_BL)

@@ -46,6 +46,7 @@ class DecoderBlock(nnx.Module):
                 causal_block=cfg.attention_block,
                 qk_norm=cfg.qk_norm,
                 norm_eps=cfg.norm_eps,
+                dropout_rate=cfg.dropout_rate,
                 rngs=rngs,
             )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -58,7 +59,12 @@ class DecoderBlock(nnx.Module):
         `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
         latent = isinstance(self.attn, LatentAttention)
         h_BLD, cache = (latent_self_attention if latent else self_attention)(
-            self.attn, self.attn_norm(x_BLD), mask=mask, positions_BL=positions_BL, slot=slot
+            self.attn,
+            self.attn_norm(x_BLD),
+            mask=mask,
+            positions_BL=positions_BL,
+            slot=slot,
+            train=train,
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)

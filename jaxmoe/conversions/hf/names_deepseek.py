@@ -255,3 +255,121 @@ def deepseek_maps(m: ConfigDict, style: str = "per_expert") -> list[TensorMap]:
 def deepseek_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     style = read_deepseek(hf, present, m)
     return ImportPlan(deepseek_maps(m, style))
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _refuse(reason: str):
+    raise CheckpointError(f"not expressible as a Hugging Face DeepSeek model: {reason}")
+
+
+def _export_rope(m: ConfigDict) -> dict:
+    rope = {"rope_type": m.rope_type, "rope_theta": float(m.rope_theta)}
+    if m.rope_type == "default":
+        return rope
+    if m.rope_type != "yarn":
+        _refuse(f"model.rope_type={m.rope_type!r} (DeepSeek configs write default or yarn)")
+    rope |= {
+        "factor": float(m.rope_factor),
+        "original_max_position_embeddings": int(m.rope_original_max_len),
+        "beta_fast": float(m.rope_beta_fast),
+        "beta_slow": float(m.rope_beta_slow),
+        "truncate": bool(m.rope_truncate),
+    }
+    for key in ("mscale", "mscale_all_dim", "attention_factor"):
+        if getattr(m, f"rope_{key}"):
+            rope[key] = float(getattr(m, f"rope_{key}"))
+    return rope
+
+
+def _export_moe(m: ConfigDict) -> tuple[str, dict]:
+    """(model_type, its MoE config.json keys): V3 for sigmoid scores with a selection bias,
+    V2 for the softmax top-k; a dense MLA model is V3 with every layer dense."""
+    moe = m.moe
+    if not moe.num_experts:
+        return "deepseek_v3", {
+            "first_k_dense_replace": m.num_layers,
+            "n_routed_experts": 1,
+            "num_experts_per_tok": 1,
+            "moe_intermediate_size": m.ffn_dim,
+            "n_shared_experts": 1,
+        }
+    gating = moe.eval_gating or moe.gating
+    if gating not in ("top1", "top2", "topk"):
+        _refuse(f"model.moe.gating={gating!r}: DeepSeek routes each token to its top-k experts")
+    k = {"top1": 1, "top2": 2}.get(gating, int(moe.top_k))
+    regular = all(is_moe_layer(m, i) == (i >= moe.first_dense_layers) for i in range(m.num_layers))
+    checks = (
+        (not regular, "MoE layers other than all after model.moe.first_dense_layers"),
+        (moe.capacity_factor > 0, f"model.moe.capacity_factor={moe.capacity_factor} (dropping)"),
+        (moe.router_bias, "model.moe.router_bias=True"),
+        (moe.shared_expert_gate, "model.moe.shared_expert_gate=True"),
+        (not moe.num_shared_experts, "no shared expert (model.moe.num_shared_experts=0)"),
+        (
+            moe.shared_ffn_dim not in (0, moe.ffn_dim),
+            f"model.moe.shared_ffn_dim={moe.shared_ffn_dim} != model.moe.ffn_dim",
+        ),
+    )
+    for bad, reason in checks:
+        if bad:
+            _refuse(reason)
+    fields = {
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": k,
+        "moe_intermediate_size": moe.ffn_dim,
+        "n_shared_experts": moe.num_shared_experts,
+        "first_k_dense_replace": moe.first_dense_layers,
+        "routed_scaling_factor": float(moe.routed_scaling_factor),
+    }
+    if moe.router_scoring == "sigmoid":
+        if not moe.selection_bias:
+            _refuse("router_scoring=sigmoid without model.moe.selection_bias (V3 has one)")
+        return "deepseek_v3", fields | {
+            "n_group": moe.n_group,
+            "topk_group": moe.topk_group,
+            "norm_topk_prob": bool(moe.renormalize) if k > 1 else True,
+            "topk_method": "noaux_tc",
+        }
+    if moe.selection_bias or moe.n_group != 1 or (moe.renormalize and k > 1):
+        _refuse("softmax routing with a selection bias, groups or renormalisation")
+    if k == 1 and moe.single_weight == "one":
+        _refuse("model.moe.single_weight='one' (V2 weighs one expert by its probability)")
+    return "deepseek_v2", fields | {"topk_method": "greedy", "norm_topk_prob": False}
+
+
+def deepseek_export(m: ConfigDict, max_positions: int) -> dict:
+    """config.json of MLA model `m` as DeepSeek-V3 (or V2: softmax routing)."""
+    if m.activation != "silu" or not m.ffn_gated:
+        _refuse(f"model.activation={m.activation!r} (DeepSeek's FFNs are SwiGLU)")
+    family, moe_fields = _export_moe(m)
+    hf = {
+        "architectures": [
+            "DeepseekV3ForCausalLM" if family == "deepseek_v3" else "DeepseekV2ForCausalLM"
+        ],
+        "model_type": family,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.d_model,
+        "intermediate_size": m.ffn_dim,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_heads,
+        "num_key_value_heads": m.num_heads,
+        "q_lora_rank": int(m.q_lora_rank) or None,
+        "kv_lora_rank": m.kv_lora_rank,
+        "qk_nope_head_dim": m.qk_nope_head_dim,
+        "qk_rope_head_dim": m.qk_rope_head_dim,
+        "v_head_dim": m.v_head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": m.norm_eps,
+        "rope_theta": float(m.rope_theta),
+        "rope_parameters": _export_rope(m),
+        "max_position_embeddings": max_positions,
+        "tie_word_embeddings": bool(m.tie_embeddings),
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "num_nextn_predict_layers": 0,
+        **moe_fields,
+    }
+    if family == "deepseek_v3":
+        hf["rope_interleave"] = True
+    return hf

@@ -42,6 +42,8 @@ from jaxmoe.models.layers import (
     GatedMLP,
     activation_fn,
     cast_weight,
+    dropout_module,
+    dropout_multiplier,
     fan_in_init,
     make_param,
     ungated_gate_fn,
@@ -191,6 +193,7 @@ class MoE(nnx.Module):
             self.wi = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
         expert_out = ("expert", "expert_mlp", "embed")
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
+        self.expert_dropout = dropout_module(expert_dropout_rate(cfg), rngs, False)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
         self.router_cfg = router.RouterConfig.from_config(moe)
         if self.router_cfg.selection_bias:
@@ -200,7 +203,9 @@ class MoE(nnx.Module):
         if num_shared:
             width = num_shared * (int(moe.shared_ffn_dim) or ffn)
             mlp = GatedMLP if self.gated else MLP
-            self.shared = mlp(dim, width, cfg.activation, rngs=rngs)
+            self.shared = mlp(
+                dim, width, cfg.activation, dropout_rate=float(cfg.dropout_rate), rngs=rngs
+            )
             if moe.shared_expert_gate:
                 self.shared_gate = SharedGate(dim, rngs=rngs)
 
@@ -258,6 +263,13 @@ class MoE(nnx.Module):
         dtype = x_BLD.dtype
         kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
         experts = tuple(cast_weight(w[...], dtype) for w in kernels)
+        # T5X's expert dropout: each expert's hidden units, one mask per expert shared by all
+        # the tokens it serves this step (Flaxformer vmaps MlpBlock over experts, mask
+        # broadcast along the tokens). On rows of wo that is the same product, value and
+        # gradient, for every dispatch and exchange: (h * m_e) wo_e = h (m_e[:, None] * wo_e).
+        keep_EF1 = dropout_multiplier(self.expert_dropout, (*experts[2].shape[:2], 1), dtype, train)
+        if keep_EF1 is not None:
+            experts = (*experts[:2], experts[2] * keep_EF1)
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
@@ -297,11 +309,18 @@ class MoE(nnx.Module):
             )
         y_BLD = y_BLD.astype(dtype)
         if hasattr(self, "shared"):
-            shared_BLD, _ = self.shared(x_BLD)
+            shared_BLD, _ = self.shared(x_BLD, train=train)
             if hasattr(self, "shared_gate"):
                 shared_BLD = shared_BLD * self.shared_gate(x_BLD)
             y_BLD = y_BLD + shared_BLD
         return y_BLD, aux
+
+
+def expert_dropout_rate(cfg) -> float:
+    """`model.moe.expert_dropout_rate`, -1 (the default) meaning `model.dropout_rate` (T5X's
+    EXPERT_DROPOUT_RATE = %DROPOUT_RATE)."""
+    rate = float(cfg.moe.expert_dropout_rate)
+    return float(cfg.dropout_rate) if rate == -1.0 else rate
 
 
 class SharedGate(nnx.Module):
