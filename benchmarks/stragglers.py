@@ -235,7 +235,11 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--routing", required=True, help="routing.npz of benchmarks.time_to_target")
+    p.add_argument(
+        "--routing",
+        required=True,
+        help="routing.npz of benchmarks.time_to_target (comma-separated: several runs)",
+    )
     p.add_argument("--variant", default="adaptive_T0.1", help="whose routing to simulate")
     p.add_argument("--devices", default=",".join(map(str, DEVICES)))
     p.add_argument("--per_device", type=int, default=2, help="examples per device and step")
@@ -243,18 +247,29 @@ def main(argv=None) -> int:
     p.add_argument("--curve", choices=["measure", "none"], default="measure",
                    help="measure the MoE-layer curve here, or use only the paper's")  # fmt: skip
     p.add_argument("--rounds", type=int, default=15, help="timing rounds of the curve")
+    p.add_argument(
+        "--curve_json",
+        default="",
+        help="take the measured curve from this JSON (an earlier run's, or measure_curve's)",
+    )
     p.add_argument("--ttt", default="", help="time_to_target.json: steps to target")
     add_json_flag(p)
     args = p.parse_args(argv)
     devices = [int(x) for x in args.devices.split(",") if x]
-    routing = dict(np.load(args.routing))
+    routing = {}  # keys are seed-prefixed: single-seed runs' files merge without clashes
+    for path in args.routing.split(","):
+        routing |= dict(np.load(path))
     seeds = sorted({k.split("/")[0] for k in routing if k.endswith(f"/{args.variant}/step")})
     if not seeds:
         raise SystemExit(f"--routing {args.routing}: no records of --variant {args.variant}")
     length = int(routing.get("seq_len", 64))
     curves = {"paper Table 1": table_time(PAPER_CURVE["top2_share"], PAPER_CURVE["time"])}
     measured = None
-    if args.curve == "measure":
+    if args.curve_json:
+        loaded = json.loads(Path(args.curve_json).read_text())
+        measured = loaded.get("measured_curve", loaded)
+        curves["measured here (fit)"] = linear_time(**measured["fit"])
+    elif args.curve == "measure":
         measured = measure_curve(args.per_device, length, 64, 256, 8, 32, args.rounds)
         curves["measured here (fit)"] = linear_time(**measured["fit"])
     per_seed = {}

@@ -464,6 +464,26 @@ def concentration_table(report: dict) -> str:
     return markdown_table(["variant", "layer", *(f"step {k}" for k in picks)], rows)
 
 
+def merge(paths: list[str], args) -> int:
+    """One report from runs of other seeds (one process each, same settings and target)."""
+    reports = [json.loads(Path(path).read_text()) for path in paths]
+    first = reports[0]
+    for path, other in zip(paths[1:], reports[1:], strict=True):
+        if abs(other["target_loss"] - first["target_loss"]) > 1e-6:
+            raise SystemExit(f"--merge: {path} has target {other['target_loss']}, not "
+                             f"{first['target_loss']} (another pilot or settings)")  # fmt: skip
+    seeds = {k: v for r in reports for k, v in r["seeds"].items()}
+    merged = {**first, "seeds": seeds, "merged_from": paths}
+    merged["summary"] = summarize({k: v["variants"] for k, v in seeds.items()})
+    merged["settings"]["wall_s"] = [r["settings"]["wall_s"] for r in reports]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "time_to_target.json").write_text(json.dumps(merged, indent=1))
+    report_only(str(out / "time_to_target.json"), args.figures)
+    write_json("time_to_target", merged, args.json)
+    return 0
+
+
 def report_only(path: str, figures: str) -> int:
     """Re-render the table and plots of a finished run's time_to_target.json."""
     report = json.loads(Path(path).read_text())
@@ -486,10 +506,16 @@ def parse_args(argv):
     p.add_argument("--warmup_steps", type=int, default=None, help="default 20; quick 2")
     p.add_argument("--target_fraction", type=float, default=TARGET_FRACTION)
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--compile_cache", default="", help="JAX compilation cache (OUT/jax_cache)")
     p.add_argument("--figures", default="", help="also copy the plots into this directory")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--quick", action="store_true", help="tiny model, 12 steps: a smoke test")
     p.add_argument("--report", default="", help="train nothing: re-render this JSON's tables/plots")
+    p.add_argument(
+        "--merge",
+        default="",
+        help="train nothing: comma-separated time_to_target.json of single-seed runs, into one",
+    )
     add_json_flag(p)
     args = p.parse_args(argv)
     args.steps = args.steps or (12 if args.quick else 314)
@@ -514,11 +540,13 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
         return report_only(args.report, args.figures)
+    if args.merge:
+        return merge([x for x in args.merge.split(",") if x], args)
     import jax
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", str(out / "jax_cache"))
+    jax.config.update("jax_compilation_cache_dir", args.compile_cache or str(out / "jax_cache"))
 
     def log(msg):
         print(msg, flush=True)
