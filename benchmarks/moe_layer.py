@@ -11,6 +11,9 @@ a GShard-style fixed-capacity (factor 1.25) top-2 layer.
 
     python -m benchmarks moe_layer           # table
     python -m benchmarks moe_layer --json    # + docs/results/DATE-moe_layer.json
+    python -m benchmarks moe_layer --suite fine_grained --json
+        # E=64 / E=128 top-8 layers against the dense FFN of the same active width
+        # (moe_layer_fine_grained.py): docs/results/DATE-moe_layer_fine_grained.json
 Each variant is compiled first, then timed in rounds, each run between two runs of the top-2
 layer; a ratio is the median over rounds of the run's time over the mean of its two
 neighbours (robust to the drifting load of a shared machine); times are minima.
@@ -27,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import moe_layer_fine_grained
 from benchmarks.results import add_json_flag, markdown_table, publish
 from jaxmoe.config.loading import load_config
 from jaxmoe.models.moe.layer import MoE
@@ -169,10 +173,18 @@ def run(rounds: int, dispatch: str, block_size: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_json_flag(parser)
+    parser.add_argument(
+        "--suite", choices=("adaptive", "fine_grained"), default="adaptive", help="which layers"
+    )
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds per variant")
     parser.add_argument("--dispatch", default="auto", help="auto | blocks | ragged | dense")
     parser.add_argument("--block_size", type=int, default=256, help="model.moe.block_size")
     args = parser.parse_args(argv)
+    if args.suite == "fine_grained":
+        result = moe_layer_fine_grained.run(args.rounds, args.dispatch)
+        table_text = moe_layer_fine_grained.table(result)
+        publish("moe_layer_fine_grained", result, table_text, args.json)
+        return 0
     result = run(args.rounds, args.dispatch, args.block_size)
     publish("moe_layer", result, table(result), args.json)
     return 0

@@ -13,7 +13,8 @@ from benchmarks.worker_protocol import serve
 
 
 class HFRunner:
-    """Hugging Face transformers' Mixtral (or Llama for :dense) with torch AdamW."""
+    """Hugging Face transformers' Mixtral (Llama for :dense, Qwen3-MoE for :fine_grained)
+    with torch AdamW."""
 
     def __init__(self, spec: dict, peer: str, num_batches: int, threads: int, seed: int = 0):
         import torch
@@ -37,6 +38,22 @@ class HFRunner:
         if peer == "dense":
             hf_config = transformers.LlamaConfig(intermediate_size=spec["ffn_dim"], **common)
             self.model = transformers.LlamaForCausalLM(hf_config)
+        elif peer == "fine_grained":
+            if spec["qk_norm"] != "head":  # Qwen3-MoE always norms each q/k head
+                raise ValueError(f"fine_grained peer needs qk_norm=head, got {spec['qk_norm']}")
+            hf_config = transformers.Qwen3MoeConfig(
+                intermediate_size=spec["ffn_dim"],  # dense layers only: there are none
+                moe_intermediate_size=spec["moe_ffn_dim"],
+                num_experts=spec["num_experts"],
+                num_experts_per_tok=spec["top_k"],
+                norm_topk_prob=spec["renormalize"],
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                output_router_logits=spec["balance_loss_weight"] > 0,
+                router_aux_loss_coef=spec["balance_loss_weight"],
+                **common,
+            )
+            self.model = transformers.Qwen3MoeForCausalLM(hf_config)
         else:
             hf_config = transformers.MixtralConfig(
                 intermediate_size=spec["moe_ffn_dim"],
@@ -86,7 +103,7 @@ class HFRunner:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--peer", required=True, choices=("top1", "top2", "dense"))
+    parser.add_argument("--peer", required=True, choices=("top1", "top2", "dense", "fine_grained"))
     parser.add_argument("--spec", required=True, help="the model and optimizer, as JSON")
     parser.add_argument("--threads", type=int, required=True)
     parser.add_argument("--batches", type=int, default=8)

@@ -29,10 +29,26 @@ from jaxmoe.training.steps import step_fns, train_step
 ROOT = Path(__file__).resolve().parents[1]
 
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
+# The fine-grained variant: tiny_mixtral's sizes (vocab 8192, d_model 256, 4 layers, 8 / 2
+# heads of 32, sequence 256, batch 8) with a tiny Qwen3-MoE's MoE and attention: 64 experts
+# of FFN 128, top-8 renormalised (norm_topk_prob), per-head QK-norm. Its active FFN width
+# (8 x 128) is the :dense variant's 1024; the peer is transformers' Qwen3MoeForCausalLM.
+FINE_GRAINED = [
+    "model.moe.num_experts=64",
+    "model.moe.ffn_dim=128",
+    "model.moe.gating=topk",
+    "model.moe.top_k=8",
+    "model.moe.renormalize=True",
+    "model.qk_norm=head",
+]
 
 
 def variant_config(variant: str, overrides: list[str]):
-    config = load_config(f"{CONFIG}:{variant}")
+    if variant == "fine_grained":
+        config = load_config(str(CONFIG))
+        overrides = [*FINE_GRAINED, *overrides]
+    else:
+        config = load_config(f"{CONFIG}:{variant}")
     apply_overrides(config, overrides)
     validate(config)
     return config
@@ -54,6 +70,9 @@ def peer_spec(config) -> dict:
         "rope_theta": m.rope_theta,
         "num_experts": moe.num_experts,
         "moe_ffn_dim": moe.ffn_dim,
+        "top_k": moe.top_k,
+        "renormalize": moe.renormalize,
+        "qk_norm": m.qk_norm,
         "balance_loss_weight": moe.balance_loss_weight,
         "batch_size": t.batch_size,
         "seq_len": t.seq_len,

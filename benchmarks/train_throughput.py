@@ -6,7 +6,10 @@ the workers take turns running short blocks of steps, so a drifting load hits bo
 while neither shares an interpreter or a thread pool with the other. jaxmoe runs its real
 train step (jaxmoe.training.steps.train_step, jitted with the state's shardings and donation as in
 jaxmoe/training/loop.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
-(LlamaForCausalLM for :dense) with torch AdamW, same sizes, batch and threads. Steps are
+(LlamaForCausalLM for :dense) with torch AdamW, same sizes, batch and threads. The
+:fine_grained variant (throughput_jaxmoe.FINE_GRAINED: 64 experts of FFN 128, top-8
+renormalised, per-head QK-norm, on the tiny Mixtral's other sizes) runs against
+transformers' Qwen3MoeForCausalLM (HF only). Steps are
 timed one by one (a sync after each) on fresh random token batches made beforehand.
 The MaxText peer (throughput_maxtext.py) runs MaxText's own Mixtral (Llama for :dense) and
 train step under the interpreter of its own venv (--maxtext_venv, which has its own JAX), on
@@ -25,6 +28,7 @@ during it) is flagged `"quiet": false` with a warning: its ratios are not compar
     python -m benchmarks train_throughput --peer hf --json  # + docs/results/DATE-NAME.json
     python -m benchmarks train_throughput --peer maxtext    # or --peer hf,maxtext / all
     python -m benchmarks train_throughput --variants top2 --steps 5 --warmup 2 --blocks 1
+    python -m benchmarks train_throughput --peer hf --variants fine_grained --json
     python -m benchmarks train_throughput --set model.dtype=bfloat16 --peak_flops 989e12
 """
 
@@ -45,11 +49,12 @@ from benchmarks.peer_harness import (
 )
 from benchmarks.results import add_json_flag, markdown_table, publish
 
-VARIANTS = ("top2", "top1", "adaptive", "dense")
-PEER_OF = {"top2": "top2", "top1": "top1", "adaptive": "top1", "dense": "dense"}
+VARIANTS = ("top2", "top1", "adaptive", "dense", "fine_grained")
+PEER_OF = {v: v for v in VARIANTS} | {"adaptive": "top1"}
 # Variants measured in one interleaved group: each group shares its peer run.
-GROUPS = (("top2",), ("top1", "adaptive"), ("dense",))
+GROUPS = (("top2",), ("top1", "adaptive"), ("dense",), ("fine_grained",))
 PEERS = ("hf", "maxtext")
+NO_PEER = {("maxtext", "fine_grained")}  # throughput_maxtext.py builds Mixtral / Llama only
 # What each worker may import (worker_protocol.serve reports it): never the other system.
 IMPORTS = {"jaxmoe": ["jax", "jaxmoe"], "hf": ["torch"], "maxtext": ["jax"]}
 
@@ -153,7 +158,10 @@ def run(args) -> dict:
         variants = [v for v in group if v in args.variants]
         if not variants:
             continue
-        workers = start_workers(variants, args, peers)
+        group_peers = [p for p in peers if (p, PEER_OF[variants[0]]) not in NO_PEER]
+        for p in sorted(set(peers) - set(group_peers)):
+            skipped[f"{p}_{PEER_OF[variants[0]]}"] = "no such model in this peer"
+        workers = start_workers(variants, args, group_peers)
         measured = measure(workers, args, loads)
         finals = {name: worker.stop() for name, worker in workers.items()}
         for (system, variant), final in finals.items():
@@ -177,7 +185,7 @@ def run(args) -> dict:
                 if "moe" in ready:
                     out["moe"] = ready["moe"]
             rows.append(out)
-        for system in peers:
+        for system in group_peers:
             peer = (system, PEER_OF[variants[0]])
             for variant in variants:
                 # Same tokens per step: the speed ratio is the inverse ratio of step times.
