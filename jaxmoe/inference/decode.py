@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
-from jaxmoe.models.kv_cache import DecodeCache, LayerCache, cache_length, init_cache
+from jaxmoe.models.kv_cache import DecodeCache, LayerCache, init_cache, longest_cache
 from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
@@ -343,7 +343,7 @@ class Generator:
         """
         rows = state["logits_BV"].shape[0]
         new_bucket = bucket(max_new_tokens)
-        cache_len = cache_length(state["caches"][0])
+        cache_len = longest_cache(state["caches"])  # sliding layers hold rings
         needed = int(state["index"]) + max_new_tokens - 1  # the last token is never fed back
         if needed > cache_len:
             raise ValueError(
@@ -441,9 +441,7 @@ class Generator:
         out = [cut_at_stop(row, self.stop_ids) for row in rows]
         result = Generation(out, prefill_s, decode_s, compile_prefill + compile_decode, steps)
         if stop is not None and stop.tables is not None:
-            from jaxmoe.inference.stop_strings import cut_rows_at_stops
-
-            out = cut_rows_at_stops(out, stop)
+            out = stop.cut_rows(out)
             if out is None:  # the tokenizer broke the automaton's assumption: no early stop
                 again = self.generate(prompts, max_new_tokens, sampling, seed)
                 again.compile_s += result.compile_s

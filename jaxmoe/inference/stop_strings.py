@@ -26,8 +26,6 @@ import functools
 
 import numpy as np
 
-from jaxmoe.inference.decode import bucket
-
 MAX_STRINGS = 31
 _UNKNOWN = "\ufffd"
 
@@ -107,7 +105,7 @@ class StopStrings:
             classes[token, : len(text)] = [auto.chars.get(c, 0) for c in text]
         # One extra state that never stops (an unknown character), padding to a bucket
         # keeps the compiled decode program for other lists of strings of similar size.
-        poison, size = auto.size, bucket(auto.size + 1)
+        poison, size = auto.size, max(16, 1 << auto.size.bit_length())  # > auto.size
         state_SV = np.broadcast_to(np.arange(auto.size)[:, None], (auto.size, vocab_size))
         done_SV = np.zeros(state_SV.shape, np.int64)
         for pos in range(classes.shape[1]):  # every state and token at once, a char a step
@@ -140,6 +138,19 @@ class StopStrings:
                 return i
         return None
 
+    def cut_rows(self, rows: list[list[int]]) -> list[list[int]] | None:
+        """Each row up to the token where the loop stopped it on a string (the padding
+        after it dropped), or None when a row's real decoded text does not allow that."""
+        out = []
+        for row in rows:
+            end = self.stop_index(row)
+            if end is not None:
+                row = row[: end + 1]
+                if not self.safe_to_stop(self.tokenizer.decode(row)):
+                    return None
+            out.append(row)
+        return out
+
     def safe_to_stop(self, text: str) -> bool:
         """The stopping rule on the real decoded text: some string occurred, and no string
         that did not occur has a proper prefix ending the text."""
@@ -157,17 +168,3 @@ def cut_at_strings(text: str, strings) -> str:
         if string:
             text = text.split(string)[0]
     return text
-
-
-def cut_rows_at_stops(rows: list[list[int]], stop: StopStrings) -> list[list[int]] | None:
-    """Each row up to the token where the loop stopped it on a string (the padding after
-    it dropped), or None when a row's real decoded text does not allow that stop."""
-    out = []
-    for row in rows:
-        end = stop.stop_index(row)
-        if end is not None:
-            row = row[: end + 1]
-            if not stop.safe_to_stop(stop.tokenizer.decode(row)):
-                return None
-        out.append(row)
-    return out
