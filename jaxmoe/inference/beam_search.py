@@ -20,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jaxmoe.inference.decode import Generation, bucket, cached_step, cut_at_stop
-from jaxmoe.models.kv_cache import cache_length, reorder_rows
+from jaxmoe.models.kv_cache import longest_cache, reorder_rows
 
 NEG_INF = -1.0e30  # finite, so that sums and divisions stay ordered and never make NaN
 
@@ -102,7 +102,7 @@ def beam_search(
     jax.block_until_ready(state)
     prefill_s = time.perf_counter() - start - compile_prefill
     start = time.perf_counter()
-    cache_len = cache_length(state["caches"][0])
+    cache_len = longest_cache(state["caches"])  # sliding layers hold rings
     fn = functools.partial(
         _beam_loop,
         graphdef=generator.spec.graphdef,

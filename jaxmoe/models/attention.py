@@ -6,6 +6,7 @@ Llama/Mistral). The grouped einsum reshapes queries to [.., K, G, ..] instead of
 K/V, so memory and bandwidth for K/V scale with K, not H.
 """
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -14,6 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmoe.models.attention_window import (
+    grouped_sinks,
+    softmax_with_sinks,
+    with_window,
+)
 from jaxmoe.models.layers import (
     RMSNorm,
     cast_weight,
@@ -23,12 +29,13 @@ from jaxmoe.models.layers import (
     make_param,
     matmul_2d,
 )
+from jaxmoe.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
 AUTO = -1  # `causal_block` setting: blocked on CPU, dense elsewhere (see resolve_causal_block)
 
 
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3")  # "yarn": options.py adds it (rope_yarn.py)
 # model.qk_norm: RMSNorm of queries and keys before rotary. head (Qwen3, Qwen3-MoE): over each
 # head's d, one [d] scale shared by the heads; projection (OLMoE): over the whole projection
 # (H*d for queries, K*d for keys) before it is split into heads.
@@ -50,6 +57,11 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_len: int = 8192
+    # yarn (rope_yarn.py): the ramp's ends, their rounding and the cos/sin multiplier.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 0.0
 
     @classmethod
     def from_config(cls, cfg) -> "RopeScaling | None":
@@ -57,17 +69,43 @@ class RopeScaling:
         rope_type = cfg.rope_type
         if rope_type == "default":
             return None
-        return cls(
+        scaling = cls(
             rope_type,
             float(cfg.rope_factor),
             float(cfg.rope_low_freq_factor),
             float(cfg.rope_high_freq_factor),
             int(cfg.rope_original_max_len),
         )
+        if rope_type != "yarn":
+            return scaling
+        return dataclasses.replace(
+            scaling,
+            beta_fast=float(cfg.rope_beta_fast),
+            beta_slow=float(cfg.rope_beta_slow),
+            truncate=bool(cfg.rope_truncate),
+            attention_factor=float(cfg.rope_attention_factor),
+        )
 
-    def rescale(self, inv_freq: np.ndarray) -> np.ndarray:
+    @property
+    def table_factor(self) -> float:
+        """What cos and sin are multiplied by (yarn's attention factor; else 1)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        return yarn_attention_factor(self.factor, self.attention_factor)
+
+    def rescale(self, inv_freq: np.ndarray, theta: float = 0.0) -> np.ndarray:
         if self.rope_type == "linear":
             return inv_freq / self.factor
+        if self.rope_type == "yarn":
+            return yarn_inv_freq(
+                inv_freq,
+                theta,
+                self.factor,
+                self.original_max_len,
+                self.beta_fast,
+                self.beta_slow,
+                self.truncate,
+            )
         low_wavelen = self.original_max_len / self.low_freq_factor
         high_wavelen = self.original_max_len / self.high_freq_factor
         wavelen = 2 * math.pi / inv_freq
@@ -86,8 +124,11 @@ def rope_tables(positions_BL, head_dim: int, theta: float, scaling: RopeScaling 
         inv_freq = 1.0 / theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim)
     else:  # a constant of the config: computed once on the host, in float64
         exponents = np.arange(0, head_dim, 2, dtype=np.float64) / head_dim
-        inv_freq = jnp.asarray(scaling.rescale(1.0 / theta**exponents), jnp.float32)
+        inv_freq = jnp.asarray(scaling.rescale(1.0 / theta**exponents, theta), jnp.float32)
     angles = positions_BL.astype(jnp.float32)[..., None] * inv_freq
+    factor = 1.0 if scaling is None else scaling.table_factor
+    if factor != 1.0:
+        return jnp.cos(angles) * factor, jnp.sin(angles) * factor
     return jnp.cos(angles), jnp.sin(angles)
 
 
@@ -118,7 +159,15 @@ def resolve_causal_block(setting: int, length: int) -> int:
 
 
 def grouped_attention(
-    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, causal_block=0, keep_BH1S=None
+    q_BLHd,
+    k_BSKd,
+    v_BSKd,
+    mask=None,
+    bias_bHLS=None,
+    scale=None,
+    causal_block=0,
+    keep_BH1S=None,
+    sinks_H=None,
 ):
     """softmax(q k^T * scale + bias, masked) v with K/V shared by groups of H // K heads.
 
@@ -128,11 +177,12 @@ def grouped_attention(
     causal_block > 0 (self-attention, L == S, a mask that never lets query i see key j > i):
     queries go in blocks of that size, each against only the keys up to its end, which
     skips the masked half of the work and gives the same result.
+    sinks_H: per-head sink logits [H] in the softmax denominator (attention_window.py).
     Returns [B, L, H, d]. Softmax statistics in f32.
     """
     if causal_block:
         return _blocked_causal_attention(
-            q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, causal_block, keep_BH1S
+            q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, causal_block, keep_BH1S, sinks_H
         )
     b, l, h, d = q_BLHd.shape
     kv_heads = k_BSKd.shape[2]
@@ -146,14 +196,16 @@ def grouped_attention(
         logits = logits + bias.reshape(bias.shape[0], kv_heads, groups, *bias.shape[2:])
     if mask is not None:
         logits = jnp.where(mask[:, None, None, :, :], logits, NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKd.dtype)
+    probs = softmax_with_sinks(logits, grouped_sinks(sinks_H, kv_heads)).astype(v_BSKd.dtype)
     if keep_BH1S is not None:
         probs = probs * keep_BH1S.reshape(b, kv_heads, groups, 1, -1)
     out = jnp.einsum("bkgls,bskd->blkgd", probs, v_BSKd)
     return out.reshape(b, l, h, d)
 
 
-def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, block, keep_BH1S):
+def _blocked_causal_attention(
+    q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, block, keep_BH1S, sinks_H=None
+):
     """`grouped_attention` for causal self-attention, one block of queries at a time.
 
     Block i holds queries [i c, (i + 1) c) and reads keys [0, (i + 1) c). A block's queries
@@ -188,7 +240,8 @@ def _blocked_causal_attention(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, bl
         if mask is not None:
             allowed = allowed & mask[:, None, None, start:end, :end]
         logits = jnp.where(allowed, logits, NEG_INF)
-        probs = jax.nn.softmax(logits, axis=-1).astype(v_BSKd.dtype)
+        sinks = grouped_sinks(sinks_H, kv_heads)
+        probs = softmax_with_sinks(logits, sinks).astype(v_BSKd.dtype)
         if keep_BH1S is not None:
             probs = probs * keep_BH1S[..., :end].reshape(b, kv_heads, groups, 1, end)
         out = jnp.einsum(
@@ -228,6 +281,9 @@ class Attention(nnx.Module):
         qk_norm: str = "none",
         norm_eps: float = 1e-6,
         dropout_rate: float = 0.0,
+        window: int = 0,
+        sinks: bool = False,
+        out_bias: bool = False,
         rngs: nnx.Rngs,
     ):
         if num_heads % num_kv_heads:
@@ -272,6 +328,13 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(k_width, eps=norm_eps, rngs=rngs)
         # `dropout_rate` > 0: dropout on the probabilities in training (grouped_attention).
         self.probs_dropout = dropout_module(dropout_rate, rngs, share_along_length=False)
+        # GPT-OSS (attention_window.py): a causal window of `window` keys (0 = all), learned
+        # sink logits sinks [H] ("heads"), and a bias out_bias [D] ("embed") on the output.
+        self.window = int(window)
+        if sinks:
+            self.sinks = make_param(rngs, nnx.initializers.zeros, (num_heads,), ("heads",))
+        if out_bias:
+            self.out_bias = make_param(rngs, nnx.initializers.zeros, (d_model,), ("embed",))
 
     def _rope(self, x_BLNd, positions_BL):
         tables = rope_tables(positions_BL, self.head_dim, self.rope_theta, self.rope_scaling)
@@ -306,7 +369,14 @@ class Attention(nnx.Module):
         return k, v
 
     def project_out(self, o_BLHd):
-        return matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
+        out = matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
+        if hasattr(self, "out_bias"):
+            out = out + self.out_bias[...].astype(out.dtype)
+        return out
+
+    def sink_logits(self):
+        """The per-head sink logits [H] f32, or None without sinks."""
+        return self.sinks[...].astype(jnp.float32) if hasattr(self, "sinks") else None
 
     def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None, train=False):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.
@@ -324,12 +394,15 @@ class Attention(nnx.Module):
         block = 0
         if kv_BSD is None and self.causal_block:
             block = resolve_causal_block(self.causal_block, x_BLD.shape[1])
+        if kv_BSD is None and self.window:
+            mask = with_window(mask, x_BLD.shape[1], self.window)
+        sinks = self.sink_logits()
         keep_shape = (x_BLD.shape[0], self.num_heads, 1, k.shape[1])
         keep = dropout_multiplier(self.probs_dropout, keep_shape, v.dtype, train)
         if block:
-            o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep)
+            o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep, sinks)
         else:
-            o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep)
+            o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep, sinks)
         return self.project_out(o)
 
 
@@ -337,7 +410,7 @@ QUERY_CHUNK = 256  # queries per rematerialised piece of the dense path
 
 
 def query_chunked_attention(
-    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, keep_BH1S=None
+    q_BLHd, k_BSKd, v_BSKd, mask=None, bias_bHLS=None, scale=None, keep_BH1S=None, sinks_H=None
 ):
     """`grouped_attention` (dense path) in pieces of QUERY_CHUNK queries, each rematerialised.
 
@@ -351,7 +424,9 @@ def query_chunked_attention(
     b, length, h, d = q_BLHd.shape
     chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
     if chunk == length:
-        return _dense_rematted(q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, 0, keep_BH1S)
+        return _dense_rematted(
+            q_BLHd, k_BSKd, v_BSKd, mask, bias_bHLS, scale, 0, keep_BH1S, sinks_H
+        )
     pieces = length // chunk
 
     def by_piece(a):  # [..., L, S] -> [pieces, ..., chunk, S]; None / one row: shared
@@ -368,7 +443,9 @@ def query_chunked_attention(
         mask_piece = shared(mask) if mask_piece is None else mask_piece
         bias_piece = shared(bias_bHLS) if bias_piece is None else bias_piece
         # The probability dropout mask is per key, shared by every piece of queries.
-        return _dense_rematted(q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale, 0, keep_BH1S)
+        return _dense_rematted(
+            q_BCHd, k_BSKd, v_BSKd, mask_piece, bias_piece, scale, 0, keep_BH1S, sinks_H
+        )
 
     q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
     out_PBCHd = jax.lax.map(piece, (q_PBCHd, by_piece(mask), by_piece(bias_bHLS)))

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
+from jaxmoe.models.attention_window import layer_window, softmax_with_sinks
 from jaxmoe.models.stack import ScannedStack, period_of
 
 
@@ -81,6 +82,12 @@ def cache_length(cache: LayerCache) -> int:
     return cache.v.shape[-2]
 
 
+def longest_cache(caches: list[LayerCache]) -> int:
+    """Slots of the full-attention caches: a sliding-window layer's ring (ring_cache.py)
+    holds only its window, so the first layer's cache need not be the request's length."""
+    return max(cache_length(c) for c in caches)
+
+
 def stacked_counts(model_cfg) -> list[int | None]:
     """Per stack module of the decoder: its layer count P when scanned, None when a block."""
     if not model_cfg.scan_layers:
@@ -95,13 +102,35 @@ def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[Laye
 
     `constrain` (LayerCache -> LayerCache, e.g. sharding constraints) places the buffers.
     """
-    shapes = cache_shapes(model_cfg, batch, length)
     dtype = jnp.dtype(model_cfg.dtype)
     constrain = constrain or (lambda cache: cache)
+    counts = stacked_counts(model_cfg)
     return [
-        constrain(LayerCache(*(jnp.zeros((*lead, *s), dtype) for s in shapes)))
-        for lead in ([] if p is None else [p] for p in stacked_counts(model_cfg))
+        constrain(
+            LayerCache(
+                *(jnp.zeros((*lead, *s), dtype) for s in cache_shapes(model_cfg, batch, slots))
+            )
+        )
+        for lead, slots in zip(
+            ([] if p is None else [p] for p in counts),
+            module_cache_slots(model_cfg, length),
+            strict=True,
+        )
     ]
+
+
+def module_cache_slots(model_cfg, length: int) -> list[int]:
+    """Cache slots of each stack module: `length`, or a sliding-window layer's ring of
+    min(window, length) slots (ring_cache.py), so a long generation does not grow it."""
+    counts = stacked_counts(model_cfg)
+    periods = next((p for p in counts if p is not None), 0)
+    scanned = [j for j, p in enumerate(counts) if p is not None]
+    layers = [
+        j if p is not None else periods * len(scanned) + j - len(scanned)
+        for j, p in enumerate(counts)
+    ]
+    windows = [layer_window(model_cfg, i) for i in layers]
+    return [min(w, length) if w else length for w in windows]
 
 
 def init_cache(model_cfg, batch: int, length: int, pad_B=None, constrain=None) -> DecodeCache:
@@ -127,10 +156,11 @@ def check_matches_stack(caches: list, stack, what: str) -> None:
         )
 
 
-def cached_attention(q_BLHd, k_NdS, v_NSd, mask=None, bias_bHLS=None, scale=None):
+def cached_attention(q_BLHd, k_NdS, v_NSd, mask=None, bias_bHLS=None, scale=None, sinks_H=None):
     """`attention.grouped_attention` for the cache layouts; K/V are never repeated.
 
-    mask: bool [B or 1, L, S]. bias: [B or 1, H, L, S]. Returns [B, L, H, d].
+    mask: bool [B or 1, L, S]. bias: [B or 1, H, L, S]. sinks_H: sink logits [H] or None.
+    Returns [B, L, H, d].
     """
     b, l, h, d = q_BLHd.shape
     n, s = k_NdS.shape[0], k_NdS.shape[2]
@@ -148,7 +178,11 @@ def cached_attention(q_BLHd, k_NdS, v_NSd, mask=None, bias_bHLS=None, scale=None
     if mask is not None:
         mask = jnp.broadcast_to(mask.reshape(-1, 1, 1, l, s), (b, kv_heads, 1, l, s))
         logits = jnp.where(mask.reshape(n, 1, l, s), logits, NEG_INF)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v_NSd.dtype)
+    sinks = None
+    if sinks_H is not None:  # [H] -> [N, G, 1, 1], row b * K + k holding KV head k's group
+        sinks = jnp.broadcast_to(sinks_H.reshape(1, kv_heads, groups), (b, kv_heads, groups))
+        sinks = sinks.reshape(n, groups, 1, 1)
+    probs = softmax_with_sinks(logits, sinks).astype(v_NSd.dtype)
     # Materialise the probabilities: XLA on CPU otherwise fuses the softmax into the
     # probs x V product, which then ran 2-5x slower for groups of 2-8 query heads (measured).
     probs = jax.lax.optimization_barrier(probs)
@@ -171,6 +205,7 @@ class CacheSlot(NamedTuple):
     cache: LayerCache
     index: jax.Array
     row: jax.Array | None = None
+    pad_B: jax.Array | None = None  # left padding per row (ring_cache.py's sliding layers)
 
 
 def layer_view(cache: LayerCache, row) -> LayerCache:
@@ -210,7 +245,8 @@ def attend_with_cache(
         _write(slot.cache.v, new.v, (None, index, None), slot.row),
     )
     mine = layer_view(cache, slot.row)
-    o_BLHd = cached_attention(q_BLHd, mine.k, mine.v, mask_BLS, bias, attn.scale)
+    sinks = attn.sink_logits()
+    o_BLHd = cached_attention(q_BLHd, mine.k, mine.v, mask_BLS, bias, attn.scale, sinks)
     return attn.project_out(o_BLHd), cache
 
 
@@ -243,7 +279,7 @@ def decoder_mask(cache: DecodeCache, length: int):
     """(mask bool [B, L, S], rotary positions [B, L]) of `length` new decoder-only tokens:
     causal over the cache slots, left padding masked, positions from each row's first token."""
     slots_L = new_slots(cache, length)
-    key_slots_S = jnp.arange(cache_length(cache.layers[0]), dtype=jnp.int32)
+    key_slots_S = jnp.arange(longest_cache(cache.layers), dtype=jnp.int32)
     causal_LS = key_slots_S[None, :] <= slots_L[:, None]
     not_padding_BS = key_slots_S[None, :] >= cache.pad_B[:, None]
     positions_BL = jnp.maximum(slots_L[None, :] - cache.pad_B[:, None], 0)

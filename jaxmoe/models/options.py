@@ -15,11 +15,13 @@ from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
 from jaxmoe.models.ffn import dense_layer_ids
+from jaxmoe.models.gpt_oss_options import check_gpt_oss_options
 from jaxmoe.models.layers import ACTIVATIONS
 from jaxmoe.models.mla import ATTENTION_KINDS
 from jaxmoe.models.moe.dispatch import DISPATCHES
 from jaxmoe.models.moe.expert_parallel import EXCHANGES
 from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
+from jaxmoe.models.moe.glu import CLAMPED_SWIGLU
 from jaxmoe.models.moe.layer import check_moe_config
 from jaxmoe.models.moe.router import SCORINGS
 from jaxmoe.models.stack import REMAT_POLICIES
@@ -60,6 +62,7 @@ class MoEOptions:
     )
     jitter: float = option(0.0, "multiplicative router-input noise in training (0 = off)")
     router_bias: bool = option(False, "a router bias [E] (Flaxformer RouterWeights use_bias)")
+    expert_bias: bool = option(False, "biases on every expert's gate/up and down projections")
     block_size: int = option(256, "rows per expert block in the block dispatch")
     dispatch: str = option("auto", "token dispatch (capacity: GShard fixed buffers)", DISPATCHES)
     ep_exchange: str = option(
@@ -147,12 +150,17 @@ class ModelOptions:
     head_dim: int = option(32, "width of one attention head")
     ffn_dim: int = option(512, "hidden size of a dense (gated) FFN")
     activation: str = option(
-        "silu", "gated FFN activation: silu (SwiGLU) | gelu (T5.1.1) | relu", tuple(ACTIVATIONS)
+        "silu",
+        "gated FFN activation: silu (SwiGLU) | gelu (T5.1.1) | relu | swiglu_clamped (GPT-OSS "
+        "experts)",
+        (*ACTIVATIONS, CLAMPED_SWIGLU),
     )
     norm_eps: float = option(1e-6, "RMSNorm epsilon")
     rope_theta: float = option(10000.0, "rotary base; 0 disables rotary positions")
     rope_type: str = option(
-        "default", "rotary frequency scaling (default: none; yarn: MLA only)", (*ROPE_TYPES, "yarn")
+        "default",
+        "rotary frequency scaling (default: none; yarn: rope_yarn.py)",
+        (*ROPE_TYPES, "yarn"),
     )
     rope_factor: float = option(
         1.0, "linear / llama3: context-extension factor frequencies divide by"
@@ -187,6 +195,17 @@ class ModelOptions:
         0.0, "training only: embeddings, attention and FFN outputs, final norm"
     )
     max_len: int = option(0, "context: longest sequence trained on (train sets it); 0 = unknown")
+    # GPT-OSS (docs/gpt_oss.md): per-layer attention windows, sinks, biases, clamped SwiGLU.
+    sliding_window: int = option(0, "window W of the sliding layers: keys q-W < k <= q; 0 = none")
+    layer_types: str = option(
+        "",
+        'per-layer attention: comma list of sliding | full, repeated down the stack ("sliding,'
+        'full" alternates); "" = all sliding when sliding_window > 0',
+    )
+    attention_sinks: bool = option(False, "a learned per-head sink logit in each softmax")
+    out_bias: bool = option(False, "a bias on the attention output projection (GPT-OSS)")
+    swiglu_alpha: float = option(1.702, "swiglu_clamped: the sigmoid's gain alpha")
+    swiglu_limit: float = option(7.0, "swiglu_clamped: gate clamped above, up to +-limit")
     qk_norm: str = option(
         "none",
         "RMSNorm on queries/keys before rotary: head (Qwen3) | projection (OLMoE) | none",
@@ -230,6 +249,7 @@ class ModelOptions:
             f"model.head_dim={self.head_dim} must be even for rotary positions (model.rope_theta)",
         )
         self._check_rope()
+        check_gpt_oss_options(self)
         self._check_latent()
         need(
             not self.qkv_bias or self.arch == "decoder",
@@ -314,10 +334,6 @@ class ModelOptions:
 
     def _check_latent(self) -> None:
         """model.attention=mla and YaRN (implemented for MLA only)."""
-        need(
-            self.rope_type != "yarn" or self.attention == "mla",
-            "model.rope_type='yarn' is implemented for model.attention='mla' only",
-        )
         if self.rope_type == "yarn":
             need(
                 self.rope_original_max_len > 0,

@@ -4,6 +4,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxmoe.models.attention import Attention, RopeScaling
+from jaxmoe.models.attention_window import layer_window
 from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import (
     CacheSlot,
@@ -25,6 +26,7 @@ from jaxmoe.models.layers import (
     matmul_2d,
 )
 from jaxmoe.models.mla import LatentAttention
+from jaxmoe.models.ring_cache import ring_self_attention
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
 
@@ -47,6 +49,9 @@ class DecoderBlock(nnx.Module):
                 qk_norm=cfg.qk_norm,
                 norm_eps=cfg.norm_eps,
                 dropout_rate=cfg.dropout_rate,
+                window=layer_window(cfg, layer_index),
+                sinks=cfg.attention_sinks,
+                out_bias=cfg.out_bias,
                 rngs=rngs,
             )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
@@ -58,7 +63,10 @@ class DecoderBlock(nnx.Module):
         reads and writes the layer's KV cache and `cache` is the updated one (else None).
         `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
         latent = isinstance(self.attn, LatentAttention)
-        h_BLD, cache = (latent_self_attention if latent else self_attention)(
+        attend = latent_self_attention if latent else self_attention
+        if slot is not None and not latent and self.attn.window:
+            attend = ring_self_attention  # a sliding-window layer's cache is a ring
+        h_BLD, cache = attend(
             self.attn,
             self.attn_norm(x_BLD),
             mask=mask,
@@ -126,7 +134,9 @@ class DecoderLM(nnx.Module):
         x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
 
         def apply(layer, x_BLD, layer_cache, row):
-            slot = None if cache is None else CacheSlot(layer_cache, cache.index, row)
+            slot = None
+            if cache is not None:
+                slot = CacheSlot(layer_cache, cache.index, row, cache.pad_B)
             x_BLD, aux, layer_cache = layer(
                 x_BLD,
                 mask=mask,

@@ -12,6 +12,7 @@ from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.export_moe import family_fields, moe_family, refuse_unexported_routing
 from jaxmoe.conversions.hf.names import QWEN_EXPERT_NAMES, TensorMap, decoder_maps, t5_maps
 from jaxmoe.conversions.hf.names_deepseek import deepseek_export, deepseek_maps
+from jaxmoe.conversions.hf.names_gpt_oss import gpt_oss_export, gpt_oss_maps, is_gpt_oss
 from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
 from jaxmoe.models.ffn import is_moe_layer
 
@@ -174,6 +175,8 @@ def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[Te
         _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
     if m.attention == "mla":  # latent attention: only DeepSeek has it
         return deepseek_export(m, max_positions), deepseek_maps(m)
+    if is_gpt_oss(m):  # attention sinks: only GPT-OSS has them
+        return gpt_oss_export(m, max_positions), gpt_oss_maps(m)
     if m.moe.num_experts and m.moe.router_bias:
         _refuse("model.moe.router_bias=True (the exported MoE routers have no bias)")
     if m.arch == "encoder_decoder":

@@ -28,7 +28,9 @@ from jaxmoe.conversions.hf.names_moe import MOE_FAMILIES, read_moe_family
 from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.models.ffn import is_moe_layer
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "jaxmoe_moe")
+SUPPORTED_MODEL_TYPES = (
+    *("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "gpt_oss", "jaxmoe_moe"),
+)
 SUPPORTED_MODEL_TYPES += ("deepseek_v2", "deepseek_v3")  # names_deepseek.py
 # Tensors HF itself skips when loading: derived buffers and an unused T5 table.
 _IGNORED = (

@@ -25,7 +25,7 @@ from jaxmoe.conversions.hf.hf_config import (
     config_size,
     read_rope,
 )
-from jaxmoe.conversions.hf.names import SAME, Linear, TensorMap, _attention_maps
+from jaxmoe.conversions.hf.names import SAME, ImportPlan, Linear, TensorMap, _attention_maps
 from jaxmoe.models.attention_window import SLIDING, parse_layer_types
 
 MODEL_TYPE = "gpt_oss"
@@ -147,6 +147,13 @@ def _read_layer_types(hf: dict, m: ConfigDict) -> None:
         raise CheckpointError(f"config.json: layer_types: {error}") from None
     m.sliding_window = int(window) if sliding else 0
     m.layer_types = ",".join(types) if sliding else ""
+
+
+def gpt_oss_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+    """names.import_plan for GPT-OSS (importer.py asks here: this module builds on names.py,
+    which therefore cannot import it)."""
+    read_gpt_oss(hf, present, m)
+    return ImportPlan(gpt_oss_maps(m))
 
 
 def gpt_oss_maps(m: ConfigDict) -> list[TensorMap]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.moe.glu import gated_hidden
 from jaxmoe.models.moe.grouped_ffn import expert_ranks, grouped_ffn_blocks
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -81,14 +82,15 @@ def expert_ffn_ERD(x_ERD: jax.Array, experts: Experts, act: Activation) -> jax.A
     wi_0, wi_1, wo = experts
     gate = jnp.einsum("erd,edf->erf", x_ERD, wi_0)
     up = jnp.einsum("erd,edf->erf", x_ERD, wi_1)
-    return jnp.einsum("erf,efd->erd", act(gate) * up, wo)
+    return jnp.einsum("erf,efd->erd", gated_hidden(act, gate, up), wo)
 
 
 def dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
     """Every expert on every row, combined with a [N, E] weight matrix."""
     wi_0, wi_1, wo = experts
     num_rows, num_experts = x_ND.shape[0], wi_0.shape[0]
-    hidden_ENF = act(jnp.einsum("nd,edf->enf", x_ND, wi_0)) * jnp.einsum("nd,edf->enf", x_ND, wi_1)
+    gate_ENF = jnp.einsum("nd,edf->enf", x_ND, wi_0)
+    hidden_ENF = gated_hidden(act, gate_ENF, jnp.einsum("nd,edf->enf", x_ND, wi_1))
     out_END = jnp.einsum("enf,efd->end", hidden_ENF, wo)
     weight_A = jnp.where(valid_A, weight_A, 0).astype(jnp.float32)
     combine_NE = jnp.zeros((num_rows, num_experts), jnp.float32)
@@ -122,8 +124,8 @@ def _ragged_chunk(x_RD, wi_0, wi_1, wo, counts_E, act):
     In the compute dtype: f32 [R, D] partial sums would cost more memory than the hidden
     slice saved.
     """
-    hidden_RF = act(jax.lax.ragged_dot(x_RD, wi_0, counts_E)) * jax.lax.ragged_dot(
-        x_RD, wi_1, counts_E
+    hidden_RF = gated_hidden(
+        act, jax.lax.ragged_dot(x_RD, wi_0, counts_E), jax.lax.ragged_dot(x_RD, wi_1, counts_E)
     )
     return jax.lax.ragged_dot(hidden_RF, wo, counts_E)
 

@@ -1,7 +1,7 @@
 """Grouped expert FFN whose forward and backward cost follow the number of assignments.
 
 The (row, expert) assignments are laid out by expert in a row buffer (ranks from a one-hot
-cumsum, no argsort). A `scan` over experts takes one expert's weight slabs at a time; inside
+cumsum for few experts, a stable argsort for many). A `scan` over experts takes one expert's weight slabs at a time; inside
 it, `fori_loop`s with traced trip counts run one dense [block, D] x [D, F] product per
 block of that expert's rows, so the work follows the expert's row count. Autodiff of such
 loops would stack every iteration's activations in a statically sized buffer and replay
@@ -30,6 +30,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.moe.glu import gated_hidden
 from jaxmoe.models.moe.grouping import block_rows, tail_rows
 
 Activation = Callable[[jax.Array], jax.Array]
@@ -48,12 +49,32 @@ class ExpertRows(NamedTuple):
     counts_E: jax.Array
 
 
+# Above this many (assignment, expert) pairs the one-hot cumsum's [A, E] buffers cost more
+# than a stable argsort: on the 2-core host (loaded) A=8192, E=8: one-hot 0.7 ms, sort
+# 1.8 ms; E=32: 3.2 vs 1.9 ms; A=32768, E=128 (4096 tokens top-8): 576 vs 48 ms.
+ONE_HOT_RANKS_MAX = 2**17
+
+
 def expert_ranks(expert_A: jax.Array, valid_A: jax.Array, num_experts: int):
     """(rank_A, counts_E): each valid assignment's rank among its expert's, in order.
 
-    A one-hot cumsum: linear in A * E and free of the argsort a sort-based layout needs.
+    Few experts: a one-hot cumsum, linear in A * E. Many (fine-grained experts): a stable
+    argsort by expert, whose position minus the expert's offset is the rank.
     Invalid assignments get rank -1.
     """
+    num_assign = expert_A.shape[0]
+    if num_assign * num_experts > ONE_HOT_RANKS_MAX:
+        key_A = jnp.where(valid_A, expert_A, num_experts).astype(jnp.int32)
+        counts_E = jnp.bincount(key_A, length=num_experts + 1)[:num_experts].astype(jnp.int32)
+        order_A = jnp.argsort(key_A, stable=True)
+        position_A = (
+            jnp.zeros(num_assign, jnp.int32)
+            .at[order_A]
+            .set(jnp.arange(num_assign, dtype=jnp.int32))
+        )
+        offset_E = jnp.cumsum(counts_E) - counts_E
+        rank_A = position_A - offset_E[jnp.minimum(key_A, num_experts - 1)]
+        return jnp.where(valid_A, rank_A, -1), counts_E
     onehot_AE = (expert_A[:, None] == jnp.arange(num_experts)) & valid_A[:, None]
     onehot_AE = onehot_AE.astype(jnp.int32)
     counts_E = onehot_AE.sum(axis=0)
@@ -124,7 +145,7 @@ def _forward(act, sizes, x_ND, rows, wi_0, wi_1, wo):
 
         def block(start, size, y_ND):
             src, weight, x_bD = _gather_rows(rows, x_ND, start, size)
-            hidden_bF = act(jnp.dot(x_bD, wi_0_DF)) * jnp.dot(x_bD, wi_1_DF)
+            hidden_bF = gated_hidden(act, jnp.dot(x_bD, wi_0_DF), jnp.dot(x_bD, wi_1_DF))
             out_bD = jnp.dot(hidden_bF, wo_FD, preferred_element_type=acc)
             return y_ND.at[src].add(out_bD * weight[:, None].astype(acc), mode="drop")
 
@@ -146,9 +167,9 @@ def _backward(act, sizes, x_ND, rows, wi_0, wi_1, wo, dy_ND):
             dx_ND, dweight_R, (dwi_0, dwi_1, dwo) = carry
             src, weight, x_bD = _gather_rows(rows, x_ND, start, size)
             dy_bD = dy_ND.at[src].get(mode="fill", fill_value=0)
-            act_bF, act_vjp = jax.vjp(act, jnp.dot(x_bD, wi_0_DF))
-            up_bF = jnp.dot(x_bD, wi_1_DF)
-            hidden_bF = act_bF * up_bF
+            hidden_bF, hidden_vjp = jax.vjp(
+                partial(gated_hidden, act), jnp.dot(x_bD, wi_0_DF), jnp.dot(x_bD, wi_1_DF)
+            )
             # y += weight * (hidden wo), so d weight = <dy, hidden wo> = <dy wo^T, hidden>.
             dy_wo_bF = jnp.dot(dy_bD, wo_FD.T)
             dweight_b = jnp.sum(dy_wo_bF.astype(acc) * hidden_bF.astype(acc), axis=1)
@@ -156,8 +177,7 @@ def _backward(act, sizes, x_ND, rows, wi_0, wi_1, wo, dy_ND):
             w_b1 = weight[:, None].astype(x_bD.dtype)
             dwo += jnp.dot(hidden_bF.T, dy_bD * w_b1, preferred_element_type=acc)
             dhidden_bF = dy_wo_bF * w_b1
-            (dgate_bF,) = act_vjp(dhidden_bF * up_bF)
-            dup_bF = dhidden_bF * act_bF
+            dgate_bF, dup_bF = hidden_vjp(dhidden_bF)
             dwi_0 += jnp.dot(x_bD.T, dgate_bF, preferred_element_type=acc)
             dwi_1 += jnp.dot(x_bD.T, dup_bF, preferred_element_type=acc)
             dx_bD = jnp.dot(dgate_bF, wi_0_DF.T, preferred_element_type=acc)

@@ -48,7 +48,8 @@ from jaxmoe.models.layers import (
     make_param,
     ungated_gate_fn,
 )
-from jaxmoe.models.moe import dispatch, expert_parallel, gates, router
+from jaxmoe.models.moe import dispatch, expert_bias, expert_parallel, gates, router
+from jaxmoe.models.moe.glu import expert_activation
 
 
 def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
@@ -170,7 +171,7 @@ class MoE(nnx.Module):
         dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
         self.num_experts = num_experts
         self.gated = bool(cfg.ffn_gated)
-        self.act = activation_fn(cfg.activation) if self.gated else ungated_gate_fn(cfg.activation)
+        self.act = expert_activation(cfg, activation_fn if self.gated else ungated_gate_fn)
         self.train_gate = gate_config(moe, moe.gating)
         self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
         self.capacity_factor = float(moe.capacity_factor)
@@ -193,6 +194,12 @@ class MoE(nnx.Module):
             self.wi = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
         expert_out = ("expert", "expert_mlp", "embed")
         self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
+        if moe.expert_bias:  # GPT-OSS: biases on each expert's projections (expert_bias.py)
+            zeros = nnx.initializers.zeros
+            hidden_axes = ("expert", "expert_mlp")
+            self.wi_0_bias = make_param(rngs, zeros, (num_experts, ffn), hidden_axes)
+            self.wi_1_bias = make_param(rngs, zeros, (num_experts, ffn), hidden_axes)
+            self.wo_bias = make_param(rngs, zeros, (num_experts, dim), ("expert", "embed"))
         self.expert_dropout = dropout_module(expert_dropout_rate(cfg), rngs, False)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
         self.router_cfg = router.RouterConfig.from_config(moe)
@@ -271,7 +278,11 @@ class MoE(nnx.Module):
         if keep_EF1 is not None:
             experts = (*experts[:2], experts[2] * keep_EF1)
         options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
-        args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
+        x_in = x_BLD
+        if hasattr(self, "wo_bias"):
+            biases = (self.wi_0_bias[...].astype(dtype), self.wi_1_bias[...].astype(dtype))
+            x_in, experts = expert_bias.with_bias_column(x_BLD, experts, *biases)
+        args = (x_in, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
         overflow_BLK = jnp.zeros(keep_BLK.shape, bool)
         if mesh is None:
@@ -308,6 +319,9 @@ class MoE(nnx.Module):
                 norm_scores_TE.reshape(batch, length, -1), indices_BLK, mask_BLK, token_mask_BL
             )
         y_BLD = y_BLD.astype(dtype)
+        if hasattr(self, "wo_bias"):  # the ones column's output dropped, the down bias added
+            bias_BLD = expert_bias.down_bias(indices_BLK, weights_BLK, keep_BLK, self.wo_bias[...])
+            y_BLD = y_BLD[..., :dim] + bias_BLD.astype(dtype)
         if hasattr(self, "shared"):
             shared_BLD, _ = self.shared(x_BLD, train=train)
             if hasattr(self, "shared_gate"):
