@@ -303,6 +303,8 @@ def time_to_target(ttt: dict, result: dict) -> dict:
     """Simulated MoE seconds to the target: tokens to target (the trained run's, assumed the
     same at every batch size and order) / tokens per step x simulated step time."""
     summary = ttt["summary"][result["variant"]]["steps_to_target_own"]
+    if summary["mean"] is None:
+        return {"reached": False}
     batch, length = (int(x) for x in ttt["settings"]["batch"].split(" tokens")[0].split(" x "))
     tokens = summary["mean"] * batch * length
     measured = result["measured_curve"]

@@ -1,6 +1,8 @@
 """The straggler simulation's arithmetic and the time-to-target rule, against hand-computed
 values (benchmarks/stragglers.py, benchmarks/time_to_target.py)."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -82,3 +84,26 @@ def test_target_rule_by_hand():
     assert target_from_pilot(7.0, 3.0, 0.95) == pytest.approx(3.2)
     with pytest.raises(ValueError, match="target_fraction"):
         target_from_pilot(7.0, 3.0, 1.5)
+
+
+def test_main_on_a_recorded_run(tmp_path, capsys):
+    # Two epochs of 4 steps x 16 examples of one seed, in the layout time_to_target writes.
+    rng = np.random.default_rng(1)
+    ids = np.concatenate([rng.permutation(64), rng.permutation(64)]).reshape(8, 16)
+    levels = rng.uniform(0, 0.5, (64, 2)).astype(np.float32)
+    path = tmp_path / "routing.npz"
+    np.savez(
+        path,
+        **{
+            "seed0/adaptive_T0.1/step": np.arange(1, 9),
+            "seed0/adaptive_T0.1/example_ids": ids,
+            "seed0/adaptive_T0.1/top2_BM": levels[ids],
+            "seed0/steps_per_epoch": np.asarray(4),
+            "seq_len": np.asarray(64),
+        },
+    )
+    stragglers.main(["--routing", str(path), "--curve", "none", "--devices", "2,4", "--json", "-"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    row = result["summary"]["paper Table 1"]["4"]
+    # The slowest device is never faster than the mean one.
+    assert row["none"] >= row["balanced"] and row["steps"] == 8
