@@ -18,6 +18,7 @@ import importlib.metadata
 import importlib.util
 import os
 import sys
+import sysconfig
 
 
 def _names(key: str) -> set[str]:
@@ -30,6 +31,10 @@ ALLOW_UNDER = [
     os.path.realpath(d) for d in os.environ.get("JAXMOE_ALLOW_UNDER", "").split(":") if d
 ]
 HERE = os.path.dirname(os.path.realpath(__file__))
+# The standard library's folders (private modules such as _sysconfigdata_* are not in
+# sys.stdlib_module_names); site-packages below them is not the standard library.
+STDLIB = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+SITE = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("purelib", "platlib")}
 
 
 class Blocked(ModuleNotFoundError):
@@ -52,6 +57,9 @@ class _Blocker(importlib.abc.MetaPathFinder):
             return None
         where = os.path.realpath(spec.origin)
         if where.startswith(HERE) or any(where.startswith(d + os.sep) for d in ALLOW_UNDER):
+            return spec
+        in_stdlib = any(where.startswith(d + os.sep) for d in STDLIB)
+        if in_stdlib and not any(where.startswith(d + os.sep) for d in SITE):
             return spec
         raise Blocked(f"No module named {name!r} (blocked by tests/import_blocker)", name=name)
 
