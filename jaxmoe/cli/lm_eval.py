@@ -26,7 +26,22 @@ def run(args) -> int:
         from jaxmoe.inference.lm_eval_backend import run_lm_eval
     except ImportError as error:
         raise RuntimeError(f"{error}; {EXTRA_HINT}") from None
-    return run_lm_eval(args.lm_eval_args)
+    return run_lm_eval(join_processes(args.lm_eval_args))
+
+
+def join_processes(argv: list[str]) -> list[str]:
+    """`argv` without jaxmoe's multi-process flags (launch/local.sh appends them), after
+    joining the run they describe (or a detected pod / SLURM job): each process is then
+    one of lm-eval's data-parallel ranks."""
+    import argparse
+
+    from jaxmoe.cli.flags import add_distributed_flags, initialize_from_flags
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # lm-eval's flags
+    add_distributed_flags(parser)
+    flags, rest = parser.parse_known_args(argv)
+    initialize_from_flags(flags)
+    return rest
 
 
 def print_help() -> int:

@@ -18,7 +18,8 @@ from etils import epath
 from jax.sharding import NamedSharding
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.inference.trained_model import TrainedModel
+from jaxmoe.inference import across_processes
+from jaxmoe.inference.trained_model import TrainedModel, checkpoint_config
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import eval_metrics, eval_step
 
@@ -221,8 +222,13 @@ def evaluate(
     refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
     # Token-id data needs no tokenizer; text does (refused in one line without one).
     text = not data_spec.startswith("jsonl:")
+
+    if config is None:
+        config = checkpoint_config(checkpoint, overrides)
+    # Several processes: each scores every N-th batch on its own devices (across_processes).
+    mesh = across_processes.process_mesh(config.mesh)
     model = TrainedModel.open(
-        checkpoint, config=config, overrides=overrides, tokenizer=text, strict_mesh=True
+        checkpoint, mesh, config=config, overrides=overrides, tokenizer=text, strict_mesh=True
     )
     config, tokenizer, mesh, spec = model.config, model.tokenizer, model.mesh, model.spec
     encoder_decoder = model.encoder_decoder
@@ -248,15 +254,22 @@ def evaluate(
     }
     step = jax.jit(functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest))
     totals = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
-    losses, counts = [], []
+    mine = across_processes.shard(list(range(len(batches))))
+    outputs = {}
     with jax.set_mesh(mesh):
-        for batch in batches:
+        for index in mine:
+            batch = batches[index]
             device_batch = {k: jax.device_put(v, shardings[k]) for k, v in batch.items()}
-            out = jax.device_get(step(params, device_batch))
-            for key in totals:
-                totals[key] += float(out[key])
-            losses.append(out["nll_per_example"])
-            counts.append(out["weight_per_example"])
+            outputs[index] = jax.device_get(step(params, device_batch))
+    for part in across_processes.allgather_objects(outputs):
+        outputs.update(part)
+    losses, counts = [], []
+    for index in range(len(batches)):  # in batch order: the same sums on any process count
+        out = outputs[index]
+        for key in totals:
+            totals[key] += float(out[key])
+        losses.append(out["nll_per_example"])
+        counts.append(out["weight_per_example"])
     result = eval_metrics(totals)
     if not math.isfinite(result["loss"]):
         raise ValueError(

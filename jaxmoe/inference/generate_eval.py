@@ -19,6 +19,7 @@ import time
 import numpy as np
 from etils import epath
 
+from jaxmoe.inference import across_processes
 from jaxmoe.inference.decode import Generation, Sampling, without_stop
 from jaxmoe.inference.stop_strings import StopStrings, cut_at_strings
 
@@ -89,7 +90,8 @@ def generate_all(
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
     tokens: list = [None] * len(prompts)
     total = Generation([], 0.0, 0.0, 0.0)
-    for start in range(0, len(order), rows):
+    # Several processes: each generates every N-th batch on its own devices, all gathered.
+    for start in across_processes.shard(list(range(0, len(order), rows))):
         chunk = order[start : start + rows]
         batch = [prompts[i] for i in chunk] + [[generator.eos_id]] * (rows - len(chunk))
         if beams > 1:
@@ -103,6 +105,16 @@ def generate_all(
         total.decode_s += result.decode_s
         total.compile_s += result.compile_s
         total.steps += result.steps
+    if across_processes.multi_process():
+        parts = across_processes.allgather_objects((tokens, total))
+        total = Generation([], 0.0, 0.0, 0.0)
+        for part_tokens, part in parts:
+            tokens = [a if a is not None else b for a, b in zip(tokens, part_tokens, strict=True)]
+            total.tokens += part.tokens
+            total.prefill_s = max(total.prefill_s, part.prefill_s)  # the processes overlap
+            total.decode_s = max(total.decode_s, part.decode_s)
+            total.compile_s = max(total.compile_s, part.compile_s)
+            total.steps += part.steps
     return tokens, total
 
 
@@ -134,7 +146,12 @@ def generate_eval(
     sampling = Sampling(temperature, top_k, top_p)
     if num_beams > 1 and temperature > 0:
         raise ValueError("--num_beams > 1 searches; it does not sample (use --temperature=0)")
-    model = TrainedModel.open(checkpoint, config=config, overrides=overrides)
+    from jaxmoe.inference.trained_model import checkpoint_config
+
+    if config is None:
+        config = checkpoint_config(checkpoint, overrides)
+    mesh = across_processes.process_mesh(config.mesh)  # a process's own devices
+    model = TrainedModel.open(checkpoint, mesh, config=config, overrides=overrides)
     config, tokenizer, mesh = model.config, model.tokenizer, model.mesh
     generator = model.generator()
     encoder_decoder = model.encoder_decoder
@@ -180,7 +197,7 @@ def generate_eval(
         "checkpoint": model.checkpoint,
         "step": model.step,
     }
-    if output:
+    if output and across_processes.process_index() == 0:  # every process holds them all
         lines = [
             json.dumps({"inputs": i, "targets": t, "prediction": p}, ensure_ascii=False)
             for (i, t), p in zip(pairs, predictions, strict=True)

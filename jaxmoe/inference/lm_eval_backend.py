@@ -18,6 +18,11 @@ apart, the context ending with EOS), an empty context becomes EOS (the tokenizer
 BOS), and rolling windows are lm-eval's own. So an exported checkpoint
 scores the same under `--model hf` and `--model jaxmoe`.
 
+On several processes (`launch/local.sh N -- lm-eval ...`, a pod) each process is one of
+lm-eval's data-parallel ranks: lm-eval gives it every N-th document, it evaluates them on its
+own devices (`mesh=` describes one process's mesh) and lm-eval gathers the results on
+process 0 through `gather_object` (across_processes.py: jax's `process_allgather`).
+
 Model args: `checkpoint=PATH` (required), `mesh=data:4/tensor:2` (mesh axis sizes),
 `max_length=N` (default: train.seq_len), `max_gen_toks=N` (default 256) and any config
 override as `section.key=value` (e.g. `model.dtype=float32`).
@@ -26,6 +31,7 @@ override as `section.key=value` (e.g. `model.dtype=float32`).
 import functools
 import logging
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +48,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 
 from jaxmoe.errors import ConfigError
+from jaxmoe.inference import across_processes
 from jaxmoe.inference.decode import Sampling, bucket, without_stop
 from jaxmoe.inference.stop_strings import StopStrings
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
@@ -107,7 +114,7 @@ class JaxmoeLM(TemplateLM):
         **config_overrides,
     ):
         super().__init__()
-        from jaxmoe.inference.trained_model import TrainedModel
+        from jaxmoe.inference.trained_model import TrainedModel, checkpoint_config
         from jaxmoe.storage.paths import absolute_path
 
         del device, max_batch_size  # the mesh decides placement; batches have one size
@@ -124,7 +131,10 @@ class JaxmoeLM(TemplateLM):
         overrides = [f"{k}={v}" for k, v in config_overrides.items()]
         overrides += mesh_overrides(mesh) if mesh else []
         self.checkpoint = absolute_path(checkpoint)
-        model = TrainedModel.open(self.checkpoint, overrides=overrides)
+        config = checkpoint_config(self.checkpoint, overrides)
+        mesh = across_processes.process_mesh(config.mesh)  # a process's own devices
+        model = TrainedModel.open(self.checkpoint, mesh, config=config, overrides=overrides)
+        self._rank, self._world_size = jax.process_index(), jax.process_count()
         self.config = config = model.config
         # lm-eval's TemplateLM encodes an encoder-decoder's context and continuation apart.
         self.encoder_decoder = model.encoder_decoder
@@ -142,6 +152,20 @@ class JaxmoeLM(TemplateLM):
         self.compiled_shapes: set[tuple[int, int]] = set()
 
     # ------------------------------------------------------------------ lm-eval interface
+
+    def all_gather(self, tensor):
+        """lm-eval's count of requests per rank: every process's tensor, concatenated."""
+        import torch
+
+        gathered = across_processes.allgather_array(tensor.detach().cpu().numpy())
+        return torch.from_numpy(gathered.reshape(-1, *tensor.shape[1:]))
+
+    def gather_object(self, obj, dst=0):
+        gathered = across_processes.allgather_objects(obj)
+        return gathered if self.rank == dst else None
+
+    def barrier(self) -> None:
+        across_processes.barrier("jaxmoe lm-eval")
 
     @property
     def eot_token_id(self) -> int:
@@ -185,7 +209,9 @@ class JaxmoeLM(TemplateLM):
             else:  # as lm-eval's HF backend: the last max_length + 1 ids, the final one unfed
                 whole = (context + continuation)[-(self.max_length + 1) :]
                 sequences.append((whole, len(continuation)))
+        start = time.perf_counter()
         scores = self._score_sequences(sequences, disable_tqdm)
+        self._log_time("loglikelihood", len(sequences), start)
         for (key, _, _), score in zip(requests, scores, strict=True):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, score)
@@ -215,7 +241,16 @@ class JaxmoeLM(TemplateLM):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
+    def _log_time(self, kind: str, count: int, start: float) -> None:
+        """One line per request kind and process: how long its share took (compiles too)."""
+        seconds = time.perf_counter() - start
+        log.info(
+            "process %d/%d: %d %s requests in %.2f s (%.1f ms each)",
+            self.rank, self.world_size, count, kind, seconds, 1e3 * seconds / max(count, 1),
+        )  # fmt: skip
+
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        begin = time.perf_counter()
         eos_text = self.tokenizer.decode([self.eot_token_id])
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
@@ -257,6 +292,7 @@ class JaxmoeLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(chunk))
         bar.close()
+        self._log_time("generate_until", len(requests), begin)
         return results
 
     # ------------------------------------------------------------------ batched scoring
