@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxmoe.models.moe import grouped_ffn as grouped_ffn_module
 from jaxmoe.models.moe.dispatch import grouped_ffn, local_moe_ffn
+from jaxmoe.models.moe.grouped_ffn import expert_ranks
 from jaxmoe.models.moe.grouping import block_rows, grouping_summary
 
 N, D, F, K = 48, 8, 4, 8
@@ -109,6 +111,31 @@ def test_grouping_matches_numpy_loop(case, impl, block_size):
         if name == "weight":  # masked assignments have no gradient to speak of
             got, want = np.where(arrays["valid"], got, 0), want
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", ["blocks", "ragged"])
+def test_sorted_ranks_match_numpy_loop(case, impl, monkeypatch):
+    """Ranks from the stable argsort (the many-experts path) give the same layer."""
+    monkeypatch.setattr(grouped_ffn_module, "ONE_HOT_RANKS_MAX", 0)
+    test_grouping_matches_numpy_loop(case, impl, 256)
+
+
+def test_expert_ranks_both_ways_equal_a_loop():
+    rng = np.random.default_rng(3)
+    expert, valid = rng.integers(0, 128, 4096), rng.random(4096) > 0.2
+    seen, want = {}, []
+    for e, v in zip(expert, valid, strict=True):
+        want.append(seen.get(e, 0) if v else -1)
+        seen[e] = seen.get(e, 0) + int(v)
+    counts = np.bincount(expert[valid], minlength=128)
+    for limit in (0, 2**30):  # the argsort, then the one-hot cumsum
+        grouped_ffn_module.ONE_HOT_RANKS_MAX, saved = limit, grouped_ffn_module.ONE_HOT_RANKS_MAX
+        try:
+            rank, got_counts = expert_ranks(jnp.asarray(expert), jnp.asarray(valid), 128)
+        finally:
+            grouped_ffn_module.ONE_HOT_RANKS_MAX = saved
+        np.testing.assert_array_equal(rank, want)
+        np.testing.assert_array_equal(got_counts, counts)
 
 
 def test_layer_level_blocks_equal_reference(case):

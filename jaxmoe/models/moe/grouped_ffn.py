@@ -1,12 +1,12 @@
 """Grouped expert FFN whose forward and backward cost follow the number of assignments.
 
 The (row, expert) assignments are laid out by expert in a row buffer (ranks from a one-hot
-cumsum for few experts, a stable argsort for many). A `scan` over experts takes one expert's weight slabs at a time; inside
-it, `fori_loop`s with traced trip counts run one dense [block, D] x [D, F] product per
-block of that expert's rows, so the work follows the expert's row count. Autodiff of such
-loops would stack every iteration's activations in a statically sized buffer and replay
-loops of the static maximum length, so the backward pass is a `custom_vjp` running the
-same loops for dx, dW and the combine-weight gradient.
+cumsum for few experts, a stable argsort for many). A `scan` over experts takes one
+expert's weight slabs at a time; inside it, `fori_loop`s with traced trip counts run one
+dense [block, D] x [D, F] product per block of that expert's rows, so the work follows the
+expert's row count. Autodiff of such loops would stack every iteration's activations in a
+statically sized buffer and replay loops of the static maximum length, so the backward
+pass is a `custom_vjp` running the same loops for dx, dW and the combine-weight gradient.
 
 Why this shape (measured on the 2-core CPU; see benchmarks/moe_layer.py):
 - Large blocks run the matmuls near the CPU's peak; 256 rows are as efficient per row as
