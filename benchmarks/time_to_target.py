@@ -235,6 +235,7 @@ def train_side_by_side(variants: dict, data: SharedData, args, seed: int, log) -
     for v in variants.values():
         v.start(seed, first)
     times = {n: [] for n in names}
+    cpu_times = {n: [] for n in names}  # process CPU time: the work, whatever the load
     shares = {n: [] for n in names}
     curves = {n: [] for n in names}
     routing = {n: {"step": [], "example_ids": [], "top2_BM": []} for n in names}
@@ -254,10 +255,11 @@ def train_side_by_side(variants: dict, data: SharedData, args, seed: int, log) -
         for n in names[shift:] + names[:shift]:
             v = variants[n]
             with jax.set_mesh(v.mesh):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 v.state, metrics = v.compiled(v.state, batch)
                 jax.block_until_ready(v.state)
                 times[n].append(time.perf_counter() - start)
+                cpu_times[n].append(time.process_time() - start_cpu)
             if v.gating != "dense":
                 shares[n].append(float(metrics["top2_fraction"]))
             if v.gating == "adaptive":
@@ -272,7 +274,14 @@ def train_side_by_side(variants: dict, data: SharedData, args, seed: int, log) -
                 f"{n} {1e3 * np.median(times[n]):.0f} ms {curves[n][-1]['loss_own']:.3f}"
                 for n in names
             ))  # fmt: skip
-    return {"times": times, "shares": shares, "curves": curves, "routing": routing, "loads": loads}
+    return {
+        "times": times,
+        "cpu_times": cpu_times,
+        "shares": shares,
+        "curves": curves,
+        "routing": routing,
+        "loads": loads,
+    }
 
 
 def seed_results(variants: dict, trained: dict, target: float) -> dict:
@@ -281,6 +290,9 @@ def seed_results(variants: dict, trained: dict, target: float) -> dict:
     for n, v in variants.items():
         times_S = np.asarray(trained["times"][n])
         times_S[0] = np.median(times_S)  # the first call of a program also warms it up
+        cpu_S = np.asarray(trained["cpu_times"][n])
+        cpu_S[0] = np.median(cpu_S)
+        cum_cpu = np.concatenate([[0.0], np.cumsum(cpu_S)])
         cfg = v.config
         share_S = trained["shares"][n] or [np.nan] * len(times_S)
         flops_S = step_flops(cfg.model, cfg.train.batch_size, cfg.train.seq_len, share_S)
@@ -291,6 +303,7 @@ def seed_results(variants: dict, trained: dict, target: float) -> dict:
         row = {
             "gating": v.gating,
             "median_step_s": float(np.median(times_S)),
+            "median_step_cpu_s": float(np.median(cpu_S)),
             "train_time_s": float(cum_t[-1]),
             "train_flops": float(cum_f[-1]),
             "top2_share": float(np.mean(share_S)) if v.gating != "dense" else None,
@@ -301,23 +314,35 @@ def seed_results(variants: dict, trained: dict, target: float) -> dict:
             losses = [p[f"loss_{gate}"] for p in curve]
             at_t = reach(steps, losses, cum_t, target)
             at_f = reach(steps, losses, cum_f, target)
+            at_c = reach(steps, losses, cum_cpu, target)
+            row[f"cpu_seconds_to_target_{gate}"] = None if at_c is None else at_c[1]
             row[f"steps_to_target_{gate}"] = None if at_t is None else at_t[0]
             row[f"seconds_to_target_{gate}"] = None if at_t is None else at_t[1]
             row[f"flops_to_target_{gate}"] = None if at_f is None else at_f[1]
         row["curve"] = [
-            {**p, "time_s": float(cum_t[p["step"]]), "flops": float(cum_f[p["step"]])}
+            {
+                **p,
+                "time_s": float(cum_t[p["step"]]),
+                "cpu_s": float(cum_cpu[p["step"]]),
+                "flops": float(cum_f[p["step"]]),
+            }
             for p in curve
         ]
         out[n] = row
-    ref = out.get(REFERENCE)
-    for row in out.values():
+    add_ratios(out)
+    return out
+
+
+def add_ratios(rows: dict) -> None:
+    """X_vs_top2_<gate> of every variant of one seed (None where either missed the target)."""
+    ref = rows.get(REFERENCE)
+    for row in rows.values():
         for gate in ("own", "top1"):
-            for what in ("seconds", "flops", "steps"):
+            for what in ("seconds", "cpu_seconds", "flops", "steps"):
                 key = f"{what}_to_target_{gate}"
                 base = ref and ref[key]
                 ratio = row[key] / base if row[key] is not None and base else None
                 row[f"{what}_vs_top2_{gate}"] = ratio
-    return out
 
 
 def summarize(per_seed: dict) -> dict:
@@ -325,9 +350,22 @@ def summarize(per_seed: dict) -> dict:
     keys = [
         f"{w}_{g}"
         for g in ("own", "top1")
-        for w in ("seconds_to_target", "seconds_vs_top2", "flops_vs_top2", "steps_to_target")
+        for w in (
+            "seconds_to_target",
+            "seconds_vs_top2",
+            "cpu_seconds_to_target",
+            "cpu_seconds_vs_top2",
+            "flops_vs_top2",
+            "steps_to_target",
+        )
     ]
-    keys += ["median_step_s", "top2_share", "final_loss_own", "final_loss_top1"]
+    keys += [
+        "median_step_s",
+        "median_step_cpu_s",
+        "top2_share",
+        "final_loss_own",
+        "final_loss_top1",
+    ]
     names = list(dict.fromkeys(n for s in per_seed.values() for n in s))
     out = {}
     for n in names:
@@ -358,7 +396,8 @@ def _ms(stat, fmt="{:.2f}", suffix="") -> str:
 def table(report: dict) -> str:
     header = [
         "variant", "s to target (own gate)", "vs top-2", "s to target (top-1 eval)", "vs top-2",
-        "FLOPs vs top-2 (own)", "median step", "tokens to 2 experts", "final loss own / top-1",
+        "CPU s vs top-2 (own)", "FLOPs vs top-2 (own)", "median step", "tokens to 2 experts",
+        "final loss own / top-1",
         "paper time vs top-2",
     ]  # fmt: skip
     rows = []
@@ -367,7 +406,8 @@ def table(report: dict) -> str:
         rows.append([
             n, _ms(s["seconds_to_target_own"], "{:.1f}"), _ms(s["seconds_vs_top2_own"], suffix="x"),
             _ms(s["seconds_to_target_top1"], "{:.1f}"), _ms(s["seconds_vs_top2_top1"], suffix="x"),
-            _ms(s["flops_vs_top2_own"], suffix="x"), _ms(s["median_step_s"], "{:.3f}", " s"),
+            _ms(s["cpu_seconds_vs_top2_own"], suffix="x"), _ms(s["flops_vs_top2_own"], suffix="x"),
+            _ms(s["median_step_s"], "{:.3f}", " s"),
             "-" if share["mean"] is None else _ms(share, "{:.1%}"),
             f"{s['final_loss_own']['mean']:.3f} / {s['final_loss_top1']['mean']:.3f}",
             PAPER_TIME.get(n, "-"),
@@ -472,7 +512,14 @@ def merge(paths: list[str], args) -> int:
         if abs(other["target_loss"] - first["target_loss"]) > 1e-6:
             raise SystemExit(f"--merge: {path} has target {other['target_loss']}, not "
                              f"{first['target_loss']} (another pilot or settings)")  # fmt: skip
-    seeds = {k: v for r in reports for k, v in r["seeds"].items()}
+    seeds = {}  # runs may split seeds, variants or both
+    for r in reports:
+        for k, v in r["seeds"].items():
+            seed = seeds.setdefault(k, {"variants": {}, "load_average_1min": []})
+            seed["variants"] |= v["variants"]
+            seed["load_average_1min"] += v["load_average_1min"]
+    for seed in seeds.values():
+        add_ratios(seed["variants"])
     merged = {**first, "seeds": seeds, "merged_from": paths}
     merged["summary"] = summarize({k: v["variants"] for k, v in seeds.items()})
     merged["settings"]["wall_s"] = [r["settings"]["wall_s"] for r in reports]
@@ -505,6 +552,12 @@ def parse_args(argv):
     p.add_argument("--eval_batches", type=int, default=3, help="validation batches (0: all)")
     p.add_argument("--warmup_steps", type=int, default=None, help="default 20; quick 2")
     p.add_argument("--target_fraction", type=float, default=TARGET_FRACTION)
+    p.add_argument(
+        "--target_loss",
+        type=float,
+        default=None,
+        help="skip the pilot: the target an earlier pilot (same settings) fixed",
+    )
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--compile_cache", default="", help="JAX compilation cache (OUT/jax_cache)")
     p.add_argument("--figures", default="", help="also copy the plots into this directory")
@@ -536,6 +589,22 @@ def parse_args(argv):
     return args
 
 
+def run_pilot(args, log) -> tuple[float, str, list]:
+    """The pilot: dense, another seed, same budget; it fixes the target before the runs."""
+    cfg = variant_config("dense", args, args.pilot_seed)
+    data = SharedData(cfg, args.eval_batches)
+    pilot = {"dense": Variant("dense", cfg, data.mesh, data, args)}
+    log(f"== pilot: dense, seed {args.pilot_seed}")
+    curve = train_side_by_side(pilot, data, args, args.pilot_seed, log)["curves"]["dense"]
+    target = target_from_pilot(curve[0]["loss_own"], curve[-1]["loss_own"], args.target_fraction)
+    rule = (
+        f"pilot dense model (seed {args.pilot_seed}, same steps): initial eval loss "
+        f"{curve[0]['loss_own']:.4f} minus {args.target_fraction:.0%} of its drop to "
+        f"{curve[-1]['loss_own']:.4f}"
+    )
+    return target, rule, curve
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.report:
@@ -552,20 +621,11 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     started = time.time()
-    # The pilot: dense, another seed, same budget; it fixes the target before the runs.
-    pilot_cfg = variant_config("dense", args, args.pilot_seed)
-    pilot_data = SharedData(pilot_cfg, args.eval_batches)
-    pilot = {"dense": Variant("dense", pilot_cfg, pilot_data.mesh, pilot_data, args)}
-    log(f"== pilot: dense, seed {args.pilot_seed}")
-    pilot_run = train_side_by_side(pilot, pilot_data, args, args.pilot_seed, log)
-    curve = pilot_run["curves"]["dense"]
-    target = target_from_pilot(curve[0]["loss_own"], curve[-1]["loss_own"], args.target_fraction)
-    rule = (
-        f"pilot dense model (seed {args.pilot_seed}, same steps): initial eval loss "
-        f"{curve[0]['loss_own']:.4f} minus {args.target_fraction:.0%} of its drop to "
-        f"{curve[-1]['loss_own']:.4f}"
-    )
-    log(f"== target eval loss {target:.4f} ({rule})")
+    if args.target_loss is None:
+        target, rule, curve = run_pilot(args, log)
+    else:
+        target, curve = args.target_loss, []
+        rule = f"--target_loss {target} (an earlier pilot dense run's, seed {args.pilot_seed})"
     variants, per_seed, seeds, routing = {}, {}, {}, {}
     for seed in args.seeds:
         data = SharedData(variant_config("dense", args, seed), args.eval_batches)
@@ -586,33 +646,34 @@ def main(argv=None) -> int:
         routing[f"seed{seed}/steps_per_epoch"] = np.asarray(data.steps_per_epoch)
         routing["seq_len"] = np.asarray(variants[args.variants[0]].config.train.seq_len)
         np.savez_compressed(out / "routing.npz", **routing)
-    cfg = variants[REFERENCE].config if REFERENCE in variants else pilot_cfg
-    m = cfg.model
-    report = {
-        "target_loss": target,
-        "target_rule": rule,
-        "pilot_curve": curve,
-        "settings": {
-            "model": f"{m.num_layers} layers, d {m.d_model}, {m.num_heads} heads / "
-            f"{m.num_kv_heads} KV, {m.moe.num_experts} experts of {m.moe.ffn_dim}, "
-            f"block {m.moe.block_size}; dense FFN {m.ffn_dim}",
-            "batch": f"{cfg.train.batch_size} x {cfg.train.seq_len} tokens",
-            "steps": args.steps,
-            "eval_every": args.eval_every,
-            "eval_batches": args.eval_batches,
-            "warmup_steps": args.warmup_steps,
-            "steps_per_epoch": int(data.steps_per_epoch),
-            "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
-            "cpu_count": os.cpu_count(),
-            "concentration_threshold": CONCENTRATION_T,
-            "quick": args.quick,
-            "overrides": args.set,
-            "wall_s": time.time() - started,
-        },
-        "seeds": seeds,
-        "summary": summarize(per_seed),
-    }
-    (out / "time_to_target.json").write_text(json.dumps(report, indent=1))
+        # Written after every seed: a run cut short keeps its finished seeds.
+        cfg = next(iter(variants.values())).config
+        m = cfg.model
+        report = {
+            "target_loss": target,
+            "target_rule": rule,
+            "pilot_curve": curve,
+            "settings": {
+                "model": f"{m.num_layers} layers, d {m.d_model}, {m.num_heads} heads / "
+                f"{m.num_kv_heads} KV, {m.moe.num_experts} experts of {m.moe.ffn_dim}, "
+                f"block {m.moe.block_size}; dense FFN {m.ffn_dim}",
+                "batch": f"{cfg.train.batch_size} x {cfg.train.seq_len} tokens",
+                "steps": args.steps,
+                "eval_every": args.eval_every,
+                "eval_batches": args.eval_batches,
+                "warmup_steps": args.warmup_steps,
+                "steps_per_epoch": int(data.steps_per_epoch),
+                "device": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
+                "cpu_count": os.cpu_count(),
+                "concentration_threshold": CONCENTRATION_T,
+                "quick": args.quick,
+                "overrides": args.set,
+                "wall_s": time.time() - started,
+            },
+            "seeds": seeds,
+            "summary": summarize(per_seed),
+        }
+        (out / "time_to_target.json").write_text(json.dumps(report, indent=1))
     for path in [*plot(report, out), plot_concentration(report, out)]:
         if args.figures:
             Path(args.figures).mkdir(parents=True, exist_ok=True)
