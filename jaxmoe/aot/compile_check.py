@@ -287,7 +287,6 @@ def _describe(config, topo: Topology, mesh, spec, abstract_state, batch, step_ti
         "mesh": dict(mesh.shape),
         "moe_dispatch": config.model.moe.dispatch if config.model.moe.num_experts else None,
         "moe_grouping": moe_grouping(config, mesh, length),
-        "moe_grouping": moe_grouping(config, mesh, length),
         "num_params": int(sum(math.prod(p.shape) for p in params)),
         "param_bytes_per_device": state_bytes_per_device(abstract_state["params"]),
         "optimizer_bytes_per_device": state_bytes_per_device(abstract_state["opt_state"]),
@@ -306,6 +305,7 @@ def moe_grouping(config, mesh, length: int) -> str | None:
     moe = config.model.moe
     if not moe.num_experts:
         return None
+    from jaxmoe.models.moe.dispatch import resolve_dispatch
     from jaxmoe.models.moe.gates import num_slots
     from jaxmoe.models.moe.grouping import grouping_summary
     from jaxmoe.models.moe.layer import gate_config
@@ -313,27 +313,7 @@ def moe_grouping(config, mesh, length: int) -> str | None:
     t = config.train
     tokens = t.batch_size * length // (data_parallel_size(mesh) * max(t.grad_accum, 1))
     return grouping_summary(
-        moe.dispatch,
-        tokens=max(tokens, 1),
-        slots=num_slots(gate_config(moe, moe.gating)),
-        num_experts=moe.num_experts,
-        block_size=moe.block_size,
-    )
-
-
-def moe_grouping(config, mesh, length: int) -> str | None:
-    """How the MoE dispatch groups one device's rows (grouping.py), or None without MoE."""
-    moe = config.model.moe
-    if not moe.num_experts:
-        return None
-    from jaxmoe.models.moe.gates import num_slots
-    from jaxmoe.models.moe.grouping import grouping_summary
-    from jaxmoe.models.moe.layer import gate_config
-
-    t = config.train
-    tokens = t.batch_size * length // (data_parallel_size(mesh) * max(t.grad_accum, 1))
-    return grouping_summary(
-        moe.dispatch,
+        resolve_dispatch(moe.dispatch, moe.capacity_factor, backend="tpu"),
         tokens=max(tokens, 1),
         slots=num_slots(gate_config(moe, moe.gating)),
         num_experts=moe.num_experts,
@@ -357,7 +337,6 @@ def format_report(result: dict, config_name: str = "") -> str:
             f"({result['libtpu_topology']})",
         ),
         ("mesh", mesh),
-        *([("MoE grouping", result["moe_grouping"])] if result.get("moe_grouping") else []),
         *([("MoE grouping", result["moe_grouping"])] if result.get("moe_grouping") else []),
         ("parameters", f"{result['num_params'] / 1e9:.3f} B"),
         ("params / device", _gib(result["param_bytes_per_device"])),
