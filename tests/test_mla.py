@@ -142,3 +142,19 @@ def test_gqa_pooling_refuses_mla():
     message = str(info.value)
     assert "model.attention='mla'" in message and "no key/value heads" in message
     assert "\n" not in message
+
+
+def test_mla_flops_count_the_latent_projections():
+    from jaxmoe.models.flops import forward_macs_per_sequence
+
+    config = tiny_config(
+        "model.attention=mla", "model.q_lora_rank=8", "model.kv_lora_rank=16",
+        "model.qk_nope_head_dim=8", "model.qk_rope_head_dim=4", "model.v_head_dim=6",
+        "model.moe.num_experts=0", "model.num_layers=1",
+    )  # fmt: skip
+    m, length = config.model, 10
+    # By hand: q_down 32x8, q_up 8x(4 heads x 12), kv_down 32x20, kv_up 16x(4 x 14),
+    # out (4 x 6)x32; scores 4 heads x (12 + 6) x L x L; SwiGLU 3 x 32 x 64; lm_head 32 x 128.
+    projections = 32 * 8 + 8 * 48 + 32 * 20 + 16 * 56 + 24 * 32
+    want = length * (projections + 3 * 32 * 64 + 32 * 128) + 4 * 18 * length * length
+    assert forward_macs_per_sequence(m, length) == want

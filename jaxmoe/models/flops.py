@@ -44,13 +44,29 @@ def ffn_macs_per_token(cfg, layer_index: int) -> float:
 
 def _projection_macs(cfg, kv_heads: int) -> float:
     """q and out ([D, H*d]) plus k and v ([D, K*d]) multiply-adds per token."""
+    if cfg.attention == "mla":
+        return _latent_projection_macs(cfg)
     return (
         2 * cfg.d_model * cfg.num_heads * cfg.head_dim + 2 * cfg.d_model * kv_heads * cfg.head_dim
     )
 
 
+def _latent_projection_macs(cfg) -> float:
+    """MLA (models/mla.py): the query path, the latent + rotary-key projection, the key/value
+    up-projection of the latent and the output, per token, as training computes them."""
+    h, qk = cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    rank, q_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+    query = cfg.d_model * q_rank + q_rank * h * qk if q_rank else cfg.d_model * h * qk
+    latent = cfg.d_model * (rank + cfg.qk_rope_head_dim)
+    up = rank * h * (cfg.qk_nope_head_dim + cfg.v_head_dim)
+    return query + latent + up + h * cfg.v_head_dim * cfg.d_model
+
+
 def _score_macs(cfg, query_len: int, key_len: int) -> float:
     """QK^T and PV multiply-adds of one sequence: 2 * H * d * L * S."""
+    if cfg.attention == "mla":  # q.k over dn + dr dims, p.v over dv
+        widths = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim + cfg.v_head_dim
+        return cfg.num_heads * widths * query_len * key_len
     return 2 * cfg.num_heads * cfg.head_dim * query_len * key_len
 
 
