@@ -114,10 +114,12 @@ def randomized(model, seed=0):
     return nnx.merge(graphdef, jax.tree.unflatten(tree, leaves))
 
 
-@pytest.mark.parametrize("scan", [False, True])
+@pytest.mark.parametrize("scan", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_ring_cache_decode_equals_full_forward(scan):
     """Prefill 5 tokens (longer than the window), then 9 single steps: the sliding layers'
-    caches stay 3 slots, the logits those of the full forward."""
+    caches stay 3 slots, the logits those of the full forward. Scanned: the stacked rings
+    are written in place row by row (the unrolled ring is also test_hf_gpt_oss's greedy
+    decode, hence slow here)."""
     # Scanned: a period of 2 layers (moe.every) matches the sliding/full alternation; its
     # dense layers take silu (the clamped SwiGLU is the experts').
     scanned = dict(scan_layers=True, moe_every=2, activation="silu")
@@ -134,7 +136,7 @@ def test_ring_cache_decode_equals_full_forward(scan):
         steps.append(logits)
     lengths = sorted({c.v.shape[-2] for c in cache.layers})
     assert lengths == [3, 16]
-    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(jnp.concatenate(steps, 1)), np.asarray(full), atol=1e-4)
 
 
 def test_expert_biases_match_numpy_loop():
