@@ -264,6 +264,9 @@ class Attention(nnx.Module):
     to the q/k/v projections, none to the output (Qwen2). `qk_norm` (QK_NORMS) adds
     q_norm / k_norm (layers.RMSNorm, eps `norm_eps`) on the projections, after the biases and
     before rotary; training and cached decoding both project through here.
+    GPT-OSS (attention_window.py): `window` > 0 narrows causal self-attention to the last
+    `window` keys (decoding: ring_cache.py), `sinks` adds sinks [H] to the softmax
+    denominator, `out_bias` a bias out_bias [D] after the output projection.
     """
 
     def __init__(
