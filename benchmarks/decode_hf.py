@@ -14,7 +14,7 @@ import time
 from benchmarks.worker_protocol import emit, imported_frameworks
 
 
-def build(spec: dict, kv_heads: int, gating: str):
+def build(spec: dict, kv_heads: int, gating: str, attention: str = ""):
     import transformers
 
     common = dict(
@@ -29,6 +29,14 @@ def build(spec: dict, kv_heads: int, gating: str):
         tie_word_embeddings=False,
         rope_parameters={"rope_type": "default", "rope_theta": spec["rope_theta"]},
     )
+    if attention == "mla":  # DeepSeek-V3 with every FFN dense: the attention compared
+        del common["head_dim"]
+        config = transformers.DeepseekV3Config(
+            **common, **{k: v or None for k, v in spec["mla"].items()},
+            first_k_dense_replace=spec["layers"], n_routed_experts=1, num_experts_per_tok=1,
+            n_group=1, topk_group=1,
+        )  # fmt: skip
+        return transformers.DeepseekV3ForCausalLM(config).eval()
     if gating:  # Mixtral routes every token to a fixed top-k
         config = transformers.MixtralConfig(
             num_local_experts=spec["experts"], num_experts_per_tok=2 if gating == "top2" else 1,
@@ -52,7 +60,7 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     spec = json.loads(args.spec)
     for case in json.loads(args.cases):
-        model = build(spec, case["kv_heads"], case.get("gating", ""))
+        model = build(spec, case["kv_heads"], case.get("gating", ""), case.get("attention", ""))
         prompts = torch.randint(3, spec["vocab"], (case["batch"], args.prompt_len))
 
         def seconds(new_tokens, cache, model=model, prompts=prompts):

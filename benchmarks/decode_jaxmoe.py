@@ -24,8 +24,12 @@ from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.platforms import skip_absent_tpu
 
 
-def model_config(spec: dict, kv_heads: int, gating: str):
+def model_config(spec: dict, kv_heads: int, gating: str, attention: str = ""):
     cfg = base_config().model
+    if attention == "mla":  # latent attention, decoded through the latent cache
+        cfg.attention = "mla"
+        for key, value in spec["mla"].items():
+            setattr(cfg, key, value)
     cfg.vocab_size, cfg.d_model, cfg.num_layers = spec["vocab"], spec["d_model"], spec["layers"]
     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = spec["heads"], kv_heads, spec["head_dim"]
     cfg.ffn_dim, cfg.rope_theta = spec["ffn"], spec["rope_theta"]
@@ -57,7 +61,9 @@ def main(argv=None) -> int:
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, devices)
     rng = np.random.default_rng(0)
     for case in json.loads(args.cases):
-        cfg = model_config(spec, case["kv_heads"], case.get("gating", ""))
+        cfg = model_config(
+            spec, case["kv_heads"], case.get("gating", ""), case.get("attention", "")
+        )
         _, params = model_params(build_model(cfg, rngs=nnx.Rngs(0)))
         generator = Generator(cfg, params, mesh, eos_id=-1)  # never stops early
         prompts = rng.integers(3, spec["vocab"], (case["batch"], args.prompt_len)).tolist()

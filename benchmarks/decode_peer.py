@@ -4,7 +4,9 @@ The same decoder-only model (random weights, f32) in jaxmoe (`jaxmoe.inference.d
 compiled prefill and while_loop with the KV cache updated in place) and in transformers
 (`generate`, greedy, dynamic and static cache, the faster one kept), for MHA, GQA-8 and
 MQA at batch 1 and 8 after a `--prompt_len` prompt, and an MoE variant (Mixtral-style FFNs)
-with top-2 and adaptive gating (jaxmoe only: transformers has no adaptive gate). Per token =
+with top-2 and adaptive gating (jaxmoe only: transformers has no adaptive gate), and
+multi-head latent attention (DeepSeek-V3's MLA, dense FFNs: jaxmoe's latent cache with
+absorbed projections against transformers' DeepseekV3ForCausalLM) at each batch. Per token =
 (time of N new tokens - time of 1) / (N - 1), the best of two calls after a warm-up, so the
 prompt's prefill and compiles drop out. The two systems' workers (decode_jaxmoe,
 decode_hf, each run to its end by peer_harness.run_worker in its own process) take turns
@@ -14,6 +16,7 @@ flagged `"quiet": false`.
 
     python -m benchmarks decode_peer --peer hf          # table
     python -m benchmarks decode_peer --peer hf --json   # + docs/results/DATE-decode_peer.json
+    python -m benchmarks decode_peer --peer hf --only mla   # the MLA rows alone
 """
 
 import argparse
@@ -36,21 +39,34 @@ SPEC = {
 KV_HEADS = {"MHA": 16, "GQA-8": 8, "MQA": 1}
 
 
-def cases(batches) -> list[dict]:
+def mla_dims(spec: dict) -> dict:
+    """MLA sizes in DeepSeek-V3's proportions to the head width (V3: d 128 -> latent 512,
+    rotary 64), full-rank queries as DeepSeek-V2-Lite."""
+    d = spec["head_dim"]
+    return {"q_lora_rank": 0, "kv_lora_rank": 4 * d, "qk_rope_head_dim": d // 2,
+            "qk_nope_head_dim": d, "v_head_dim": d}  # fmt: skip
+
+
+def cases(batches, only: str = "all") -> list[dict]:
+    mla = [{"kv_heads": SPEC["heads"], "batch": b, "attention": "mla"} for b in batches]
+    if only == "mla":
+        return mla
     dense = [{"kv_heads": k, "batch": b} for k in KV_HEADS.values() for b in batches]
     moe = [{"kv_heads": KV_HEADS["GQA-8"], "batch": batches[-1], "gating": "top2"}]
-    return dense + moe
+    return dense + moe + mla
 
 
 def key(case: dict) -> tuple:
-    return case["kv_heads"], case["batch"], case.get("gating", "")
+    return case["kv_heads"], case["batch"], case.get("gating", ""), case.get("attention", "")
 
 
 def run(args) -> dict:
-    common = [f"--spec={json.dumps(SPEC)}", f"--prompt_len={args.prompt_len}",
+    spec = {**SPEC, "mla": mla_dims(SPEC)}
+    common = [f"--spec={json.dumps(spec)}", f"--prompt_len={args.prompt_len}",
               f"--new_tokens={args.new_tokens}"]  # fmt: skip
-    dense_and_top2 = cases(args.batches)
-    jax_cases = [*dense_and_top2, {**dense_and_top2[-1], "gating": "adaptive"}]
+    dense_and_top2 = cases(args.batches, args.only)
+    adaptive = [{**c, "gating": "adaptive"} for c in dense_and_top2 if c.get("gating")]
+    jax_cases = [*dense_and_top2, *adaptive]
     loads = [load_average()]
     best: dict[tuple, dict] = {}
     for _ in range(args.rounds):
@@ -73,12 +89,14 @@ def run(args) -> dict:
         if row["system"] == "jaxmoe" and peer:
             ratios[name_of(row)] = row["ms_per_token"] / peer["ms_per_token"]
     moe = ("jaxmoe", KV_HEADS["GQA-8"], args.batches[-1])
-    top2, adaptive = best[(*moe, "top2")], best[(*moe, "adaptive")]
+    top2, adaptive = best.get((*moe, "top2", "")), best.get((*moe, "adaptive", ""))
     cores = os.cpu_count() or 1
     return {
         "rows": rows,
         "jaxmoe_over_hf_ms_per_token": ratios,
-        "adaptive_over_top2": adaptive["ms_per_token"] / top2["ms_per_token"],
+        "adaptive_over_top2": (
+            adaptive["ms_per_token"] / top2["ms_per_token"] if adaptive and top2 else None
+        ),
         "load_average_1min": {"before": loads[0], "during": loads[1:]},
         "quiet": is_quiet(loads, own_threads=max(cores, args.threads)),
         "spec": SPEC,
@@ -89,6 +107,8 @@ def run(args) -> dict:
 
 def name_of(row: dict) -> str:
     heads = {v: k for k, v in KV_HEADS.items()}.get(row["kv_heads"], f"KV-{row['kv_heads']}")
+    if row.get("attention") == "mla":
+        heads = "MLA"
     gating = f" MoE {row['gating']}" if row.get("gating") else ""
     return f"{heads}{gating} batch {row['batch']}"
 
@@ -102,7 +122,9 @@ def table(result: dict) -> str:
     lines = [markdown_table(["case", "system", "ms/token", "prefill s", "cache"], rows), ""]
     for name, value in result["jaxmoe_over_hf_ms_per_token"].items():
         lines.append(f"{name}: jaxmoe / hf ms per token = {value:.2f}  ")
-    lines.append(f"adaptive / top-2 ms per token (jaxmoe): {result['adaptive_over_top2']:.2f}")
+    if result["adaptive_over_top2"] is not None:
+        ratio = result["adaptive_over_top2"]
+        lines.append(f"adaptive / top-2 ms per token (jaxmoe): {ratio:.2f}")
     if not result["quiet"]:
         lines.append(NOT_QUIET)
     return "\n".join(lines)
@@ -116,6 +138,7 @@ def main(argv=None) -> int:
     # Enough steps that the decode time dwarfs the run-to-run noise of a batch-8 prefill.
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--only", choices=("all", "mla"), default="all", help="cases to run")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     add_json_flag(parser)
     args = parser.parse_args(argv)

@@ -70,10 +70,11 @@ class DecodeCache(NamedTuple):
 
 def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
     """Shapes of one decoder self-attention layer's cache (MLA: latent_cache.py's)."""
-    if model_cfg.attention == "mla":
-        from jaxmoe.models.latent_cache import latent_cache_shapes  # it imports this module
-
-        return latent_cache_shapes(model_cfg, batch, length)
+    if model_cfg.attention == "mla":  # latent_cache.py: rotary keys and latents, N = B rows
+        return LayerCache(
+            k=(batch, length, int(model_cfg.qk_rope_head_dim)),
+            v=(batch, length, int(model_cfg.kv_lora_rank)),
+        )
     rows, head_dim = batch * model_cfg.num_kv_heads, model_cfg.head_dim
     return LayerCache(k=(rows, head_dim, length), v=(rows, length, head_dim))
 

@@ -3,9 +3,10 @@
 Per layer and token the cache holds the normed latent c [r] and the rotated shared key
 k_rope [dr], nothing per head: kv_lora_rank + qk_rope_head_dim numbers (576 for
 DeepSeek-V3, against 2 x 128 heads x 128 for the same model's expanded keys and values).
-It reuses kv_cache.LayerCache with k = rope keys [B, S, dr] and v = latents [B, S, r] (one
-row per sequence, N = B), so the cache plumbing (stacking for scanned layers, the masks,
-beam reordering, sharding of the N axis over the batch) is the GQA cache's.
+It reuses kv_cache.LayerCache (shapes: kv_cache.cache_shapes) with k = rope keys [B, S, dr]
+and v = latents [B, S, r] (one row per sequence, N = B), so the cache plumbing (stacking
+for scanned layers, the masks, beam reordering, sharding of the N axis over the batch) is
+the GQA cache's.
 
 Decoding never expands keys or values. Head h's logit against slot s is
 q_nope[h] . (c_s W_kup[:, h]) + q_rope[h] . k_rope_s = (q_nope[h] W_kup[:, h]^T) . c_s + ...,
@@ -21,14 +22,6 @@ import jax.numpy as jnp
 from jaxmoe.models.attention import NEG_INF
 from jaxmoe.models.kv_cache import CacheSlot, LayerCache, _write, layer_view
 from jaxmoe.models.mla import LatentAttention
-
-
-def latent_cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
-    """Shapes of one MLA layer's cache: k = rope keys [B, S, dr], v = latents [B, S, r]."""
-    return LayerCache(
-        k=(batch, length, int(model_cfg.qk_rope_head_dim)),
-        v=(batch, length, int(model_cfg.kv_lora_rank)),
-    )
 
 
 def cache_bytes_per_token(model_cfg) -> int:

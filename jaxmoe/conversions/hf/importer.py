@@ -36,6 +36,7 @@ from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
 from jaxmoe.config.validation import validate
 from jaxmoe.conversions.hf.names import ImportPlan, TensorMap, import_plan
+from jaxmoe.conversions.hf.names_deepseek import DEEPSEEK_FAMILIES, deepseek_plan
 from jaxmoe.conversions.hf.names_gpt_oss import MODEL_TYPE as GPT_OSS
 from jaxmoe.conversions.hf.names_gpt_oss import gpt_oss_plan
 from jaxmoe.conversions.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
@@ -306,6 +307,8 @@ def convert_hf(
     hf_config = read_hf_config(src)
     config = base_config()
     plan_of = gpt_oss_plan if hf_config.get("model_type") == GPT_OSS else import_plan
+    if hf_config.get("model_type") in DEEPSEEK_FAMILIES:  # names_deepseek builds on names
+        plan_of = deepseek_plan
     plan = plan_of(hf_config, set(folder.names), config.model)
     kept = kept_tokenizer(src)  # the copy made below, if any
     config.data.tokenizer = str(dst / kept) if kept else ""

@@ -392,10 +392,5 @@ def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         )
     if model_type == "t5":
         return _t5_plan(hf, present, m)
-    if model_type in ("deepseek_v2", "deepseek_v3"):
-        # names_deepseek builds on this module's tables, so it is imported here.
-        from jaxmoe.conversions.hf.names_deepseek import deepseek_plan
-
-        return deepseek_plan(hf, present, m)
     supported = " | ".join(SUPPORTED_MODEL_TYPES)
     raise CheckpointError(f"config.json: model_type {model_type!r} is not supported ({supported})")
