@@ -3,6 +3,11 @@
 Run:   jaxmoe train --config configs/default.py --workdir runs/default
 Variants (same model, other FFN/gate):  configs/default.py:top1 | :top2 | :dense
 Override any key:  --config.train.steps=100 --config.model.moe.threshold=0.2
+
+A departure from the adaptive-gating paper, kept on purpose: the router z-loss of the base
+config (model.moe.z_loss_weight = 0.001, ST-MoE's stabiliser) stays on; the paper used none.
+Its paper-faithful jobs turn it off (configs/moe16_gpt2_medium.py, the benchmarks), and so
+does `--config.model.moe.z_loss_weight=0`; docs/paper_readings.md measures the difference.
 """
 
 from ml_collections import ConfigDict
