@@ -310,6 +310,13 @@ def test_paper_run_logs_routing_and_orders_each_epoch_by_it(paper_run):
     np.testing.assert_array_equal(frozen[2]["top2"], latest)
     np.testing.assert_array_equal(frozen[2]["seen"], seen)
     for epoch in (1, 2):  # each stored order is the paper policy's order of its complexities
+        # The reference is the fewest top-2 tokens (data.curriculum_reference=count): the
+        # stored counts are the fractions times the real tokens.
+        tokens = frozen[epoch]["tokens"][frozen[epoch]["seen"]]
+        assert (tokens > 0).all()
+        np.testing.assert_array_equal(
+            frozen[epoch]["top2_count"], np.rint(frozen[epoch]["top2"] * frozen[epoch]["tokens"])
+        )
         assert (
             orders[epoch].tolist()
             == curriculum.epoch_order(
@@ -319,6 +326,7 @@ def test_paper_run_logs_routing_and_orders_each_epoch_by_it(paper_run):
                 epoch=epoch,
                 seed=0,
                 batch_size=BATCH,
+                counts_NM=frozen[epoch]["top2_count"],
             ).tolist()
         )
 

@@ -2,11 +2,16 @@
 
 Files (epoch e written with 6 digits):
   run.json                 the curriculum settings of the run (checked when resuming)
-  epoch_<e>.frozen.npy     records [N] (seen bool, top2 float32 [M]): the complexities the
-                           order of epoch e was computed from (e >= 1; epoch 0 has none)
+  epoch_<e>.frozen.npy     records [N] (seen bool, top2 float32 [M], top2_count and tokens
+                           float32 [M]): the complexities the order of epoch e was computed
+                           from (e >= 1; epoch 0 has none). top2_count: the example's
+                           tokens sent to two experts per layer, tokens: its real tokens
+                           (the paper's reference is the fewest top-2 tokens; fractions
+                           alone cannot tell a short example from a long one). Stores
+                           written before the counts existed have neither field.
   epoch_<e>.order.npy      int64 [N]: the order of epoch e (e >= 1); written after its
                            frozen file, so an order on disk always has its complexities
-  epoch_<e>.log.npy        records [S*B] (id int32, top2 float32 [M]): routing observed in
+  epoch_<e>.log.npy        records [S*B] (id int32, top2, top2_count, tokens): routing in
                            epoch e (source previous_epoch); row = step-in-epoch * B + row
                            of the global batch; id -1 = not recorded (yet, or non-finite)
   checkpoints.json         {step: epoch} of the checkpoints saved with this curriculum
@@ -29,16 +34,30 @@ _TMP = ".tmp"
 _CHUNK = 1 << 18  # rows per chunk when streaming through memmaps
 
 
-def frozen_dtype(num_layers: int) -> np.dtype:
-    return np.dtype([("seen", "?"), ("top2", "<f4", (num_layers,))])
+def _count_fields(num_layers: int, counts: bool) -> list:
+    return [("top2_count", "<f4", (num_layers,)), ("tokens", "<f4", (num_layers,))] * counts
 
 
-def log_dtype(num_layers: int) -> np.dtype:
-    return np.dtype([("id", "<i4"), ("top2", "<f4", (num_layers,))])
+def frozen_dtype(num_layers: int, counts: bool = True) -> np.dtype:
+    return np.dtype(
+        [("seen", "?"), ("top2", "<f4", (num_layers,)), *_count_fields(num_layers, counts)]
+    )
+
+
+def log_dtype(num_layers: int, counts: bool = True) -> np.dtype:
+    return np.dtype(
+        [("id", "<i4"), ("top2", "<f4", (num_layers,)), *_count_fields(num_layers, counts)]
+    )
 
 
 def _num_layers(records: np.ndarray) -> int:
     return int(records.dtype["top2"].shape[0])
+
+
+def has_counts(records: np.ndarray) -> bool:
+    """Whether records (frozen or log) carry top2_count and tokens (stores from before the
+    counts have only the fractions)."""
+    return "tokens" in (records.dtype.names or ())
 
 
 class ComplexityStore:
@@ -81,22 +100,41 @@ class ComplexityStore:
             )
         return records
 
-    def write_frozen(self, epoch: int, vectors_NM: np.ndarray, seen_N: np.ndarray) -> None:
-        """Complexities that epoch `epoch` will be ordered by (float32 [N, M], bool [N])."""
+    def write_frozen(
+        self, epoch: int, vectors_NM: np.ndarray, seen_N: np.ndarray, counts_NM=None, tokens_NM=None
+    ) -> None:
+        """Complexities that epoch `epoch` will be ordered by (float32 [N, M], bool [N]), with
+        the top-2 and real token counts [N, M] when given."""
         vectors_NM = np.asarray(vectors_NM, dtype=np.float32)
         if vectors_NM.shape[0] != self.num_examples or np.shape(seen_N) != (self.num_examples,):
             raise ValueError(
                 f"frozen complexities: expected [{self.num_examples}, M] and "
                 f"[{self.num_examples}], got {vectors_NM.shape} and {np.shape(seen_N)}"
             )
-        records = np.zeros(self.num_examples, frozen_dtype(vectors_NM.shape[1]))
+        counts = counts_NM is not None
+        records = np.zeros(self.num_examples, frozen_dtype(vectors_NM.shape[1], counts))
         records["seen"], records["top2"] = seen_N, vectors_NM
+        if counts:
+            records["top2_count"], records["tokens"] = counts_NM, tokens_NM
         self._write_atomic(self.path(epoch, "frozen"), records)
 
     def read_frozen(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(vectors float32 [N, M], seen bool [N]) of epoch `epoch` >= 1, memory-mapped."""
         records = self._read(self.path(epoch, "frozen"), f"the complexities of epoch {epoch}")
         return records["top2"], records["seen"]
+
+    def read_frozen_counts(self, epoch: int) -> np.ndarray | None:
+        """Top-2 token counts float32 [N, M] of epoch `epoch`, or None when the store has no
+        counts for some seen example (a store written before the counts were kept)."""
+        records = self._read(self.path(epoch, "frozen"), f"the complexities of epoch {epoch}")
+        if not has_counts(records):
+            return None
+        seen_N = np.asarray(records["seen"])
+        # tokens 0 = a row recorded without counts: its count is unknown, not zero.
+        known_N = np.asarray(records["tokens"]).sum(axis=1) > 0
+        if np.any(seen_N & ~known_N):
+            return None
+        return np.asarray(records["top2_count"])
 
     def write_order(self, epoch: int, order_N: np.ndarray) -> None:
         self._write_atomic(self.path(epoch, "order"), np.asarray(order_N, dtype=np.int64))
@@ -107,19 +145,20 @@ class ComplexityStore:
 
     # --- the log of the running epoch ------------------------------------------------
 
-    def _open_log(self, epoch: int, num_rows: int, num_layers: int) -> np.memmap:
+    def _open_log(self, epoch: int, num_rows: int, num_layers: int, counts: bool) -> np.memmap:
         if self._log is not None and self._log[0] == epoch:
             return self._log[1]
         self.close_log()
         path = self.path(epoch, "log")
         log = None
-        if path.exists():  # a resumed run continues the log its checkpoint saw
+        if path.exists():  # a resumed run continues the log its checkpoint saw (kept without
+            # counts when an older jaxmoe wrote it: the epoch's reference falls back to means)
             log = np.lib.format.open_memmap(path, mode="r+")
             if log.shape != (num_rows,) or _num_layers(log) != num_layers:
                 del log
                 log = None
         if log is None:
-            empty = np.zeros(num_rows, log_dtype(num_layers))
+            empty = np.zeros(num_rows, log_dtype(num_layers, counts))
             empty["id"] = -1
             self._write_atomic(path, empty)
             log = np.lib.format.open_memmap(path, mode="r+")
@@ -127,14 +166,26 @@ class ComplexityStore:
         return log
 
     def record(
-        self, epoch: int, position: int, num_rows: int, ids_B: np.ndarray, top2_BM: np.ndarray
+        self,
+        epoch: int,
+        position: int,
+        num_rows: int,
+        ids_B: np.ndarray,
+        top2_BM: np.ndarray,
+        counts_BM=None,
+        tokens_BM=None,
     ) -> None:
-        """Routing of step `position` (0-based) of `epoch`: ids int [B] (-1 = skip), [B, M]."""
+        """Routing of step `position` (0-based) of `epoch`: ids int [B] (-1 = skip), top-2
+        fractions [B, M], and the top-2 and real token counts [B, M] when given."""
         batch = len(ids_B)
-        log = self._open_log(epoch, num_rows, int(np.shape(top2_BM)[1]))
+        counts = counts_BM is not None
+        log = self._open_log(epoch, num_rows, int(np.shape(top2_BM)[1]), counts)
         rows = slice(position * batch, (position + 1) * batch)
         log["id"][rows] = ids_B
         log["top2"][rows] = top2_BM
+        if has_counts(log):  # tokens 0 marks a count not given (read_frozen_counts)
+            log["top2_count"][rows] = counts_BM if counts else 0
+            log["tokens"][rows] = tokens_BM if counts else 0
 
     def flush(self) -> None:
         if self._log is not None:
@@ -153,7 +204,7 @@ class ComplexityStore:
         if epoch > 0:
             records = np.array(self._read(self.path(epoch, "frozen"), "complexities"))
         else:
-            records = np.zeros(self.num_examples, frozen_dtype(_num_layers(log)))
+            records = np.zeros(self.num_examples, frozen_dtype(_num_layers(log), has_counts(log)))
         self._overlay(records, log, rows, epoch)
         return records["top2"], records["seen"]
 
@@ -164,18 +215,23 @@ class ComplexityStore:
         log = self._read_log(epoch)
         path = self.path(epoch + 1, "frozen")
         tmp = path.with_name(path.name + _TMP)
-        out = np.lib.format.open_memmap(
-            tmp, mode="w+", dtype=frozen_dtype(_num_layers(log)), shape=(self.num_examples,)
-        )  # zero-filled: nothing seen
+        previous = None
+        counts = has_counts(log)
         if epoch > 0:
             previous = self._read(self.path(epoch, "frozen"), f"complexities of epoch {epoch}")
-            if previous.dtype != out.dtype:
+            if _num_layers(previous) != _num_layers(log):
                 raise ValueError(
                     f"curriculum: {self.path(epoch, 'frozen')} has {_num_layers(previous)} MoE "
                     f"layers but the routing of epoch {epoch} has {_num_layers(log)}"
                 )
+            counts = counts and has_counts(previous)
+        dtype = frozen_dtype(_num_layers(log), counts)
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=dtype, shape=(self.num_examples,))
+        if previous is not None:  # else zero-filled: nothing seen
             for start in range(0, self.num_examples, _CHUNK):
-                out[start : start + _CHUNK] = previous[start : start + _CHUNK]
+                part = previous[start : start + _CHUNK]
+                for name in dtype.names:
+                    out[name][start : start + _CHUNK] = part[name]
         self._overlay(out, log, rows, epoch)
         out.flush()
         del out
@@ -201,6 +257,9 @@ class ComplexityStore:
             part = log[start : min(start + _CHUNK, rows)]
             ids = part["id"][part["id"] >= 0]
             records["top2"][ids] = part["top2"][part["id"] >= 0]
+            if has_counts(records) and has_counts(log):
+                for name in ("top2_count", "tokens"):
+                    records[name][ids] = part[name][part["id"] >= 0]
             records["seen"][ids] = True
 
     # --- run settings and garbage collection -------------------------------------------

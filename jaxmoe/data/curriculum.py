@@ -8,8 +8,13 @@ for how they are collected and complexity_store.py for how they are stored.
 `data.curriculum` picks the policy:
 - `none`: the default shuffled order (pipeline.default_epoch_order).
 - `magnitude`: mean of C_d over layers, ascending (least two-expert routing first).
-- `paper`: the reference is the seen example with the smallest mean (lowest id on equal
-  means); examples are sorted by cosine similarity to it, most similar first. Cosine is
+- `paper`: the reference is the seen example with the fewest top-2 tokens, summed over
+  the MoE layers (`data.curriculum_reference = count`, the paper's "fewest top-2 tokens"),
+  or with the smallest mean fraction (`mean`); lowest id on ties. The two differ when
+  examples have different numbers of real tokens (padding, variable lengths): a short
+  example with 3 of 4 tokens on two experts has fewer top-2 tokens than a long one with 10
+  of 100, but the larger fraction. Examples are sorted by cosine similarity to the
+  reference, most similar first. Cosine is
   undefined for an all-zero reference (an example that never needed two experts, common
   with a confident router): then similarity is the Euclidean distance to the reference,
   i.e. the vector's norm, ascending, so zero vectors come first. Fractions are >= 0, so a
@@ -74,13 +79,20 @@ def magnitude_keys(vectors_NM: np.ndarray) -> np.ndarray:
     return _map_rows(lambda v: np.mean(v, axis=1), vectors_NM)
 
 
-def paper_reference(vectors_NM: np.ndarray, seen_N: np.ndarray) -> int | None:
-    """Id of the seen example with the smallest mean (lowest id on ties); None if none seen."""
+def paper_reference(
+    vectors_NM: np.ndarray, seen_N: np.ndarray, counts_NM: np.ndarray | None = None
+) -> int | None:
+    """Id of the seen example with the fewest top-2 tokens over all layers (`counts_NM`,
+    top-2 tokens per example and MoE layer), or without counts the smallest mean fraction;
+    lowest id on ties. None if none seen."""
     seen_N = np.asarray(seen_N, dtype=bool)
     if not seen_N.any():
         return None
-    means_N = np.where(seen_N, magnitude_keys(vectors_NM), np.inf)
-    return int(np.argmin(means_N))
+    if counts_NM is None:
+        keys_N = magnitude_keys(vectors_NM)
+    else:  # counts are whole numbers stored as float32: exact sums
+        keys_N = _map_rows(lambda c: np.sum(c, axis=1), counts_NM)
+    return int(np.argmin(np.where(seen_N, keys_N, np.inf)))
 
 
 def paper_keys(vectors_NM: np.ndarray, reference: int) -> np.ndarray:
@@ -102,10 +114,11 @@ def paper_keys(vectors_NM: np.ndarray, reference: int) -> np.ndarray:
     return _map_rows(negative_cosine, vectors_NM)
 
 
-def rank_seen(policy: str, vectors_NM, seen_N, tie_order: np.ndarray) -> np.ndarray:
+def rank_seen(policy: str, vectors_NM, seen_N, tie_order: np.ndarray, counts_NM=None) -> np.ndarray:
     """`tie_order` (int ids) re-ranked by `policy`: seen ids sorted, then unseen ids.
 
     Stable sort on keys rounded to 1e-6, so equal keys keep their `tie_order` order.
+    `counts_NM` (top-2 tokens per example and layer, or None): the paper's reference.
     """
     if policy not in POLICIES:
         raise ValueError(f"data.curriculum={policy!r} is not one of {list(POLICIES)}")
@@ -116,7 +129,7 @@ def rank_seen(policy: str, vectors_NM, seen_N, tie_order: np.ndarray) -> np.ndar
     if policy == "magnitude":
         keys_N = magnitude_keys(vectors_NM)
     else:
-        reference = paper_reference(vectors_NM, seen_N)
+        reference = paper_reference(vectors_NM, seen_N, counts_NM)
         if reference is None:
             return tie_order
         keys_N = paper_keys(vectors_NM, reference)
@@ -135,15 +148,17 @@ def epoch_order(
     seed: int,
     batch_size: int,
     shuffle: bool = True,
+    counts_NM: np.ndarray | None = None,
 ) -> np.ndarray:
     """The ids of an epoch, int64 [N]: ranked by `policy`, the dropped tail kept last.
 
     A pure function of (policy, seed, epoch, complexities). Every id appears exactly once.
+    `counts_NM`: top-2 token counts [N, M] for the paper's reference (None: smallest mean).
     """
     num_examples = int(np.shape(seen_N)[0])
     if batch_size < 1:
         raise ValueError(f"train.batch_size={batch_size} must be positive")
     permutation = default_epoch_order(epoch, num_examples=num_examples, seed=seed, shuffle=shuffle)
     kept = num_examples - num_examples % batch_size
-    ranked = rank_seen(policy, vectors_NM, seen_N, permutation[:kept])
+    ranked = rank_seen(policy, vectors_NM, seen_N, permutation[:kept], counts_NM)
     return np.concatenate([ranked, permutation[kept:]]).astype(np.int64)

@@ -13,6 +13,8 @@ from jaxmoe.config.fields import need, option
 CURRICULUM_POLICIES = ("none", "paper", "magnitude")  # data.curriculum (curriculum.py)
 # data.curriculum_source (training/curriculum_hooks.py): where complexities come from.
 CURRICULUM_SOURCES = ("previous_epoch", "scoring_pass")
+# data.curriculum_reference (curriculum.py): the paper policy's reference example.
+CURRICULUM_REFERENCES = ("count", "mean")
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,11 @@ class DataOptions:
     shuffle: bool = option(True, "shuffle examples each epoch (by train.seed and epoch)")
     curriculum: str = option("none", "order of training examples", CURRICULUM_POLICIES)
     curriculum_source: str = option("previous_epoch", "curriculum routing from", CURRICULUM_SOURCES)
+    curriculum_reference: str = option(
+        "count",
+        "paper: reference = fewest top-2 tokens (count, the paper) | smallest mean fraction",
+        CURRICULUM_REFERENCES,
+    )
     noise_density: float = option(
         0.15, "encoder_decoder span corruption: share of tokens masked out"
     )

@@ -15,6 +15,11 @@ call here and no extra host sync), else a `Curriculum` whose three hooks the loo
   loss (one [B, M] fetch per step; with several processes an allgather, so every process
   sees the global batch) plus one sync at each epoch boundary for the epoch's last step.
   No extra compute. Each vector is that example's routing at the step it was trained.
+With each example's top-2 fractions the store keeps its top-2 and real token counts per
+layer: `data.curriculum_reference = count` (the paper) takes the example with the fewest
+top-2 tokens as the reference, `mean` the smallest mean fraction. A store written before
+the counts were kept orders by the mean, with one warning.
+
 - `scoring_pass`: at each epoch boundary a jitted forward pass over every train example
   with the current parameters. It routes with the TRAINING gate (the model is rebuilt with
   `eval_gating` set to the training gate, since an evaluation gate such as top1 would
@@ -35,6 +40,7 @@ jax is imported inside functions: `jaxmoe.data` stays importable without it.
 """
 
 import atexit
+import logging
 import shutil
 import tempfile
 
@@ -49,6 +55,7 @@ from jaxmoe.storage.mirror import Mirror
 from jaxmoe.storage.paths import finished_steps, is_remote
 
 _SCORE_SYNC_EVERY = 16  # scoring batches in flight before their results are fetched
+log = logging.getLogger(__name__)
 
 
 def _to_host(tree):
@@ -134,6 +141,8 @@ class Curriculum:
 
         self.policy = config.data.curriculum
         self.source = config.data.curriculum_source
+        self.reference = config.data.curriculum_reference
+        self._warned_no_counts = False
         self.train = train
         self.batch_size = train.global_batch_size
         self.log_rows = (train.num_examples // self.batch_size) * self.batch_size
@@ -158,7 +167,7 @@ class Curriculum:
             self.store.clear()  # files of an earlier run that never reached a checkpoint
         self.batch_shardings = batch_shardings
         self.model_config = config.model
-        self._pending = None  # (epoch, position, example_ids, routing_BM, finite) on device
+        self._pending = None  # (epoch, position, ids, routing_BM, tokens_BM, finite) on device
         self._score_fn = None
         self.checkpoints_dir = checkpoints_dir
         self.mirror = mirror  # None: the store is WORKDIR/curriculum itself
@@ -194,14 +203,20 @@ class Curriculum:
             if self.store.writer:
                 self.store.freeze_next(epoch, state["position"] * self.batch_size)
         else:
-            vectors_NM = self._score(params)
+            vectors_NM, tokens_NM = self._score(params)
             if self.store.writer:
                 seen_N = np.ones(self.train.num_examples, bool)
-                self.store.write_frozen(next_epoch, vectors_NM, seen_N)
+                counts_NM = np.rint(vectors_NM * tokens_NM)
+                self.store.write_frozen(next_epoch, vectors_NM, seen_N, counts_NM, tokens_NM)
         if self.store.writer:
             vectors_NM, seen_N = self.store.read_frozen(next_epoch)
             order = curriculum.epoch_order(
-                self.policy, vectors_NM, seen_N, epoch=next_epoch, **self.order_kwargs
+                self.policy,
+                vectors_NM,
+                seen_N,
+                epoch=next_epoch,
+                counts_NM=self._reference_counts(next_epoch),
+                **self.order_kwargs,
             )
             self.store.write_order(next_epoch, order)
             if self.mirror:
@@ -221,6 +236,7 @@ class Curriculum:
             int(state["position"]) - 1,
             batch["example_ids"],
             metrics["routing_BM"],
+            metrics["tokens_BM"],
             metrics["finite"],
         )
         self._record_pending()
@@ -242,21 +258,41 @@ class Curriculum:
 
     # --- internals -----------------------------------------------------------------
 
+    def _reference_counts(self, epoch: int) -> np.ndarray | None:
+        """Top-2 counts for the paper's reference, or None (`mean`, or a store without
+        counts: then the mean, warned about once)."""
+        if self.policy != "paper" or self.reference != "count":
+            return None
+        counts_NM = self.store.read_frozen_counts(epoch)
+        if counts_NM is None and not self._warned_no_counts:
+            self._warned_no_counts = True
+            log.warning(
+                "curriculum: %s has no top-2 token counts (written before they were kept); "
+                "the reference is the smallest mean fraction (data.curriculum_reference=mean)",
+                self.store.path(epoch, "frozen"),
+            )
+        return counts_NM
+
     def _record_pending(self) -> None:
         if self._pending is None:
             return
-        epoch, position, ids, routing, finite = self._pending
+        epoch, position, ids, routing, tokens, finite = self._pending
         self._pending = None
-        ids_B, top2_BM, finite = _to_host((ids, routing, finite))
+        ids_B, top2_BM, tokens_BM, finite = _to_host((ids, routing, tokens, finite))
         top2_BM = np.asarray(top2_BM, np.float32)
         # A non-finite step (skipped under train.nonfinite=skip) measures nothing.
         usable_B = np.all(np.isfinite(top2_BM), axis=1) & bool(np.all(finite))
         if self.store.writer:
             ids_B = np.where(usable_B, np.asarray(ids_B), -1)
-            self.store.record(epoch, position, self.log_rows, ids_B, np.nan_to_num(top2_BM))
+            top2_BM = np.nan_to_num(top2_BM)
+            tokens_BM = np.asarray(tokens_BM, np.float32)
+            # fraction = count / tokens in float32: the product rounds back to the count.
+            counts_BM = np.rint(top2_BM * tokens_BM)
+            self.store.record(epoch, position, self.log_rows, ids_B, top2_BM, counts_BM, tokens_BM)
 
-    def _score(self, params) -> np.ndarray:
-        """Routing float32 [N, M] of every train example under `params` (all processes)."""
+    def _score(self, params) -> tuple[np.ndarray, np.ndarray]:
+        """(routing, real tokens) float32 [N, M] of every train example under `params` (all
+        processes)."""
         import jax
 
         if self._score_fn is None:
@@ -277,7 +313,8 @@ class Curriculum:
                 results += _to_host(in_flight)
                 in_flight = []
         results += _to_host(in_flight)
-        return np.concatenate(results)[:num].astype(np.float32)
+        routing, tokens = (np.concatenate([r[i] for r in results])[:num] for i in (0, 1))
+        return routing.astype(np.float32), tokens.astype(np.float32)
 
 
 def _scoring_fn(model_config, batch_shardings: dict):
@@ -287,7 +324,7 @@ def _scoring_fn(model_config, batch_shardings: dict):
     from ml_collections import ConfigDict
 
     from jaxmoe.models.spec import model_spec
-    from jaxmoe.training.steps import forward
+    from jaxmoe.training.steps import forward, real_tokens_BM
 
     scoring_config = ConfigDict(model_config.to_dict())
     scoring_config.moe.eval_gating = ""  # "" = the training gate
@@ -298,6 +335,7 @@ def _scoring_fn(model_config, batch_shardings: dict):
         # `rest`: the router-jitter RNG state the graph carries when jitter > 0 (unused here).
         _, aux = forward(spec.graphdef, params, batch, train=False, rest=spec.rest)
         # Layer order as in jaxmoe.training.steps (routing_BM): the model's aux order, layer order.
-        return jnp.stack([aux[i]["top2_per_example"] for i in aux], axis=1)
+        routing_BM = jnp.stack([aux[i]["top2_per_example"] for i in aux], axis=1)
+        return routing_BM, real_tokens_BM(batch, list(aux))
 
     return jax.jit(score)

@@ -94,6 +94,22 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
     return model(batch["inputs"], train=train, token_mask_BL=token_mask)
 
 
+def real_tokens_BM(batch, layers) -> jax.Array:
+    """Real tokens float32 [B, M] of each example in each MoE layer (`layers`: aux keys in
+    model order), as `forward` masks them: the encoder's non-padding tokens in encoder
+    layers, the positions of loss weight > 0 elsewhere. With routing_BM's fractions they
+    give the curriculum its top-2 token counts."""
+    b, length = batch["inputs"].shape
+    decoder_B = jnp.full((b,), length, jnp.float32)
+    if "weights" in batch:
+        decoder_B = jnp.sum(batch["weights"] > 0, axis=1).astype(jnp.float32)
+    columns = [decoder_B] * len(layers)
+    if "encoder_inputs" in batch:
+        encoder_B = jnp.sum(batch["encoder_inputs"] != 0, axis=1).astype(jnp.float32)
+        columns = [encoder_B if str(i).startswith("encoder") else decoder_B for i in layers]
+    return jnp.stack(columns, axis=1)
+
+
 def token_nll(logits_BLV, targets_BL):
     return optax.softmax_cross_entropy_with_integer_labels(logits_BLV, targets_BL)
 
@@ -144,6 +160,7 @@ def _loss(params, batch, total_weight, rng, fns: StepFns):
             extra["expert_load_ME"] = jnp.stack([aux[i]["expert_load"] for i in layers])
         extra |= moe_summary(aux)
         extra["routing_BM"] = jnp.stack([aux[i]["top2_per_example"] for i in layers], axis=1)
+        extra["tokens_BM"] = real_tokens_BM(batch, layers)
     return loss, extra
 
 
@@ -174,7 +191,7 @@ def train_step(state, batch, fns: StepFns):
                 jnp.sum(value, 0)
                 if key in SUMMED_KEYS
                 else value.reshape(-1, *value.shape[2:])
-                if key == "routing_BM"
+                if key in ("routing_BM", "tokens_BM")
                 else jnp.mean(value, 0)
             )
             for key, value in extras.items()
