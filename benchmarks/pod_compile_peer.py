@@ -41,6 +41,7 @@ virtual environment (`--maxtext_venv`, default ~/.cache/maxtext_venv):
     ~/.cache/maxtext_venv/bin/pip install "maxtext[tpu]==0.2.5"
     python -m benchmarks pod_compile_peer [--cases mixtral_8x7b]   # a table
     python -m benchmarks pod_compile_peer --json   # + docs/results/DATE-pod_compile_peer.json
+    python -m benchmarks pod_compile_peer --cases qwen3_30b_a3b --systems maxtext jaxmoe@maxtext_env
 
 Without that venv the MaxText column is skipped with one line and jaxmoe is still measured.
 """

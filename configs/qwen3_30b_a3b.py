@@ -60,6 +60,11 @@ def get_config(variant: str | None = None) -> ConfigDict:
     moe.capacity_factor = 0.0  # dropless
     moe.balance_loss_weight = 0.001  # router_aux_loss_coef
     moe.z_loss_weight = 0.0
+    # The ragged exchange's receive buffer stays at 2x the balanced load (one round when the
+    # router is balanced). On v5p-64 it is 262144 rows x 2048 per chip; 0.5 (as the Mixtral
+    # config) cut the step's temporaries from 21.09 to 17.71 GiB per chip (libtpu 0.0.52
+    # buffer assignment; docs/results/2026-12-02_qwen3_compile.md) at the price of two
+    # rounds per layer even when balanced: --config.model.moe.ep_buffer_factor=0.5.
 
     t = c.train
     t.batch_size = 128  # 4 sequences per chip on 32 chips, one micro-batch
