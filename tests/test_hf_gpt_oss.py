@@ -124,6 +124,7 @@ def test_greedy_decode_equals_generate(converted):
     np.testing.assert_array_equal(got, want)
 
 
+@pytest.mark.slow
 def test_adaptive_gating_trains_after_convert(converted, tmp_path):
     _, _, tmp = converted
     overrides = ["--config.model.moe.gating=adaptive"]
@@ -143,3 +144,22 @@ def test_adaptive_gating_trains_after_convert(converted, tmp_path):
     assert np.isfinite(float(before)) and float(after) < float(before)
     sinks = grads["layers"]["0"]["attn"]["sinks"]
     assert float(jnp.abs(sinks).sum()) > 0  # the sinks learn
+
+
+@pytest.mark.slow
+def test_sharded_generator_with_left_padding_equals_generate(converted):
+    """`jaxmoe decode`'s Generator: prompts of different lengths (left padding in the rings),
+    the cache rows split over a data x tensor mesh, each row as transformers alone gives."""
+    from jaxmoe.inference.decode import Generator
+    from jaxmoe.parallel.mesh import make_mesh
+
+    model, ckpt, _ = converted
+    loaded = load_converted(ckpt)
+    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 2, "expert": 1})
+    generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
+    prompts = [[5, 9, 17, 3, 22, 41, 7], [40, 2, 57]]
+    result = generator.generate(prompts, 10)
+    for prompt, new in zip(prompts, result.tokens, strict=True):
+        with torch.no_grad():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+        assert new == want[0, len(prompt) :].tolist()
