@@ -70,25 +70,48 @@ def target_flags(python: str, platform: str) -> list[str]:
     return flags
 
 
-def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True)
+def pip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "pip", *args]
+    run = subprocess.run(command, stderr=subprocess.PIPE, text=True)
+    if check and run.returncode:
+        sys.stderr.write(run.stderr)
+        raise SystemExit(f"fetch_wheels: pip {args[0]} failed (above)")
+    return run
 
 
-def resolve(requirements, flags, constraints: Path | None, work: Path) -> dict[str, str]:
-    """canonical name -> version that pip would install for `requirements` on the target."""
-    report = work / f"report-{len(list(work.glob('report-*')))}.json"
+def resolve(requirements, flags, constraints: Path | None, work: Path, built: Path):
+    """canonical name -> version that pip would install for `requirements` on the target.
+
+    A requirement published only as an sdist (tensorflow-datasets' `promise`) cannot be
+    resolved for another platform; it is built here into `built` (a pure-Python wheel fits
+    any target, anything else is refused) and the resolution retried with it."""
     extra = ["-c", str(constraints)] if constraints else []
-    pip(
-        "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-        "--target", str(work / "unused"), *flags, *extra, *requirements,
-    )  # fmt: skip
-    items = json.loads(report.read_text())["install"]
-    return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+    for _ in range(10):
+        report = work / f"report-{len(list(work.glob('report-*')))}.json"
+        run = pip(
+            "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
+            "--target", str(work / "unused"), "--find-links", str(built), *flags, *extra,
+            *requirements, check=False,
+        )  # fmt: skip
+        if run.returncode == 0:
+            items = json.loads(report.read_text())["install"]
+            return {canonical(i["metadata"]["name"]): i["metadata"]["version"] for i in items}
+        lacking = re.search(r"No matching distribution found for ([A-Za-z0-9_.\-]+)", run.stderr)
+        if not lacking:
+            sys.stderr.write(run.stderr)
+            raise SystemExit("fetch_wheels: the resolution failed (above)")
+        name = lacking[1]
+        pip("wheel", "--quiet", "--no-deps", "--no-binary", name, "-w", str(built), name)
+        if not any(
+            canonical(p.name).startswith(canonical(name)) for p in built.glob("*none-any.whl")
+        ):
+            raise SystemExit(f"fetch_wheels: {name} has no wheel for the target and is not pure")
+    raise SystemExit("fetch_wheels: gave up after 10 packages without a wheel")
 
 
-def image_packages(freeze: Path | None, flags, work: Path) -> dict[str, str]:
+def image_packages(freeze: Path | None, flags, work: Path, built: Path) -> dict[str, str]:
     if freeze is None:
-        return resolve(IMAGE, flags, None, work)
+        return resolve(IMAGE, flags, None, work, built)
     found = {}
     for line in freeze.read_text().splitlines():
         name, sep, version = line.strip().partition("==")
@@ -141,11 +164,17 @@ def main(argv=None) -> int:
         work = Path(tmp)
         pip("wheel", "--quiet", "--no-deps", "-w", str(args.out), str(ROOT))
         (wheel,) = args.out.glob("jaxmoe-*.whl")
-        image = image_packages(args.image_freeze, flags, work)
+        built = work / "built"
+        built.mkdir()
+        image = image_packages(args.image_freeze, flags, work, built)
         constraints = work / "image-constraints.txt"
         constraints.write_text("".join(f"{n}=={v}\n" for n, v in sorted(image.items())))
-        needed = resolve(jaxmoe_requirements(wheel, extras), flags, constraints, work)
+        needed = resolve(jaxmoe_requirements(wheel, extras), flags, constraints, work, built)
         missing = {n: v for n, v in needed.items() if n not in image}
+        local = {canonical(p.name.split("-")[0]): p for p in built.glob("*.whl")}
+        for name in [n for n in missing if n in local]:
+            shutil.copy2(local.pop(name), args.out)
+            del missing[name]
         if missing:
             specs = [f"{n}=={v}" for n, v in sorted(missing.items())]
             pip("download", "--quiet", "--no-deps", *flags, "-d", str(args.out), *specs)
