@@ -171,3 +171,38 @@ def test_bad_keys_fail_in_one_line():
     with pytest.raises(ConfigError, match="swiglu_clamped"):
         gpt_oss_like(moe_every=2)  # dense layers cannot take the experts' activation
     assert parse_layer_types("sliding_attention,full", 4, 3) == ("sliding", "full") * 2
+
+
+def test_biased_clamped_experts_under_expert_parallelism():
+    """The ones column and the down bias through the expert-parallel exchange: outputs and
+    gradients as on one device (mesh data 2 x expert 4)."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jaxmoe.models.moe.layer import MoE
+    from jaxmoe.parallel import sharding
+    from jaxmoe.parallel.mesh import MESH_AXES
+
+    m = gpt_oss_like(num_layers=1, sliding_window=0, layer_types="", attention_sinks=False)
+    moe = randomized(MoE(m, rngs=nnx.Rngs(1)), seed=5)
+    graphdef, params = nnx.split(moe, nnx.Param)
+    rest = nnx.state(moe, nnx.Not(nnx.Param))
+    x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 6, 32)), jnp.float32)
+
+    @jax.jit
+    def loss_and_grads(params, x):
+        def loss(params, x):
+            y, _ = nnx.merge(graphdef, params, rest)(x, train=False)
+            return jnp.sum(y * jnp.cos(jnp.arange(32.0))), y
+
+        return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
+
+    (_, want_y), want_grads = loss_and_grads(params, x)
+    mesh = jax.make_mesh((2, 1, 1, 4), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    params_on = jax.device_put(params, sharding.named(mesh, sharding.param_specs(params, mesh)))
+    x_on = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
+    with jax.set_mesh(mesh):
+        (_, y), grads = loss_and_grads(params_on, x_on)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want_y), atol=1e-5)
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-4)
