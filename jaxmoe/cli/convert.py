@@ -140,7 +140,7 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         description=(
             "Convert a Hugging Face checkpoint directory (config.json + model.safetensors or "
             "an index of shards) of a Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3-MoE, "
-            "OLMoE or T5 v1.1 model (or a "
+            "OLMoE, GPT-OSS or T5 v1.1 model (or a "
             "jaxmoe_moe export); its tokenizer files are kept in DST/tokenizer. "
             "--config.KEY=VALUE overrides are stored in DST's config."
         ),

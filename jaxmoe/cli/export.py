@@ -59,7 +59,8 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         description=(
             "Write a jaxmoe checkpoint as a Hugging Face model directory that transformers "
             "loads: dense decoders as Llama (with q/k/v biases: Qwen2), top-k MoE decoders "
-            "as Mixtral (with q/k norms or a shared expert: Qwen3-MoE, OLMoE, Qwen2-MoE), "
+            "as Mixtral (with q/k norms or a shared expert: Qwen3-MoE, OLMoE, Qwen2-MoE; with "
+            "attention sinks: GPT-OSS), "
             "other MoE gates (adaptive, top-p) as Mixtral with jaxmoe's router "
             "(trust_remote_code), T5 v1.1 as T5, each with its tokenizer. Models HF cannot "
             "express (dense layers in a Mixtral, capacity_factor > 0, GQA T5) are refused."

@@ -1,8 +1,8 @@
 """`jaxmoe convert hf SRC DST`: Hugging Face safetensors checkpoints -> a jaxmoe checkpoint.
 
 Reads Llama (3.x RoPE scaling too) / Mistral / Mixtral / Qwen2 / Qwen2-MoE / Qwen3-MoE /
-OLMoE / T5 v1.1 (`config.json` + `model.safetensors`, or shards listed in
-`model.safetensors.index.json`). Every tensor is
+OLMoE / GPT-OSS (names_gpt_oss.py) / T5 v1.1 (`config.json` + `model.safetensors`, or
+shards listed in `model.safetensors.index.json`). Every tensor is
 checked against the model that the translated config builds (names, shapes, nothing missing,
 nothing left over) before anything is written. Tensors are then read, transposed and cast
 one at a time while Orbax writes the checkpoint (leafwise.py: each HF tensor is one piece
