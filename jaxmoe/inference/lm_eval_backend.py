@@ -55,6 +55,8 @@ from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import forward
 
 log = logging.getLogger(__name__)
+# Under lm-eval's logger, which its command line configures (--verbosity).
+_lm_eval_log = logging.getLogger("lm_eval.models.jaxmoe")
 
 DEFAULT_BATCH_SIZE = 32
 
@@ -244,7 +246,7 @@ class JaxmoeLM(TemplateLM):
     def _log_time(self, kind: str, count: int, start: float) -> None:
         """One line per request kind and process: how long its share took (compiles too)."""
         seconds = time.perf_counter() - start
-        log.info(
+        _lm_eval_log.info(
             "process %d/%d: %d %s requests in %.2f s (%.1f ms each)",
             self.rank, self.world_size, count, kind, seconds, 1e3 * seconds / max(count, 1),
         )  # fmt: skip
