@@ -84,6 +84,7 @@ def _as_hf(config) -> dict:
     }
 
 
+@pytest.mark.slow  # transformers builds 27 layers x 64 experts on the meta device
 def test_full_config_is_deepseek_v2_lite():
     config = load_config(CONFIG)
     assert _as_hf(config) == DEEPSEEK_V2_LITE

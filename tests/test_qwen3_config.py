@@ -100,6 +100,7 @@ def test_full_config_is_qwen3_30b_a3b():
     )  # fmt: skip
 
 
+@pytest.mark.slow  # a TPU compile of the sharded step: ~40 s quiet
 def test_tiny_variant_is_the_same_design_and_compiles_with_expert_parallelism():
     config = load_config(f"{CONFIG}:tiny")
     full = _as_hf(load_config(CONFIG))
