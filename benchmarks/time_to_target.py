@@ -415,6 +415,10 @@ def table(report: dict) -> str:
     return markdown_table(header, rows)
 
 
+def _color(name: str) -> str:
+    return f"C{list(VARIANTS).index(name) % 10}" if name in VARIANTS else "k"
+
+
 def plot(report: dict, out: Path) -> list[Path]:
     import matplotlib
 
@@ -423,17 +427,18 @@ def plot(report: dict, out: Path) -> list[Path]:
 
     paths = []
     for x_key, label, scale, fname in (
-        ("time_s", "training time (s, interleaved step times)", 1.0, "loss_vs_seconds.png"),
+        ("time_s", "training wall time (s)", 1.0, "loss_vs_seconds.png"),
+        ("cpu_s", "training CPU time (s, process_time)", 1.0, "loss_vs_cpu_seconds.png"),
         ("flops", "training FLOPs (1e12)", 1e-12, "loss_vs_flops.png"),
     ):
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
         for ax, gate in zip(axes, ("own", "top1"), strict=True):
             for k, seed in enumerate(report["seeds"].values()):
-                for i, (n, r) in enumerate(seed["variants"].items()):
+                for n, r in seed["variants"].items():
                     pts = [p for p in r["curve"] if p["step"] > 0]
                     ax.plot(
                         [scale * p[x_key] for p in pts], [p[f"loss_{gate}"] for p in pts],
-                        color=f"C{i}", alpha=0.8, linewidth=1, label=n if k == 0 else None,
+                        color=_color(n), alpha=0.8, linewidth=1, label=n if k == 0 else None,
                     )  # fmt: skip
             ax.axhline(report["target_loss"], color="gray", linestyle="--", linewidth=1)
             ax.set_xlabel(label)
@@ -451,7 +456,7 @@ def plot(report: dict, out: Path) -> list[Path]:
     return paths
 
 
-def plot_concentration(report: dict, out: Path) -> Path:
+def plot_concentration(report: dict, out: Path) -> Path | None:
     """Share of tokens concentrated on their top-1 expert, per MoE layer, over training."""
     import matplotlib
 
@@ -464,11 +469,11 @@ def plot_concentration(report: dict, out: Path) -> Path:
     )
     fig, axes = plt.subplots(1, len(layers), figsize=(5 * len(layers), 3.8), sharey=True)
     for ax, layer in zip(np.atleast_1d(axes), layers, strict=True):
-        for i, (n, r) in enumerate(first.items()):
+        for n, r in first.items():
             pts = [p for p in r["curve"] if layer in p.get("concentrated", {})]
             if pts:
                 ax.plot([p["step"] for p in pts], [p["concentrated"][layer] for p in pts],
-                        color=f"C{i}", label=n)  # fmt: skip
+                        color=_color(n), label=n)  # fmt: skip
         ax.axhline(0.55, color="gray", linestyle="--", linewidth=1)
         ax.set_xlabel("training step")
         ax.set_title(f"{layer}: gap >= {CONCENTRATION_T} (dashed: paper's 55%)", fontsize=10)
@@ -485,6 +490,8 @@ def concentration_table(report: dict) -> str:
     """Mean over seeds of the concentrated share per layer at a few points of training."""
     seeds = list(report["seeds"].values())
     names = [n for n, r in seeds[0]["variants"].items() if r["gating"] != "dense"]
+    if not names:
+        return ""
     steps = [p["step"] for p in seeds[0]["variants"][names[0]]["curve"]]
     picks = sorted({steps[0], steps[len(steps) // 4], steps[len(steps) // 2], steps[-1]})
     layers = sorted(seeds[0]["variants"][names[0]]["curve"][0]["concentrated"])
@@ -496,6 +503,7 @@ def concentration_table(report: dict) -> str:
                 vals = [
                     p["concentrated"][layer]
                     for s in seeds
+                    if n in s["variants"]
                     for p in s["variants"][n]["curve"]
                     if p["step"] == step
                 ]
@@ -675,7 +683,7 @@ def main(argv=None) -> int:
         }
         (out / "time_to_target.json").write_text(json.dumps(report, indent=1))
     for path in [*plot(report, out), plot_concentration(report, out)]:
-        if args.figures:
+        if path and args.figures:
             Path(args.figures).mkdir(parents=True, exist_ok=True)
             (Path(args.figures) / path.name).write_bytes(path.read_bytes())
     print(table(report), "", concentration_table(report), sep="\n", flush=True)
