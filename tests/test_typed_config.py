@@ -77,11 +77,15 @@ def test_generated_defaults_are_the_documented_ones(key, value):
 def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
     config = base_config()
     # The keys jaxmoe had before the schema (109), plus issue 27's model.qk_norm and 12 moe
-    # keys, plus issue 31's model.moe.expert_dropout_rate.
-    assert len(_leaves(config)) == 123
+    # keys, issue 31's model.moe.expert_dropout_rate and data.curriculum_reference, and issue
+    # 28's 19: MLA (attention, q_lora_rank, kv_lora_rank, qk_nope/qk_rope/v_head_dim), YaRN
+    # (rope_beta_fast/slow, rope_mscale, rope_mscale_all_dim, rope_attention_factor,
+    # rope_truncate) and GPT-OSS (sliding_window, layer_types, attention_sinks, out_bias,
+    # swiglu_alpha, swiglu_limit, moe.expert_bias).
+    assert len(_leaves(config)) == 143
     assert set(config.keys()) == {"model", "train", "optimizer", "mesh", "data"}
     lines = describe()
-    assert len(lines) == 123 and all("\n" not in line and "): " in line for line in lines)
+    assert len(lines) == 143 and all("\n" not in line and "): " in line for line in lines)
     arch = "model.arch (str, 'decoder'): the architecture ['decoder' | 'encoder_decoder']"
     assert lines[0] == arch
     view = typed(config)
@@ -95,7 +99,10 @@ def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
 SECTION_CHECKS = [
     ("model.num_heads=3", "model.num_heads=3 is not divisible by model.num_kv_heads=2"),
     ("model.dropout_rate=1.0", "model.dropout_rate=1.0 not in [0, 1)"),
-    ("model.activation=tanh", "model.activation='tanh' is not one of ['silu', 'gelu', 'relu']"),
+    (
+        "model.activation=tanh",
+        "model.activation='tanh' is not one of ['silu', 'gelu', 'relu', 'swiglu_clamped']",
+    ),
     (
         "model.moe.every=9",
         "model.moe.every=9 exceeds model.num_layers=4: no layer would be MoE "
