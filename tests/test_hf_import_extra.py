@@ -160,7 +160,7 @@ def test_sliding_window_and_output_bias_are_refused(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "culprit"),
     [
-        (("model.rope_type=yarn",), "model.rope_type='yarn'"),
+        (("model.rope_type=ntk",), "model.rope_type='ntk'"),
         (("model.rope_type=linear", "model.rope_theta=0.0"), "needs model.rope_theta > 0"),
         (("model.rope_type=llama3", "model.rope_high_freq_factor=1.0"), "0 < low < high"),
         (("model.arch=encoder_decoder", "model.qkv_bias=true"), "model.qkv_bias=True"),

@@ -142,9 +142,9 @@ def sliding_window(hf: dict) -> int | None:
     return window
 
 
-def read_decoder_basics(hf: dict, present: set[str], m: ConfigDict) -> None:
-    """The sizes every Llama-like decoder shares: layers (checked against the tensors
-    `present`), heads, widths, activation, norm eps, RoPE, context and embedding tying."""
+def read_decoder_sizes(hf: dict, present: set[str], m: ConfigDict) -> None:
+    """A decoder's vocabulary, layers (checked against the tensors `present`), width and
+    attention heads, as every HF decoder family names them."""
     heads = config_size(hf, "num_attention_heads")
     m.arch = "decoder"
     m.vocab_size = config_size(hf, "vocab_size")
@@ -154,6 +154,12 @@ def read_decoder_basics(hf: dict, present: set[str], m: ConfigDict) -> None:
     m.num_heads = heads
     m.num_kv_heads = config_size(hf, "num_key_value_heads", heads)
     m.head_dim = config_size(hf, "head_dim", m.d_model // heads)
+
+
+def read_decoder_basics(hf: dict, present: set[str], m: ConfigDict) -> None:
+    """The sizes every Llama-like decoder shares: read_decoder_sizes, then the FFN width,
+    activation, norm eps, RoPE, context and embedding tying."""
+    read_decoder_sizes(hf, present, m)
     m.ffn_dim = config_size(hf, "intermediate_size")
     m.activation = read_activation(hf.get("hidden_act", "silu"), "hidden_act")
     m.norm_eps = config_number(hf, "rms_norm_eps")

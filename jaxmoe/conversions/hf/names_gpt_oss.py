@@ -20,9 +20,9 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.hf_config import (
-    check_layer_count,
     config_number,
     config_size,
+    read_decoder_sizes,
     read_rope,
 )
 from jaxmoe.conversions.hf.names import SAME, ImportPlan, Linear, TensorMap, _attention_maps
@@ -67,15 +67,7 @@ class InterleavedBias(InterleavedGateUp):
 
 def read_gpt_oss(hf: dict, present: set[str], m: ConfigDict) -> None:
     """Sets jaxmoe model config `m` from a GPT-OSS config.json `hf` (tensor names `present`)."""
-    heads = config_size(hf, "num_attention_heads")
-    m.arch = "decoder"
-    m.vocab_size = config_size(hf, "vocab_size")
-    m.num_layers = config_size(hf, "num_hidden_layers")
-    check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m.num_layers)
-    m.d_model = config_size(hf, "hidden_size")
-    m.num_heads = heads
-    m.num_kv_heads = config_size(hf, "num_key_value_heads", heads)
-    m.head_dim = config_size(hf, "head_dim", m.d_model // heads)
+    read_decoder_sizes(hf, present, m)
     m.norm_eps = config_number(hf, "rms_norm_eps")
     _read_yarn(hf, m)
     m.max_len = config_size(hf, "max_position_embeddings", 0)
