@@ -90,6 +90,13 @@ def primary_config(config):
     return component_config(config, components[0].source) if components else config
 
 
+def row_sources(weights, seed: int, step: int, batch_size: int) -> np.ndarray:
+    """The source index of every row of global batch `step`, int [B]: a pure function of
+    (weights, seed, step)."""
+    rng = np.random.default_rng([int(seed), int(step), _CHOICE_TAG])
+    return rng.choice(len(weights), size=batch_size, p=weights)
+
+
 class MixtureBatches:
     """Endless iterator over this process's rows of each global batch of a mixture.
 
@@ -112,8 +119,7 @@ class MixtureBatches:
 
     def sources_of_step(self, step: int) -> np.ndarray:
         """The source index of every row of global batch `step`, int [B]."""
-        rng = np.random.default_rng([self.seed, int(step), _CHOICE_TAG])
-        return rng.choice(len(self.parts), size=self.global_batch_size, p=self.weights)
+        return row_sources(self.weights, self.seed, step, self.global_batch_size)
 
     def _order(self, k: int, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, int(epoch), k + 1]).permutation(self.sizes[k])

@@ -27,8 +27,7 @@ from jaxmoe.data.seq2seq import (
     span_corruption_split,
     tokenizer_sentinels,
 )
-from jaxmoe.data.sources import load_tokenizer, open_split, packed_split
-from jaxmoe.data.stream import StreamBatches
+from jaxmoe.data.sources import load_tokenizer, packed_split
 from jaxmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -69,6 +68,23 @@ def _local_rows(batch_size: int, process_index: int, process_count: int, key: st
     return slice(process_index * local, (process_index + 1) * local)
 
 
+def epoch_batch_ids(order, epoch: int, num_examples: int, global_batch_size: int) -> np.ndarray:
+    """The global batches of an epoch from its order: example ids [steps, B] (the ids left
+    over after the last full batch are skipped)."""
+    order = np.asarray(order)
+    if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):
+        raise ValueError(f"epoch_order({epoch}) must be 1-D integer ids, got {order.dtype}")
+    if len(order) < global_batch_size:
+        raise ValueError(
+            f"epoch_order({epoch}) has {len(order)} ids, fewer than train.batch_size="
+            f"{global_batch_size}"
+        )
+    if order.min() < 0 or order.max() >= num_examples:
+        raise ValueError(f"epoch_order({epoch}) has ids outside [0, {num_examples})")
+    steps = len(order) // global_batch_size
+    return order[: steps * global_batch_size].reshape(steps, -1)
+
+
 class TrainBatches:
     """Endless iterator over this process's part of each global training batch.
 
@@ -85,8 +101,11 @@ class TrainBatches:
         process_index: int = 0,
         process_count: int = 1,
         epoch_order: EpochOrder | None = None,
+        examples: Examples | None = None,  # default: the split's cached examples
     ):
-        self.examples = split_examples(config, tokenizer, "train_split", partial_last=False)
+        if examples is None:
+            examples = split_examples(config, tokenizer, "train_split", partial_last=False)
+        self.examples = examples
         self.num_examples = len(self.examples)
         self.global_batch_size = int(config.train.batch_size)
         self._rows = _local_rows(
@@ -119,19 +138,14 @@ class TrainBatches:
         # import for tools that only prepare data.
         grain = require("grain", "training batches")
 
-        order = np.asarray(self.epoch_order(epoch))
-        if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):
-            raise ValueError(f"epoch_order({epoch}) must be 1-D integer ids, got {order.dtype}")
-        if len(order) < self.global_batch_size:
-            raise ValueError(
-                f"epoch_order({epoch}) has {len(order)} ids, fewer than train.batch_size="
-                f"{self.global_batch_size}"
-            )
-        if order.min() < 0 or order.max() >= self.num_examples:
-            raise ValueError(f"epoch_order({epoch}) has ids outside [0, {self.num_examples})")
-        steps = len(order) // self.global_batch_size
-        ids_SB = order[: steps * self.global_batch_size].reshape(steps, -1)
+        order = self.epoch_order(epoch)
+        ids_SB = epoch_batch_ids(order, epoch, self.num_examples, self.global_batch_size)
         return grain.MapDataset.source(ids_SB[:, self._rows]).map(self.examples.batch)
+
+    @property
+    def rows(self) -> slice:
+        """This process's rows of every global batch."""
+        return self._rows
 
     @property
     def steps_per_epoch(self) -> int:
@@ -221,10 +235,15 @@ def _padded_batches(
 
 
 def wrapped(batches, config, process_index: int):
-    """`batches` built ahead on a thread (`data.prefetch` batches; not with a curriculum,
-    which reorders epochs as they start) and traced when JAXMOE_DATA_TRACE names a folder."""
-    depth = int(config.data.prefetch)
-    if depth and config.data.curriculum == "none":
+    """`batches` built ahead: in `data.workers` grain processes (workers.py), else on a thread
+    (`data.prefetch` batches; not with a curriculum, which reorders epochs as they start);
+    traced when JAXMOE_DATA_TRACE names a folder."""
+    depth, workers = int(config.data.prefetch), int(config.data.get("workers", 0))
+    if workers:
+        from jaxmoe.data.workers import WorkerBatches  # it imports this module
+
+        batches = WorkerBatches(batches, workers, depth)
+    elif depth and config.data.curriculum == "none":
         batches = Prefetch(batches, depth)
     folder = os.environ.get("JAXMOE_DATA_TRACE")
     return TracedBatches(batches, folder, process_index) if folder else batches
@@ -259,18 +278,27 @@ def build_data(
     process_count: int = 1,
     barrier: Barrier | None = None,
     report=print,
+    allgather=None,
 ) -> DataBundle:
     """Prepares (idempotently, cached) and opens the data named by `config.data`.
 
-    With several processes and a `barrier`, only process 0 prepares (`prepare_once`).
+    With several processes and a `barrier`, only process 0 prepares (`prepare_once`); with
+    `data.shards`, each process then tokenizes its own train shards (`allgather`: see
+    shards.py; default jax's process_allgather).
     """
     if process_count > 1 and barrier is not None:
         prepare_once(config, process_index, barrier, report)
     tokenizer = load_tokenizer(config)
+    if config.data.shards:
+        from jaxmoe.data.shards import build_sharded  # it builds on this module
+
+        return build_sharded(config, tokenizer, process_index, process_count, allgather, report)
+    if config.data.streaming:  # every objective, mixtures and the curriculum
+        from jaxmoe.data.stream_objectives import build_stream
+
+        return build_stream(config, tokenizer, process_index, process_count)
     if parse_mixture(config.data.mixture):
         return _build_mixture(config, tokenizer, process_index, process_count)
-    if config.data.streaming:
-        return _build_stream(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)
     eval_examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
     rows = _local_rows(train.global_batch_size, process_index, process_count, "train.batch_size")
@@ -321,38 +349,4 @@ def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_cou
         num_train_tokens=train.num_tokens,
         num_eval_tokens=eval_tokens,
         eval_sets=eval_sets,
-    )
-
-
-def _build_stream(config, tokenizer: Tokenizer, process_index: int, process_count: int):
-    """The DataBundle of `data.streaming`: train read as a stream, eval from the cache."""
-    for culprit, unsupported in (
-        ("model.arch=encoder_decoder", is_encoder_decoder(config)),
-        (
-            f"data.curriculum={config.data.curriculum!r}",
-            config.data.curriculum != "none",
-        ),
-    ):
-        if unsupported:
-            raise ValueError(f"data.streaming reads language-model windows only, not {culprit}")
-    batch_size = int(config.train.batch_size)
-    rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
-    train = StreamBatches(
-        open_split(config, "train_split").documents,
-        tokenizer,
-        int(config.train.seq_len),
-        batch_size,
-        int(config.train.seed),
-        rows,
-    )
-    evals = split_examples(config, tokenizer, "eval_split", partial_last=True)
-    return DataBundle(
-        tokenizer=tokenizer,
-        train=wrapped(train, config, process_index),
-        eval_batches=_padded_batches(evals, batch_size, rows, None),
-        vocab_size=model_vocab(config, tokenizer),
-        num_train_examples=train.num_documents,
-        num_eval_examples=len(evals),
-        num_train_tokens=0,  # not known before the stream is read
-        num_eval_tokens=evals.num_tokens,
     )

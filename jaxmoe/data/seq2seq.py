@@ -116,6 +116,33 @@ def tokenizer_sentinels(tokenizer) -> np.ndarray | None:
     return np.array(ids, dtype=np.int64) if ids else None
 
 
+def corrupt(tokens: np.ndarray, rng, noise: tuple[float, float], sentinels, eos_id: int):
+    """(encoder ids, target ids) of one window of any length, EOS-terminated; `noise` is
+    (noise_density, mean_noise_span), `rng` draws its mask."""
+    mask = noise_mask(len(tokens), *noise, rng)
+    encoder = np.concatenate([replace_spans(tokens, mask, sentinels), [eos_id]])
+    return encoder, np.concatenate([replace_spans(tokens, ~mask, sentinels), [eos_id]])
+
+
+def corrupt_rows(tokens_RN: np.ndarray, rngs, noise: tuple[float, float], sentinels, eos_id: int):
+    """`corrupt` of R windows of equal length N at once (one rng per row, the same draws in
+    the same order): (encoder ids [R, E], target ids [R, D])."""
+    rows, n = tokens_RN.shape
+    num_noise, num_spans = span_counts(n, *noise)
+    lengths_RS = np.empty((rows, 2 * num_spans), np.int64)  # kept, noise, kept, ...
+    for r, rng in enumerate(rngs):  # only the draws stay per example
+        lengths_RS[r, 1::2] = random_segmentation(num_noise, num_spans, rng)
+        lengths_RS[r, 0::2] = random_segmentation(n - num_noise, num_spans, rng)
+    # Span number of every position: +1 where each span after the first starts.
+    bumps_RN = np.zeros((rows, n + 1), np.int64)
+    np.put_along_axis(bumps_RN, np.cumsum(lengths_RS, axis=1)[:, :-1], 1, axis=1)
+    mask_RN = np.cumsum(bumps_RN[:, :n], axis=1) % 2 == 1
+    eos_R1 = np.full((rows, 1), eos_id, np.int64)
+    encoder = _replace_rows(tokens_RN, mask_RN, sentinels)
+    targets = _replace_rows(tokens_RN, ~mask_RN, sentinels)
+    return np.concatenate([encoder, eos_R1], 1), np.concatenate([targets, eos_R1], 1)
+
+
 class SpanCorruptionExamples:
     """Span-corrupted windows of one split, addressed by example index (like PackedWindows).
 
@@ -171,31 +198,18 @@ class SpanCorruptionExamples:
         start = index * self.raw_len
         tokens = np.asarray(self.tokens_N[start : start + self.raw_len], dtype=np.int64)
         rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
-        mask = noise_mask(len(tokens), self.noise_density, self.mean_noise_span, rng)
-        eos = [self.eos_id]
-        encoder = np.concatenate([replace_spans(tokens, mask, self.sentinels), eos])
-        targets = np.concatenate([replace_spans(tokens, ~mask, self.sentinels), eos])
-        return encoder, targets
+        return corrupt(tokens, rng, self._noise(), self.sentinels, self.eos_id)
+
+    def _noise(self) -> tuple[float, float]:
+        return self.noise_density, self.mean_noise_span
 
     def _corrupt_whole(self, ids_R: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(encoder ids [R, E], target ids [R, D]) of whole windows, EOS-terminated: what
         `example` gives each (the same random draws, in the same order), built row-wise."""
         n = self.raw_len
         tokens_RN = np.asarray(self.tokens_N[ids_R[:, None] * n + np.arange(n)], np.int64)
-        num_noise, num_spans = span_counts(n, self.noise_density, self.mean_noise_span)
-        lengths_RS = np.empty((len(ids_R), 2 * num_spans), np.int64)  # kept, noise, kept, ...
-        for r, index in enumerate(ids_R):  # only the draws stay per example
-            rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
-            lengths_RS[r, 1::2] = random_segmentation(num_noise, num_spans, rng)
-            lengths_RS[r, 0::2] = random_segmentation(n - num_noise, num_spans, rng)
-        # Span number of every position: +1 where each span after the first starts.
-        bumps_RN = np.zeros((len(ids_R), n + 1), np.int64)
-        np.put_along_axis(bumps_RN, np.cumsum(lengths_RS, axis=1)[:, :-1], 1, axis=1)
-        mask_RN = np.cumsum(bumps_RN[:, :n], axis=1) % 2 == 1
-        eos_R1 = np.full((len(ids_R), 1), self.eos_id, np.int64)
-        encoder = _replace_rows(tokens_RN, mask_RN, self.sentinels)
-        targets = _replace_rows(tokens_RN, ~mask_RN, self.sentinels)
-        return np.concatenate([encoder, eos_R1], 1), np.concatenate([targets, eos_R1], 1)
+        rngs = [np.random.default_rng([_SEED_TAG, self.seed, int(i)]) for i in ids_R]
+        return corrupt_rows(tokens_RN, rngs, self._noise(), self.sentinels, self.eos_id)
 
     def batch(self, ids_B: np.ndarray) -> dict[str, np.ndarray]:
         ids_B = np.asarray(ids_B, dtype=np.int64)

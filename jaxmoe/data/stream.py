@@ -8,6 +8,11 @@ tokens that share one token (as packing.py does for the cached stream). A lane t
 of documents enters its next epoch. Each process tokenizes only the documents of its own
 lanes (its rows), so the hosts share the work; the batches do not depend on the process count.
 
+Span corruption (seq2seq.py) reads non-overlapping windows of its raw length instead
+(`window` = `stride`); stream_objectives.py builds it, mixtures and the curriculum on this.
+A batch's example_ids are the split's index of the document each window starts in: stable
+ids that do not depend on seq_len, the tokenizer or a cache.
+
 The state is, per lane, where its next window starts: (epoch, document of the lane, token
 offset). A process knows only its own lanes; `gather_state` joins all of them (a collective,
 called by every process when a checkpoint is saved), and any process count can resume them.
@@ -22,9 +27,21 @@ class StreamBatches:
     """Endless iterator over this process's rows of each global batch, read from `documents`
     (random access: len(documents), documents[i] -> str)."""
 
-    def __init__(self, documents, tokenizer, seq_len: int, batch_size: int, seed: int, rows: slice):
+    def __init__(
+        self,
+        documents,
+        tokenizer,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rows: slice,
+        window: int | None = None,
+    ):
         self.documents, self.tokenizer = documents, tokenizer
         self.seq_len, self.global_batch_size, self.seed = int(seq_len), int(batch_size), int(seed)
+        # Tokens per window and where the next starts: LM windows share one token.
+        self.window = self.seq_len + 1 if window is None else int(window)
+        self.stride = self.seq_len if window is None else self.window
         self.num_documents = len(documents)
         if self.num_documents < self.global_batch_size:
             raise ValueError(
@@ -50,11 +67,13 @@ class StreamBatches:
         """How many documents lane `lane` reads per epoch."""
         return -(-(self.num_documents - lane) // self.global_batch_size)
 
+    def _doc_index(self, lane: int, epoch: int, doc: int) -> int:
+        return int(self._order(epoch)[lane + doc * self.global_batch_size])
+
     def _doc_tokens(self, lane: int, epoch: int, doc: int) -> list[int]:
         cache = self._tokens.setdefault(lane, {})
         if (epoch, doc) not in cache:
-            index = int(self._order(epoch)[lane + doc * self.global_batch_size])
-            ids = self.tokenizer.encode(self.documents[index])
+            ids = self.tokenizer.encode(self.documents[self._doc_index(lane, epoch, doc)])
             if len(cache) >= 2:  # a window reads forward; the next starts in its last doc
                 cache.pop(next(iter(cache)))
             cache[(epoch, doc)] = (
@@ -62,17 +81,20 @@ class StreamBatches:
             )
         return cache[(epoch, doc)]
 
-    def _window(self, lane: int, start) -> tuple[list[int], tuple[int, int, int]]:
-        """The seq_len + 1 tokens of the lane from position `start`, and where the next
-        window starts (at this one's last token)."""
+    def _window(self, lane: int, start) -> tuple[list[int], tuple[int, int, int], tuple]:
+        """The `window` tokens of the lane from position `start`, where the next window
+        starts (`stride` tokens on), and where its first token is: (epoch, index of its
+        document in the split, offset in that document)."""
         epoch, doc, offset = (int(x) for x in start)
-        need, out, after, empty_run = self.seq_len + 1, [], None, 0
+        need, out, after, empty_run, first = self.window, [], None, 0, None
         while len(out) < need:
             tokens = self._doc_tokens(lane, epoch, doc)
             before = len(out)
             out.extend(tokens[offset : offset + need - before])
-            if after is None and len(out) >= self.seq_len:
-                after = (epoch, doc, offset + self.seq_len - before)
+            if first is None and len(out) > before:
+                first = (epoch, self._doc_index(lane, epoch, doc), offset)
+            if after is None and len(out) >= self.stride:
+                after = (epoch, doc, offset + self.stride - before)
             offset += len(out) - before
             if offset >= len(tokens):
                 empty_run = empty_run + 1 if not tokens else 0
@@ -81,20 +103,35 @@ class StreamBatches:
                 epoch, doc, offset = epoch, doc + 1, 0
                 if doc >= self._lane_docs(lane):
                     epoch, doc = epoch + 1, 0
-        return out, after
+        return out, after, first
 
     def __iter__(self) -> "StreamBatches":
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        windows = np.zeros((len(self.lanes), self.seq_len + 1), np.int32)
-        for row, lane in enumerate(self.lanes):
-            windows[row], self._state_R3[row] = self._window(int(lane), self._state_R3[row])
+        return self.next_rows(np.ones(len(self.lanes), bool))
+
+    def next_rows(self, local_R: np.ndarray) -> dict[str, np.ndarray]:
+        """The next window of the local rows where `local_R` (bool [B_local]) is set, as a
+        batch of those rows; only their lanes move on (a mixture row reads one source)."""
+        rows = np.flatnonzero(local_R)
+        windows_RW = np.zeros((len(rows), self.window), np.int64)
+        starts_R3 = np.zeros((len(rows), 3), np.int64)
+        for i, row in enumerate(rows):
+            windows_RW[i], self._state_R3[row], starts_R3[i] = self._window(
+                int(self.lanes[row]), self._state_R3[row]
+            )
+        return self.make_batch(windows_RW, starts_R3)
+
+    def make_batch(self, windows_RW: np.ndarray, starts_R3: np.ndarray) -> dict[str, np.ndarray]:
+        """A batch of windows int64 [R, window] whose first tokens are at `starts_R3`
+        (epoch, document index, offset): unique, whichever lane read them."""
+        windows_RW = windows_RW.astype(np.int32)
         return {
-            "inputs": windows[:, :-1],
-            "targets": windows[:, 1:],
-            "weights": np.ones((len(self.lanes), self.seq_len), np.float32),
-            "example_ids": np.full(len(self.lanes), -1, np.int32),  # no fixed example ids
+            "inputs": windows_RW[:, :-1],
+            "targets": windows_RW[:, 1:],
+            "weights": np.ones((len(windows_RW), self.seq_len), np.float32),
+            "example_ids": starts_R3[:, 1].astype(np.int32),
         }
 
     def get_state(self) -> dict:
