@@ -1,6 +1,9 @@
-"""`jaxmoe prepare --config C`: tokenize and cache a config's data once, before training."""
+"""`jaxmoe prepare --config C`: tokenize and cache a config's data once, before training;
+with data.shards, `--process_id I --num_processes N` prepares what process I of N reads."""
 
 import time
+
+from jaxmoe.cli.flags import non_negative_int, positive_int
 
 
 def add_parser(subparsers) -> None:
@@ -9,6 +12,11 @@ def add_parser(subparsers) -> None:
     )
     parser.add_argument(
         "--config", default="configs/default.py", help="config file, optionally with :variant"
+    )
+    shards = "with data.shards: prepare only the train shards that process of a run reads"
+    parser.add_argument("--process_id", type=non_negative_int, default=0, help=shards)
+    parser.add_argument(
+        "--num_processes", type=positive_int, default=1, help="(default 1: every shard)"
     )
     parser.set_defaults(run=run)
 
@@ -26,6 +34,12 @@ def run(args) -> int:
     check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
     start = time.monotonic()
     tokenizer = prepare(config)
+    if config.data.shards:
+        from jaxmoe.data.shards import prepare_shards
+
+        if args.process_id >= args.num_processes:
+            raise ValueError(f"--process_id={args.process_id} is not below --num_processes")
+        prepare_shards(config, tokenizer, args.process_id, args.num_processes)
     print(
         f"prepared {len(source_configs(config))} source(s) with {tokenizer!r} under "
         f"{cache_dir(config)} in {time.monotonic() - start:.1f} s"

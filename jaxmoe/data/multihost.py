@@ -26,12 +26,13 @@ Barrier = Callable[[str, float], None]  # (name, timeout_s); raises TimeoutError
 
 def prepare(config) -> Tokenizer:
     """Prepares everything `build_data` opens (tokenizer, every split's token cache),
-    idempotently; returns the tokenizer."""
+    idempotently; returns the tokenizer. A sharded train split (data.shards) is left to the
+    processes that read it (shards.prepare_shards)."""
     tokenizer = load_tokenizer(config)
     # A streamed train split is tokenized as it is read, by the process that reads it.
-    streaming = bool(config.data.streaming)
+    whole_train = not config.data.streaming and not config.data.shards
     for source_config in source_configs(config):
-        for split_key in ("eval_split",) if streaming else ("train_split", "eval_split"):
+        for split_key in ("train_split", "eval_split") if whole_train else ("eval_split",):
             token_stream(source_config, tokenizer, split_key)
     return tokenizer
 
@@ -40,7 +41,8 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
     """Process 0 prepares the data; the others wait for it at `barrier`, then open it.
 
     With a cache_dir that is not shared between hosts, the others then find nothing and
-    prepare their own copy (with a warning): correct, but each host pays the full cost.
+    prepare their own copy (with a warning): correct, but each host pays the full cost,
+    unless data.shards leaves each host only its own shards of the train split.
     If process 0 fails, it still reaches the barrier, so the others stop at once, naming
     its error, instead of waiting out the timeout.
     """
@@ -76,10 +78,16 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
             raise RuntimeError(f"process 0 could not prepare the data: {error}")
         if os.path.exists(marker):
             report(f"data: process {process_index} opens the cache prepared by process 0")
+        elif config.data.shards:  # the train split is each process's own anyway
+            report(
+                f"data: process {process_index} does not see process 0's cache in "
+                f"{cache_dir(config)}: preparing its own tokenizer and eval split"
+            )
         else:
             log.warning(
                 "data: process %d does not see the cache process 0 prepared in "
-                "data.cache_dir=%s (not a shared filesystem?): preparing its own copy",
+                "data.cache_dir=%s (not a shared filesystem?): preparing its own copy "
+                "(data.shards, a multiple of the process count, shares the train split out)",
                 process_index,
                 cache_dir(config),
             )

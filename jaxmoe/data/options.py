@@ -44,6 +44,9 @@ class DataOptions:
     streaming: bool = option(
         False, "train split tokenized and packed as read (no token cache; LM only)"
     )
+    shards: int = option(
+        0, "train split cached in this many document shards, each tokenized by its readers"
+    )
     prefetch: int = option(
         2, "batches built ahead on a background thread (0 = on the training thread)"
     )
@@ -63,6 +66,7 @@ class DataOptions:
     def check(self) -> None:
         need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
         need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
+        need(self.shards >= 0, f"data.shards={self.shards} must be >= 0 (0 = one stream)")
         need(
             self.prepare_timeout_s > 0,
             f"data.prepare_timeout_s={self.prepare_timeout_s} must be positive",

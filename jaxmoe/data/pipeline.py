@@ -261,14 +261,21 @@ def build_data(
     process_count: int = 1,
     barrier: Barrier | None = None,
     report=print,
+    allgather=None,
 ) -> DataBundle:
     """Prepares (idempotently, cached) and opens the data named by `config.data`.
 
-    With several processes and a `barrier`, only process 0 prepares (`prepare_once`).
+    With several processes and a `barrier`, only process 0 prepares (`prepare_once`); with
+    `data.shards`, each process then tokenizes its own train shards (`allgather`: see
+    shards.py; default jax's process_allgather).
     """
     if process_count > 1 and barrier is not None:
         prepare_once(config, process_index, barrier, report)
     tokenizer = load_tokenizer(config)
+    if config.data.shards:
+        from jaxmoe.data.shards import build_sharded  # it builds on this module
+
+        return build_sharded(config, tokenizer, process_index, process_count, allgather, report)
     if config.data.streaming:  # every objective, mixtures and the curriculum
         from jaxmoe.data.stream_objectives import build_stream
 

@@ -167,11 +167,15 @@ class TextSource:
         return _as_str(self._source[index][self.text_key])
 
     def __iter__(self) -> Iterator[str]:
+        return self.texts(0, len(self))
+
+    def texts(self, start: int, stop: int) -> Iterator[str]:
+        """Documents [start, stop) in order."""
         # Batched reads: array_record serves a list of indices in one call.
         chunk = 256
-        for start in range(0, len(self), chunk):
-            stop = min(start + chunk, len(self))
-            for record in self._source.__getitems__(list(range(start, stop))):
+        for first in range(start, stop, chunk):
+            last = min(first + chunk, stop)
+            for record in self._source.__getitems__(list(range(first, last))):
                 yield _as_str(record[self.text_key])
 
 
