@@ -247,3 +247,139 @@ def test_bad_combinations_name_the_culprit(files):
     state = saved_state(pipeline.build_data(kind_config(files, "span_corruption")).train)
     with pytest.raises(ValueError, match="cannot resume a streamed mixture"):
         pipeline.build_data(kind_config(files, "mixture")).train.set_state(state)
+
+
+@pytest.mark.slow
+def test_streamed_curriculum_orders_documents_and_resumes_exactly(files, tmp_path):
+    """10 steps of 8 of the 58 train documents (7 steps an epoch), cut at step 4 and resumed
+    across the epoch boundary: the same losses and the same epoch-1 order of documents."""
+    from jaxmoe.training.loop import train
+    from tests.test_train import read_metrics
+
+    def run(workdir, steps):
+        cfg = config(
+            files,
+            "data.curriculum=paper",
+            f"train.steps={steps}",
+            "train.checkpoint_every=4",
+            "train.log_every=1",
+            "train.eval_every=0",
+            "train.eval_batches=1",
+            "train.max_to_keep=10",
+            "optimizer.schedule=constant",
+            "optimizer.warmup_steps=0",
+        )
+        train(cfg, str(workdir), progress=False)
+        return cfg
+
+    cfg = run(tmp_path / "full", 10)
+    run(tmp_path / "cut", 4)
+    run(tmp_path / "cut", 10)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    for step in range(5, 11):
+        assert cut[step]["loss"] == pytest.approx(full[step]["loss"], abs=1e-6), step
+
+    def load(workdir, kind):
+        return np.load(workdir / "curriculum" / f"epoch_000001.{kind}.npy")
+
+    documents = train_documents(cfg)
+    order = load(tmp_path / "full", "order")
+    np.testing.assert_array_equal(order, load(tmp_path / "cut", "order"))
+    assert sorted(order.tolist()) == list(range(len(documents)))  # keyed by document
+    frozen = load(tmp_path / "full", "frozen")
+    kept = len(documents) // BATCH * BATCH  # epoch 0 trained each document once, but its tail
+    dropped = np.random.default_rng([SEED, 0]).permutation(len(documents))[kept:]
+    assert np.flatnonzero(~frozen["seen"]).tolist() == sorted(dropped.tolist())
+    tokenizer = pipeline.build_data(cfg).tokenizer
+    for index, text in enumerate(documents):  # each document's real targets, every layer
+        if index in dropped:
+            continue
+        length = min(len(tokenizer.encode(text)) + 2, cfg.train.seq_len + 1)
+        assert frozen["tokens"][index].tolist() == [length - 1] * 2, index
+    log = load(tmp_path / "full", "log")
+    np.testing.assert_array_equal(log["id"][: 3 * BATCH], order[: 3 * BATCH])  # steps 8-10
+
+
+def cli_args(files, workdir, steps, kind):
+    """`jaxmoe train` flags of a tiny run streaming `kind` (span corruption of a mixture, or
+    the curriculum over documents)."""
+    model = [o for o in TINY_T5 if kind == "span_corruption_mixture"]
+    extra = {
+        "span_corruption_mixture": [MIXTURE.format(files)],
+        "curriculum": ["data.curriculum=paper", "train.max_to_keep=10"],
+    }[kind]
+    flags = [
+        "model.num_layers=2",
+        "model.d_model=32",
+        "model.num_heads=4",
+        "model.num_kv_heads=2",
+        "model.head_dim=8",
+        "model.ffn_dim=64",
+        "model.moe.ffn_dim=32",
+        "model.moe.block_size=8",
+        "model.vocab_size=0",
+        f"train.batch_size={BATCH}",
+        f"train.seed={SEED}",
+        "train.seq_len=16",
+        f"train.steps={steps}",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=1",
+        "train.checkpoint_every=4",
+        "optimizer.schedule=constant",
+        "optimizer.warmup_steps=0",
+        "data.streaming=True",
+        f"data.tokenizer={files}/tok",
+        f"data.source=jsonl:{files}/a/*.jsonl",
+        f"data.cache_dir={workdir}.cache",
+        *model,
+        *extra,
+    ]
+    head = ["train", "--config", "configs/default.py", "--workdir", str(workdir), "--no_progress"]
+    return head + [f"--config.{flag}" for flag in flags]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["span_corruption_mixture", "curriculum"])
+def test_two_processes_read_disjoint_rows_train_like_one_and_one_resumes(files, tmp_path, kind):
+    """launch/local.sh 2 (2 processes x 4 devices) against one process of 8: per step, the
+    processes' example ids (JAXMOE_DATA_TRACE) are disjoint and together the one-process
+    batch; the losses agree; one process resumes the 2-process checkpoint exactly."""
+    import subprocess
+    import sys
+
+    from tests.test_data_multihost import rows
+    from tests.test_faults import ROOT, env, launch_two, losses
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    single = subprocess.run(
+        [sys.executable, "-m", "jaxmoe", *cli_args(files, one, 10, kind)],
+        cwd=ROOT,
+        env={**env(), "JAXMOE_DATA_TRACE": str(tmp_path / "trace1")},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert single.returncode == 0, single.stderr[-3000:]
+    multi = launch_two(cli_args(files, two, 8, kind), JAXMOE_DATA_TRACE=str(tmp_path / "trace2"))
+    assert multi.returncode == 0, (multi.stdout + multi.stderr)[-3000:]
+    reference, traced = rows(tmp_path / "trace1")[0], rows(tmp_path / "trace2")
+    for step in range(8):
+        first, second = traced[0][step], traced[1][step]
+        assert len(first) == len(second) == BATCH // 2
+        assert first + second == reference[step], step
+    assert not set(traced[0][0]) & set(traced[1][0])  # the first windows: other documents
+    expected, multi_losses = losses(one), losses(two)
+    for step in range(1, 9):
+        assert multi_losses[step] == pytest.approx(expected[step], abs=1e-5), step
+    resumed = subprocess.run(  # the 2-process checkpoint of step 8, on one process
+        [sys.executable, "-m", "jaxmoe", *cli_args(files, two, 10, kind)],
+        cwd=ROOT,
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    for step in (9, 10):
+        assert losses(two)[step] == pytest.approx(expected[step], abs=1e-5), step

@@ -42,7 +42,7 @@ class DataOptions:
     prepare_timeout_s: int = option(3600, "other processes wait this long for process 0 to prepare")
     data_dir: str = option("", 'TFDS data_dir ("" = under cache_dir)')
     streaming: bool = option(
-        False, "train split tokenized and packed as read (no token cache; LM only)"
+        False, "train split tokenized as read, no token cache (any objective, mixture, curriculum)"
     )
     shards: int = option(
         0, "train split cached in this many document shards, each tokenized by its readers"
