@@ -15,6 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxmoe.models.attention_kernel import (
+    SPLASH,
+    XLA,
+    kernel_attention,
+    log_once,
+    mesh_platform,
+    resolve_attention_kernel,
+)
 from jaxmoe.models.attention_window import (
     grouped_sinks,
     softmax_with_sinks,
@@ -267,6 +275,9 @@ class Attention(nnx.Module):
     GPT-OSS (attention_window.py): `window` > 0 narrows causal self-attention to the last
     `window` keys (decoding: ring_cache.py), `sinks` adds sinks [H] to the softmax
     denominator, `out_bias` a bias out_bias [D] after the output projection.
+    `kernel` (attention_kernel.py, model.attention_kernel) picks jaxmoe's XLA path or
+    `jax.nn.dot_product_attention`; `causal` promises that self-attention masks are the
+    causal mask (the decoder), so a kernel may use its causal mode instead of the mask.
     """
 
     def __init__(
@@ -287,8 +298,12 @@ class Attention(nnx.Module):
         window: int = 0,
         sinks: bool = False,
         out_bias: bool = False,
+        kernel: str = XLA,
+        causal: bool = False,
         rngs: nnx.Rngs,
     ):
+        resolve_attention_kernel(kernel, "cpu")  # an unknown name fails here, by its key
+        self.kernel, self.causal = kernel, causal
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
@@ -402,11 +417,38 @@ class Attention(nnx.Module):
         sinks = self.sink_logits()
         keep_shape = (x_BLD.shape[0], self.num_heads, 1, k.shape[1])
         keep = dropout_multiplier(self.probs_dropout, keep_shape, v.dtype, train)
+        if sinks is None and keep is None and bias is None:
+            causal = self.causal and kv_BSD is None
+            o = self._kernel(q, k, v, mask, causal)
+            if o is not None:
+                return self.project_out(o)
         if block:
             o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep, sinks)
         else:
             o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep, sinks)
         return self.project_out(o)
+
+    def _kernel(self, q, k, v, mask, causal):
+        """The output through `model.attention_kernel`'s kernel, or None for the XLA path."""
+        platform = mesh_platform()
+        if resolve_attention_kernel(self.kernel, platform) == XLA:
+            return None
+        window = self.window if causal else 0
+        if resolve_attention_kernel(self.kernel, platform) == SPLASH:
+            return self._splash(q, k, v, causal, window)
+        return kernel_attention(
+            q, k, v, mask=mask, causal=causal, window=window, scale=self.scale, platform=platform
+        )
+
+    def _splash(self, q, k, v, causal, window):
+        """Splash attention (TPU) for causal self-attention, else None (the XLA path)."""
+        from jaxmoe.models.splash_attention import splash_attention, splash_refusal
+
+        reason = "not causal self-attention" if not causal else splash_refusal(q.shape[1])
+        if reason:
+            log_once(f"splash attention refuses {reason}")
+            return None
+        return splash_attention(q, k, v, scale=self.scale, window=window)
 
 
 QUERY_CHUNK = 256  # queries per rematerialised piece of the dense path

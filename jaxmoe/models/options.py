@@ -14,6 +14,7 @@ from ml_collections import ConfigDict
 from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
+from jaxmoe.models.attention_kernel import ATTENTION_KERNELS
 from jaxmoe.models.ffn import dense_layer_ids
 from jaxmoe.models.gpt_oss_options import check_gpt_oss_options
 from jaxmoe.models.layers import ACTIVATIONS
@@ -184,6 +185,12 @@ class ModelOptions:
     )
     attention_block: int = option(
         -1, "causal self-attention query block; -1 auto (CPU only), 0 dense"
+    )
+    attention_kernel: str = option(
+        "auto",
+        "softmax(qk)v kernel: xla (jaxmoe's einsums) | dot_product_attention (jax.nn's; cuDNN "
+        "on GPU) | auto (dot_product_attention on GPU, else xla); docs/gpu.md",
+        ATTENTION_KERNELS,
     )
     remat: str = option("none", "backward-pass recompute policy", tuple(REMAT_POLICIES))
     scan_layers: bool = option(

@@ -52,6 +52,8 @@ class DecoderBlock(nnx.Module):
                 window=layer_window(cfg, layer_index),
                 sinks=cfg.attention_sinks,
                 out_bias=cfg.out_bias,
+                kernel=cfg.attention_kernel,
+                causal=True,  # DecoderLM's self-attention mask is the causal one
                 rngs=rngs,
             )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)

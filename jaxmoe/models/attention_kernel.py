@@ -1,0 +1,132 @@
+"""Which kernel computes softmax(q k^T) v: jaxmoe's XLA path or `jax.nn.dot_product_attention`.
+
+`model.attention_kernel`:
+- "xla": jaxmoe's own einsums (attention.py: query-chunked and rematerialised, or
+  blocked-causal on CPU). Every feature: masks, biases, sinks, probability dropout.
+- "dot_product_attention": `jax.nn.dot_product_attention`, with implementation="cudnn"
+  (cuDNN's fused flash attention) on GPU and XLA's own lowering elsewhere. The causal
+  mode skips the masked half of the work; GQA groups share K/V inside the kernel.
+- "auto": dot_product_attention on GPU, xla elsewhere.
+
+The platform is that of the mesh set by `jax.set_mesh` (so a CPU step traced in a process
+whose default backend is the GPU gets the CPU's choice), else the default backend.
+
+What the kernel cannot express keeps the XLA path: learned sinks (GPT-OSS: an extra
+logit in the denominator with no value), attention-probability dropout, additive biases
+(T5's relative positions) and MLA (its keys are wider than its values). Where cuDNN
+refuses a shape or dtype (f32, head_dim over the limit, odd lengths with a mask in
+training, no cuDNN) the call also keeps the XLA path, and says why once per reason in
+the log (logger "jaxmoe").
+"""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+
+log = logging.getLogger("jaxmoe")
+
+XLA, DOT_PRODUCT_ATTENTION, AUTO = "xla", "dot_product_attention", "auto"
+SPLASH = "splash"  # Pallas splash attention, TPU (splash_attention.py)
+ATTENTION_KERNELS = (AUTO, XLA, DOT_PRODUCT_ATTENTION, SPLASH)
+CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
+_logged: set[str] = set()  # reasons already logged: one line each per process
+
+
+def mesh_platform() -> str:
+    """ "cpu" | "gpu" | "tpu": the platform of the mesh in context, else the default backend."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    platform = getattr(device, "platform", None) or jax.default_backend()
+    return "gpu" if platform in ("cuda", "rocm") else platform
+
+
+def resolve_attention_kernel(name: str, platform: str | None = None) -> str:
+    """The kernel to run for `model.attention_kernel` = name on `platform` (mesh_platform())."""
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(
+            f"model.attention_kernel: got {name!r}, expected {' | '.join(ATTENTION_KERNELS)}"
+        )
+    if name != AUTO:
+        return name
+    return DOT_PRODUCT_ATTENTION if (platform or mesh_platform()) == "gpu" else XLA
+
+
+def implementation(platform: str) -> str | None:
+    """`jax.nn.dot_product_attention`'s implementation for `platform`: cuDNN on GPU."""
+    return "cudnn" if platform == "gpu" else None
+
+
+def cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, *, masked: bool, head_dim_max: int = 128) -> str:
+    """Why cuDNN's flash attention would refuse these operands ("" = it takes them).
+
+    The limits of jax's cuDNN wrapper, checked here up front because its training-time
+    check runs when the backward pass is traced, out of reach of a fallback: fp16/bf16
+    only; q, k and v of one width, at most `head_dim_max` (128; 256 from Hopper on) and
+    a multiple of 8; with a mask (passed to cuDNN as a bias) even query and key lengths.
+    """
+    d = q_BLHd.shape[-1]
+    if q_BLHd.dtype not in CUDNN_DTYPES:
+        return f"dtype {q_BLHd.dtype} (cuDNN takes float16/bfloat16)"
+    if k_BSKd.shape[-1] != d or v_BSKd.shape[-1] != d:
+        return f"q/k/v widths {d}/{k_BSKd.shape[-1]}/{v_BSKd.shape[-1]} differ"
+    if d > head_dim_max or d % 8:
+        return f"head_dim {d} (cuDNN: a multiple of 8, at most {head_dim_max})"
+    if masked and (q_BLHd.shape[1] % 2 or k_BSKd.shape[1] % 2):
+        return f"odd lengths {q_BLHd.shape[1]}/{k_BSKd.shape[1]} with a mask"
+    return ""
+
+
+def _head_dim_max() -> int:
+    """256 on Hopper and later GPUs, else 128 (cuDNN's flash-attention head widths)."""
+    try:
+        capability = jax.devices("gpu")[0].compute_capability
+        return 256 if float(capability) >= 9.0 else 128
+    except (RuntimeError, AttributeError, ValueError):
+        return 128
+
+
+def fallbacks() -> list[str]:
+    """The refusals logged so far in this process (each once), for reports."""
+    return sorted(_logged)
+
+
+def log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        log.warning("attention: %s; this attention keeps the XLA path", reason)
+
+
+def kernel_attention(q_BLHd, k_BSKd, v_BSKd, *, mask, causal, window, scale, platform):
+    """softmax(q k^T * scale, masked) v through `jax.nn.dot_product_attention`, or None
+    where cuDNN refuses these operands (the caller then runs the XLA path; logged once).
+
+    q [B, L, H, d], k/v [B, S, K, d], K dividing H. causal: self-attention whose mask is
+    the causal one (then `mask` is not read: the kernel's causal mode replaces it), and
+    `window` > 0 narrows it to keys q - window < k <= q. Otherwise `mask` (bool
+    broadcastable to [B, L, S], or None) says which keys each query may see.
+    Returns [B, L, H, d].
+    """
+    impl = implementation(platform)
+    dpa_mask = None if causal or mask is None else jnp.asarray(mask)[:, None]
+    if impl == "cudnn":
+        masked = dpa_mask is not None
+        reason = cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, masked=masked, head_dim_max=_head_dim_max())
+        if reason:
+            log_once(f"cuDNN refuses {reason}")
+            return None
+    try:
+        return jax.nn.dot_product_attention(
+            q_BLHd,
+            k_BSKd,
+            v_BSKd,
+            mask=dpa_mask,
+            scale=1.0 if scale is None else float(scale),
+            is_causal=bool(causal),
+            local_window_size=(window - 1, 0) if causal and window else None,
+            implementation=impl,
+        )
+    except (NotImplementedError, RuntimeError, ValueError) as error:
+        if impl is None:
+            raise
+        log_once(f"cuDNN refuses {q_BLHd.shape} {q_BLHd.dtype}: {str(error).splitlines()[0]}")
+        return None
