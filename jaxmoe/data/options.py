@@ -50,6 +50,9 @@ class DataOptions:
     prefetch: int = option(
         2, "batches built ahead on a background thread (0 = on the training thread)"
     )
+    workers: int = option(
+        0, "grain worker processes building batches, data.prefetch ahead each (0 = in-process)"
+    )
     shuffle: bool = option(True, "shuffle examples each epoch (by train.seed and epoch)")
     curriculum: str = option("none", "order of training examples", CURRICULUM_POLICIES)
     curriculum_source: str = option("previous_epoch", "curriculum routing from", CURRICULUM_SOURCES)
@@ -67,6 +70,18 @@ class DataOptions:
         need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
         need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
         need(self.shards >= 0, f"data.shards={self.shards} must be >= 0 (0 = one stream)")
+        need(self.workers >= 0, f"data.workers={self.workers} must be >= 0 (0 = in-process)")
+        for culprit, unsupported in (
+            (f"data.curriculum={self.curriculum!r}", self.curriculum != "none"),
+            ("data.streaming=true", self.streaming),
+            (f"data.mixture={self.mixture!r}", bool(self.mixture)),
+            (f"data.shards={self.shards}", self.shards > 0),
+        ):
+            need(
+                not (self.workers and unsupported),
+                f"data.workers={self.workers} builds cached single-source batches only, "
+                f"not with {culprit} (set data.workers=0)",
+            )
         need(
             self.prepare_timeout_s > 0,
             f"data.prepare_timeout_s={self.prepare_timeout_s} must be positive",

@@ -68,6 +68,23 @@ def _local_rows(batch_size: int, process_index: int, process_count: int, key: st
     return slice(process_index * local, (process_index + 1) * local)
 
 
+def epoch_batch_ids(order, epoch: int, num_examples: int, global_batch_size: int) -> np.ndarray:
+    """The global batches of an epoch from its order: example ids [steps, B] (the ids left
+    over after the last full batch are skipped)."""
+    order = np.asarray(order)
+    if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):
+        raise ValueError(f"epoch_order({epoch}) must be 1-D integer ids, got {order.dtype}")
+    if len(order) < global_batch_size:
+        raise ValueError(
+            f"epoch_order({epoch}) has {len(order)} ids, fewer than train.batch_size="
+            f"{global_batch_size}"
+        )
+    if order.min() < 0 or order.max() >= num_examples:
+        raise ValueError(f"epoch_order({epoch}) has ids outside [0, {num_examples})")
+    steps = len(order) // global_batch_size
+    return order[: steps * global_batch_size].reshape(steps, -1)
+
+
 class TrainBatches:
     """Endless iterator over this process's part of each global training batch.
 
@@ -121,19 +138,14 @@ class TrainBatches:
         # import for tools that only prepare data.
         grain = require("grain", "training batches")
 
-        order = np.asarray(self.epoch_order(epoch))
-        if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):
-            raise ValueError(f"epoch_order({epoch}) must be 1-D integer ids, got {order.dtype}")
-        if len(order) < self.global_batch_size:
-            raise ValueError(
-                f"epoch_order({epoch}) has {len(order)} ids, fewer than train.batch_size="
-                f"{self.global_batch_size}"
-            )
-        if order.min() < 0 or order.max() >= self.num_examples:
-            raise ValueError(f"epoch_order({epoch}) has ids outside [0, {self.num_examples})")
-        steps = len(order) // self.global_batch_size
-        ids_SB = order[: steps * self.global_batch_size].reshape(steps, -1)
+        order = self.epoch_order(epoch)
+        ids_SB = epoch_batch_ids(order, epoch, self.num_examples, self.global_batch_size)
         return grain.MapDataset.source(ids_SB[:, self._rows]).map(self.examples.batch)
+
+    @property
+    def rows(self) -> slice:
+        """This process's rows of every global batch."""
+        return self._rows
 
     @property
     def steps_per_epoch(self) -> int:
@@ -223,10 +235,15 @@ def _padded_batches(
 
 
 def wrapped(batches, config, process_index: int):
-    """`batches` built ahead on a thread (`data.prefetch` batches; not with a curriculum,
-    which reorders epochs as they start) and traced when JAXMOE_DATA_TRACE names a folder."""
-    depth = int(config.data.prefetch)
-    if depth and config.data.curriculum == "none":
+    """`batches` built ahead: in `data.workers` grain processes (workers.py), else on a thread
+    (`data.prefetch` batches; not with a curriculum, which reorders epochs as they start);
+    traced when JAXMOE_DATA_TRACE names a folder."""
+    depth, workers = int(config.data.prefetch), int(config.data.get("workers", 0))
+    if workers:
+        from jaxmoe.data.workers import WorkerBatches  # it imports this module
+
+        batches = WorkerBatches(batches, workers, depth)
+    elif depth and config.data.curriculum == "none":
         batches = Prefetch(batches, depth)
     folder = os.environ.get("JAXMOE_DATA_TRACE")
     return TracedBatches(batches, folder, process_index) if folder else batches
