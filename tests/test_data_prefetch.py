@@ -65,7 +65,10 @@ def test_build_data_prefetches_unless_told_not_to(tmp_path):
 def test_data_wait_benchmark_runs(tmp_path, capsys):
     from benchmarks import data_wait as module
 
-    result = module.main(["--steps", "5", "--step_ms", "1", f"--config.data.cache_dir={tmp_path}"])
-    assert sorted(result) == [0, 2]
-    assert all(wait >= 0 and 0 <= share < 1 for wait, share in result.values())
-    assert "data.prefetch=2: waits" in capsys.readouterr().out
+    rows = module.main(["--steps", "5", "--step_ms", "1", f"--config.data.cache_dir={tmp_path}"])
+    assert [(r["objective"], r["prefetch"], r["workers"]) for r in rows] == [
+        ("lm", 0, 0),
+        ("lm", 2, 0),
+    ]
+    assert all(r["wait_s"] >= 0 and 0 <= r["share"] < 1 for r in rows)
+    assert "lm: data.prefetch=2 data.workers=0: waits" in capsys.readouterr().out
