@@ -310,20 +310,23 @@ def traced(trace) -> list[list[int]]:
 def test_two_hosts_without_a_shared_cache(tmp_path):
     from tests.test_faults import losses
 
+    steps = 3
     # Empty caches: each host trains its own tokenizer as well.
-    one = launch(1, [tmp_path / "c1"], tmp_path / "one", tmp_path / "t1")
     own = [tmp_path / "own0", tmp_path / "own1"]
-    two = launch(2, own, tmp_path / "two", tmp_path / "t2")
-    shared = launch(2, [tmp_path / "shared"] * 2, tmp_path / "three", tmp_path / "t3")
+    two = launch(2, own, tmp_path / "two", tmp_path / "t2", steps)
+    shared = launch(2, [tmp_path / "shared"] * 2, tmp_path / "three", tmp_path / "t3", steps)
+    # One process, here: the same data as the runs' (tests/test_faults.TINY) on a third cache.
+    fixed = ("data.shards=4", "data.prefetch=0", "train.seq_len=32")
+    lines, config = [], tiny_config(*fixed, f"data.cache_dir={tmp_path / 'c1'}")
+    one = pipeline.build_data(config, report=lines.append)
+    reference = [batch["example_ids"].tolist() for batch in take(one.train, steps)]
 
-    reference = traced(tmp_path / "t1")
     assert traced(tmp_path / "t2") == reference and traced(tmp_path / "t3") == reference
-    for run in ("two", "three"):
-        for step, loss in losses(tmp_path / run).items():
-            assert loss == pytest.approx(losses(tmp_path / "one")[step], abs=1e-5), (run, step)
-    counts = [tokenized(log.splitlines()) for log in (*one, *two)]
-    total = counts[0][0]
-    assert counts[1] == {0: 2 * total // 4} and counts[2] == {1: total - 2 * total // 4}
+    for step, loss in losses(tmp_path / "three").items():
+        assert losses(tmp_path / "two")[step] == pytest.approx(loss, abs=1e-6), step
+    counts = [tokenized(log.splitlines()) for log in (lines[0], *two)]
+    total = len(topic_split()[0])
+    assert counts == [{0: total}, {0: 2 * total // 4}, {1: total - 2 * total // 4}]
     files = [train_files(cache) for cache in (tmp_path / "c1", *own)]
     assert len(files[1]) == len(files[2]) == 2 and {**files[1], **files[2]} == files[0]
     # Without a shared cache each host prepared its own tokenizer (the same one).
