@@ -8,8 +8,7 @@
   mode skips the masked half of the work; GQA groups share K/V inside the kernel.
 - "auto": dot_product_attention on GPU, xla elsewhere.
 
-The platform is that of the mesh set by `jax.set_mesh` (so a CPU step traced in a process
-whose default backend is the GPU gets the CPU's choice), else the default backend.
+The platform is that of the mesh in context, else the default backend (platform.py).
 
 What the kernel cannot express keeps the XLA path: learned sinks (GPT-OSS: an extra
 logit in the denominator with no value), attention-probability dropout, additive biases
@@ -24,6 +23,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.platform import mesh_platform
+
 log = logging.getLogger("jaxmoe")
 
 XLA, DOT_PRODUCT_ATTENTION, AUTO = "xla", "dot_product_attention", "auto"
@@ -31,13 +32,6 @@ SPLASH = "splash"  # Pallas splash attention, TPU (splash_attention.py)
 ATTENTION_KERNELS = (AUTO, XLA, DOT_PRODUCT_ATTENTION, SPLASH)
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _logged: set[str] = set()  # reasons already logged: one line each per process
-
-
-def mesh_platform() -> str:
-    """ "cpu" | "gpu" | "tpu": the platform of the mesh in context, else the default backend."""
-    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-    platform = getattr(device, "platform", None) or jax.default_backend()
-    return "gpu" if platform in ("cuda", "rocm") else platform
 
 
 def resolve_attention_kernel(name: str, platform: str | None = None) -> str:

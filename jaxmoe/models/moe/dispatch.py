@@ -6,8 +6,6 @@ Implementations, chosen by `model.moe.dispatch`:
 - "ragged": the same expert-sorted layout fed to `jax.lax.ragged_dot` (a grouped matmul
   kernel on GPU/TPU; on CPU it is lowered to a masked dense matmul over every group, so its
   cost does not fall with fewer assignments). The GPU/TPU default when dropless.
-- "megablox": the "ragged" layout through the Pallas megablox grouped matmul (TPU;
-  megablox.py).
 - "dense": every expert on every token, masked. A reference for tests and tiny models.
 - "capacity": GShard-style fixed buffers [E, B * C, D]; needs capacity_factor > 0. The
   GPU/TPU default with a capacity (static shapes suit their matmul units).
@@ -30,10 +28,12 @@ import jax.numpy as jnp
 
 from jaxmoe.models.moe.glu import gated_hidden
 from jaxmoe.models.moe.grouped_ffn import expert_ranks, grouped_ffn_blocks
+from jaxmoe.models.moe.grouping import group_rows
+from jaxmoe.models.platform import mesh_platform
 
 Activation = Callable[[jax.Array], jax.Array]
 Experts = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, D, F], wi_1 [E, D, F], wo [E, F, D]
-DISPATCHES = ("auto", "blocks", "ragged", "megablox", "dense", "capacity")
+DISPATCHES = ("auto", "blocks", "ragged", "dense", "capacity")
 
 
 def resolve_dispatch(name: str, capacity_factor: float, backend: str | None = None) -> str:
@@ -141,16 +141,20 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
     recomputed twice: its output is not needed to rebuild the block's residuals).
     """
     wi_0, wi_1, wo = experts
-    num_rows, num_assign = x_ND.shape[0], src_A.shape[0]
-    rank_A, counts_E = expert_ranks(expert_A, valid_A, wi_0.shape[0])
+    num_rows, num_assign, num_experts = x_ND.shape[0], src_A.shape[0], wi_0.shape[0]
+    rank_A, counts_E = expert_ranks(expert_A, valid_A, num_experts)
+    # On GPU each group is padded with zero rows to whole row tiles (grouping.group_rows).
+    tile = group_rows(num_assign, num_experts, mesh_platform())
+    counts_E = -(-counts_E // tile) * tile
     offset_E = jnp.cumsum(counts_E) - counts_E
-    row_A = jnp.where(valid_A, offset_E[expert_A] + rank_A, num_assign)
-    row_src_R = jnp.full((num_assign,), num_rows, jnp.int32)
+    rows = num_assign + num_experts * (tile - 1)  # static bound on the padded groups
+    row_A = jnp.where(valid_A, offset_E[expert_A] + rank_A, rows)
+    row_src_R = jnp.full((rows,), num_rows, jnp.int32)
     row_src_R = row_src_R.at[row_A].set(src_A.astype(jnp.int32), mode="drop")
     x_RD = x_ND.at[row_src_R].get(mode="fill", fill_value=0)
     # Rows past sum(counts_E) belong to no group: ragged_dot leaves them zero.
     ffn = wi_0.shape[-1]
-    chunks = ffn_chunks(num_assign, ffn, x_ND.dtype.itemsize)
+    chunks = ffn_chunks(rows, ffn, x_ND.dtype.itemsize)
     width = ffn // chunks
     chunk = _ragged_chunk if chunks == 1 else jax.checkpoint(_ragged_chunk, static_argnums=5)
     out_RD = sum(
@@ -175,18 +179,13 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
 def grouped_ffn(
     x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act, impl, block_size
 ):
-    """Dispatches to the "blocks", "ragged", "megablox" or "dense" implementation (same
-    result)."""
+    """Dispatches to the "blocks", "ragged" or "dense" implementation (same result)."""
     if impl == "blocks":
         return grouped_ffn_blocks(
             x_ND, src_A, expert_A, weight_A, valid_A, *experts, act=act, block_size=block_size
         )
     if impl == "ragged":
         return ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
-    if impl == "megablox":
-        from jaxmoe.models.moe.megablox import megablox_ffn
-
-        return megablox_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
     if impl == "dense":
         return dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
     raise ValueError(f"model.moe.dispatch: {impl!r} is not an assignment dispatch")

@@ -17,11 +17,39 @@ than the rows themselves, so:
   is why CPU keeps the blocks.
 - "dense" (every expert on every token) costs E / k times the routed work: never chosen
   by "auto"; a reference for tests and tiny models.
+
+On GPU the "ragged" groups start on whole row tiles (`group_rows`): each expert's group is
+padded with zero rows to a multiple of GPU_GROUP_ROWS, the M tile of the GPU's grouped
+matmul kernels, so no tile spans two experts and each group's first row sits on a tile
+boundary (the layout the GPU's grouped GEMMs ask for: DeepGEMM's contiguous layout takes
+128-row expert segments, Megatron pads each expert's block for grouped_mm, cuDNN's grouped
+weight gradient has needed aligned offsets). With few rows per expert (fine-grained
+experts, a small shard) the tile is halved while it exceeds a quarter of an expert's
+average share, so the padding stays under a quarter of a group (an eighth on average);
+below MIN_GPU_GROUP_ROWS (decoding) the groups stay exact: an expert's few rows take one
+tile either way. Not yet measured on a GPU (docs/gpu.md).
 """
 
 # Below this many rows a block's loop overhead outweighs its padding; the decoding case
 # (2 rows per expert) measured 8-row blocks as fast as 2-row ones (grouped_ffn.py).
 MIN_BLOCK_ROWS = 8
+
+
+GPU_GROUP_ROWS = 128
+MIN_GPU_GROUP_ROWS = 16
+
+
+def group_rows(num_assign: int, num_experts: int, platform: str) -> int:
+    """The multiple of rows the ragged dispatch pads each expert's group to: 1 (exact groups)
+    off GPU; on GPU GPU_GROUP_ROWS, halved while over a quarter of an expert's average
+    share of the `num_assign` rows, and 1 once under MIN_GPU_GROUP_ROWS."""
+    if platform != "gpu":
+        return 1
+    share = -(-num_assign // num_experts)
+    rows = GPU_GROUP_ROWS
+    while rows >= MIN_GPU_GROUP_ROWS and rows > share // 4:
+        rows //= 2
+    return rows if rows >= MIN_GPU_GROUP_ROWS else 1
 
 
 def tail_rows(block: int) -> int:
