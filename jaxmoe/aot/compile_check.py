@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
+from jaxmoe.aot.cost_estimate import count_pallas_calls, count_while_loops, step_time_estimate
 from jaxmoe.aot.topologies import Topology, parse_topology, topology_devices
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import AUTO
@@ -263,6 +264,7 @@ def compile_for_topology(
         "hbm_bytes": hbm,
         "headroom_bytes": int(hbm - peak),
         "hlo_flops_per_device": float(cost.get("flops", 0.0)),
+        **_estimate(result, cost, hlo_text, topo),
         "collectives": count_collectives(hlo_text),
         "all_to_all_bytes": all_to_all_bytes(hlo_text),
         "dcn_transfers": count_dcn_transfers(hlo_text),
@@ -270,6 +272,21 @@ def compile_for_topology(
         "compile_s": time.perf_counter() - started - lowered_s,
     }
     return result
+
+
+def _estimate(result: dict, cost: dict, hlo_text: str, topo: Topology) -> dict:
+    """The compiler's step-time estimate and its MFU, where it can be trusted
+    (cost_estimate.py); `estimate_note` says why not otherwise."""
+    seconds, note = step_time_estimate(cost, hlo_text)
+    peak = topo.num_chips * topo.chip.peak_bf16_flops
+    return {
+        "optimal_seconds": cost.get("optimal_seconds"),
+        "while_loops": count_while_loops(hlo_text),
+        "pallas_calls": count_pallas_calls(hlo_text),
+        "estimated_step_s": seconds,
+        "estimated_mfu": result["model_flops_per_step"] / (seconds * peak) if seconds else None,
+        "estimate_note": note,
+    }
 
 
 def _describe(config, topo: Topology, mesh, spec, abstract_state, batch, step_time_s) -> dict:
@@ -359,6 +376,12 @@ def format_report(result: dict, config_name: str = "") -> str:
     if "hlo_flops_per_device" in result:
         hlo = result["hlo_flops_per_device"] * result["num_chips"]
         rows.append(("compiled FLOPs / step", f"{hlo:.3e} (loop bodies counted once)"))
+    if "estimate_note" in result:
+        if result["estimated_step_s"]:
+            estimate = f"{result['estimated_step_s']:.3g} s (MFU {result['estimated_mfu']:.1%})"
+        else:
+            estimate = f"n/a: {result['estimate_note']}"
+        rows.append(("compiler's step estimate", estimate))
     if result["mfu"] is not None:
         rows.append((f"MFU at {result['step_time_s']:g} s/step", f"{result['mfu']:.1%}"))
     rows.append(("step time at 100% MFU", f"{result['ideal_step_time_s']:.3g} s"))

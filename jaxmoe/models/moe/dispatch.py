@@ -6,6 +6,8 @@ Implementations, chosen by `model.moe.dispatch`:
 - "ragged": the same expert-sorted layout fed to `jax.lax.ragged_dot` (a grouped matmul
   kernel on GPU/TPU; on CPU it is lowered to a masked dense matmul over every group, so its
   cost does not fall with fewer assignments). The GPU/TPU default when dropless.
+- "megablox": the "ragged" layout through the Pallas megablox grouped matmul (TPU;
+  megablox.py).
 - "dense": every expert on every token, masked. A reference for tests and tiny models.
 - "capacity": GShard-style fixed buffers [E, B * C, D]; needs capacity_factor > 0. The
   GPU/TPU default with a capacity (static shapes suit their matmul units).
@@ -33,7 +35,7 @@ from jaxmoe.models.platform import mesh_platform
 
 Activation = Callable[[jax.Array], jax.Array]
 Experts = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, D, F], wi_1 [E, D, F], wo [E, F, D]
-DISPATCHES = ("auto", "blocks", "ragged", "dense", "capacity")
+DISPATCHES = ("auto", "blocks", "ragged", "megablox", "dense", "capacity")
 
 
 def resolve_dispatch(name: str, capacity_factor: float, backend: str | None = None) -> str:
@@ -179,13 +181,18 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
 def grouped_ffn(
     x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act, impl, block_size
 ):
-    """Dispatches to the "blocks", "ragged" or "dense" implementation (same result)."""
+    """Dispatches to the "blocks", "ragged", "megablox" or "dense" implementation (same
+    result)."""
     if impl == "blocks":
         return grouped_ffn_blocks(
             x_ND, src_A, expert_A, weight_A, valid_A, *experts, act=act, block_size=block_size
         )
     if impl == "ragged":
         return ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
+    if impl == "megablox":
+        from jaxmoe.models.moe.megablox import megablox_ffn
+
+        return megablox_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
     if impl == "dense":
         return dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
     raise ValueError(f"model.moe.dispatch: {impl!r} is not an assignment dispatch")
