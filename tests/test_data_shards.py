@@ -165,6 +165,38 @@ def test_two_processes_with_their_own_caches_read_one_process_batches(
         assert first_epoch != sorted(first_epoch)  # shuffled
 
 
+def test_span_corruption_shards(embedded_data_cache, tmp_path):
+    from tests.test_seq2seq import reconstruct, unpadded
+
+    caches = [tokenizer_only(embedded_data_cache, tmp_path / f"c{p}") for p in range(3)]
+    t5 = ("model.arch=encoder_decoder", "model.moe.num_experts=0", "model.rope_theta=0.0")
+    configs = [config_in(cache, *t5, "model.activation=gelu") for cache in caches]
+    (one,), _ = build_processes(configs[2:])
+    two, lines = build_processes(configs[:2])
+    num_docs = len(topic_split()[0])
+    assert tokenized(lines) == {0: 2 * num_docs // 4, 1: num_docs - 2 * num_docs // 4}
+    streams = reference_shards(one.tokenizer, 4)
+    raw = one.train.parts[0].raw_len
+    offsets = np.concatenate([[0], np.cumsum([len(s) // raw for s in streams])[:-1]])
+    first_sentinel = one.tokenizer.vocab_size + 99
+    for a, b, whole in zip(*(take(x.train, 3) for x in (*two, one)), strict=True):
+        assert "encoder_inputs" in whole
+        for key in whole:
+            np.testing.assert_array_equal(np.concatenate([a[key], b[key]]), whole[key], key)
+        for row, example in enumerate(whole["example_ids"]):
+            shard = row // 2
+            local = int(example) - offsets[shard]
+            window = streams[shard][local * raw : (local + 1) * raw].tolist()
+            assert reconstruct(*unpadded(whole, row), first_sentinel) == window
+    # Shards draw their masks apart: with one seed, window 0 of each would share its mask.
+    shard_ids = np.array([0])
+    masks = [
+        one.train.parts[s].batch(shard_ids)["encoder_inputs"][0] > first_sentinel - 100
+        for s in (0, 1)
+    ]
+    assert not np.array_equal(*masks)
+
+
 def test_state_resumes_with_any_process_count(embedded_data_cache, tmp_path):
     cache = tokenizer_only(embedded_data_cache, tmp_path / "cache")
     config = config_in(cache)

@@ -8,6 +8,8 @@ tokenized and packed as packing.py packs a whole split, into a token cache of it
 so a shard needs no other shard's tokens, and the S streams concatenated are the whole
 split's stream. Example ids are global: window i of shard s is `offsets[s] + i`, where
 offsets are the window counts of the shards before it (exchanged once between processes).
+An encoder-decoder's examples are a shard's span-corrupted raw windows instead (seq2seq.py),
+masks drawn from (train.seed, shard, window of the shard).
 
 Every global batch takes B/S rows from each shard, rows [s*B/S, (s+1)*B/S) from shard s,
 which walks its own shuffled epochs (seeded by train.seed, its epoch and s), like a
@@ -26,6 +28,7 @@ import numpy as np
 
 from jaxmoe.data import pipeline
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
+from jaxmoe.data.seq2seq import SpanCorruptionExamples, tokenizer_sentinels
 from jaxmoe.data.sources import (
     _PACKING_VERSION,
     SplitDocuments,
@@ -57,12 +60,11 @@ def check_shards(config, process_count: int) -> int:
         ("data.streaming=True", bool(config.data.streaming)),
         (f"data.mixture={config.data.mixture!r}", bool(config.data.mixture.strip())),
         (f"data.curriculum={config.data.curriculum!r}", config.data.curriculum != "none"),
-        ("model.arch=encoder_decoder", pipeline.is_encoder_decoder(config)),
         (f"data.workers={config.data.get('workers', 0)}", config.data.get("workers", 0) > 0),
     ):
         if unsupported:
             raise ValueError(
-                f"data.shards={shards} shards the cached language-model train split; it "
+                f"data.shards={shards} shards the cached train split of one source; it "
                 f"cannot be combined with {culprit}"
             )
     if shards < 1 or shards % process_count:
@@ -127,6 +129,24 @@ def prepare_shards(
     return streams
 
 
+def shard_examples(config, tokenizer, tokens_N: np.ndarray, shard: int):
+    """The train examples of one shard's stream: windows of seq_len + 1 tokens, or for an
+    encoder-decoder span-corrupted raw windows, masks drawn from (train.seed, shard, window
+    of the shard)."""
+    if not pipeline.is_encoder_decoder(config):
+        return PackedWindows(tokens_N, int(config.train.seq_len), tokenizer.pad_id, False)
+    return SpanCorruptionExamples(
+        tokens_N,
+        encoder_len=int(config.train.seq_len),
+        seed=int(config.train.seed) + (int(shard) << 32),
+        tokenizer_vocab=tokenizer.vocab_size,
+        eos_id=tokenizer.eos_id,
+        sentinels=tokenizer_sentinels(tokenizer),
+        noise_density=float(config.data.noise_density),
+        mean_noise_span=float(config.data.mean_noise_span),
+    )
+
+
 def _allgather_int64(allgather: Allgather, values: np.ndarray, process_count: int) -> np.ndarray:
     """[P, *values.shape]: every process's int64 `values`, sent as two int32 halves (JAX
     without x64 would cut int64 to int32)."""
@@ -168,7 +188,7 @@ def sharded_train(
     try:
         streams = prepare_shards(config, tokenizer, process_index, process_count, report)
         for row, shard in enumerate(mine):
-            parts[shard] = PackedWindows(streams[shard], seq_len, tokenizer.pad_id, False)
+            parts[shard] = shard_examples(config, tokenizer, streams[shard], shard)
             counts[row] = len(parts[shard]), parts[shard].num_tokens
     except Exception as error:  # raised after the exchange, so no process waits for this one
         failure = error
@@ -182,7 +202,7 @@ def sharded_train(
     if empty.size:
         raise ValueError(
             f"data.shards={shards}: train shard {empty[0]} holds {sizes[empty[0], 1]} tokens, "
-            f"not one window of train.seq_len={seq_len}; use fewer shards"
+            f"not one example of train.seq_len={seq_len}; use fewer shards"
         )
     return ShardedBatches(
         parts,
@@ -201,7 +221,7 @@ class ShardedBatches:
 
     def __init__(
         self,
-        parts: dict[int, PackedWindows],
+        parts: dict[int, PackedWindows | SpanCorruptionExamples],
         sizes_S: np.ndarray,
         tokens_S: np.ndarray,
         batch_size: int,
