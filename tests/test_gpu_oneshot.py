@@ -157,6 +157,11 @@ def test_run_sh_dry_run_in_the_image_set(wheel_folder, tmp_path):
     for name, row in result["models"].items():
         assert 2.0e9 < row["parameters"] < 3.0e9, (name, row["parameters"])
     assert "| dense |" in run.stdout and "CPU side of the equality check" in run.stdout
+    # The attention check ran jax.nn.dot_product_attention (XLA's lowering on the CPU; the
+    # GPU run's is cuDNN's) against jaxmoe's XLA path.
+    attention = result["attention"]
+    assert attention["kernel"] == "dot_product_attention" and attention["passed"], attention
+    assert "attention dot_product_attention (xla)" in run.stdout
     # The blocker saw the run: no data or metrics package was imported from anywhere.
     (imported,) = [
         set(p.read_text().split())

@@ -13,6 +13,9 @@ after its share is spent is recorded as skipped, never half-run):
      Llama-style model and Mixtral-style top-2 and adaptive MoE models of ~2.4B parameters;
   4. the same models' step in PyTorch + transformers (SDPA attention, bf16 autocast,
      gradient checkpointing): eager, then torch.compile; the faster one is the peer.
+  Before 3, the attention kernel check: one bf16 attention of the dense model's shape
+  through model.attention_kernel=auto (cuDNN flash attention on GPU) against jaxmoe's XLA
+  path, outputs, gradients and forward + backward time. The models run with `auto`.
 MFU = model FLOPs (jaxmoe/models/flops.py: forward + backward matmuls, no recompute) per
 second over the GPU's peak dense bf16 FLOP/s (H100/H200: 989e12). `--dry-run` does all of it
 but the GPU: imports, the CPU side of part 2, each size's config and FLOP count, one tiny
@@ -45,6 +48,7 @@ COMMON = {
     "model.tie_embeddings": False,
     "model.dtype": "bfloat16",
     "model.remat": "full",
+    "model.attention_kernel": "auto",  # cuDNN flash attention on GPU (attention_kernel.py)
     "train.seq_len": 4096,
     "train.batch_size": 8,
     "optimizer.name": "adamw",
@@ -237,10 +241,81 @@ def equality(device_kind: str) -> dict:
     return result
 
 
+# The attention check: bf16 q [B, L, H, d] and k/v [B, L, K, d] of the dense model (dry run:
+# a small one on the CPU); outputs and gradients within ATTENTION_RTOL of the max |XLA|.
+ATTENTION_SHAPE = {"gpu": (2, 4096, 16, 4, 128), "cpu": (1, 256, 4, 2, 64)}
+ATTENTION_RTOL = 3e-2
+
+
+def attention_check(platform: str) -> dict:
+    """model.attention_kernel=auto vs jaxmoe's XLA path on one causal GQA attention."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jaxmoe.models import attention_kernel as ak
+    from jaxmoe.models.attention import query_chunked_attention
+
+    b, length, h, kv, d = ATTENTION_SHAPE[platform]
+    logged_before = set(ak.fallbacks())
+    kernel = ak.resolve_attention_kernel("auto", "gpu")  # what the GPU runs; CPU: XLA's lowering
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, length, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(key, (b, length, kv, d), jnp.bfloat16) for key in keys[1:3])
+    weights = jax.random.normal(keys[3], (b, length, h, d), jnp.float32)
+    causal_1LS = jnp.tril(jnp.ones((length, length), bool))[None]
+
+    def with_kernel(q, k, v):
+        out = ak.kernel_attention(
+            q, k, v, mask=None, causal=True, window=0, scale=d**-0.5, platform=platform
+        )
+        return query_chunked_attention(q, k, v, causal_1LS, scale=d**-0.5) if out is None else out
+
+    def with_xla(q, k, v):
+        return query_chunked_attention(q, k, v, causal_1LS, scale=d**-0.5)
+
+    results, times = {}, {}
+    for name, fn in (("kernel", with_kernel), ("xla", with_xla)):
+        step = jax.jit(
+            jax.value_and_grad(
+                lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights),
+                argnums=(0, 1, 2),
+            )
+        )
+        jax.block_until_ready(step(q, k, v))  # compile
+        runs = []
+        for _ in range(5):
+            start = time.perf_counter()
+            results[name] = jax.block_until_ready(step(q, k, v))
+            runs.append(time.perf_counter() - start)
+        times[name] = sorted(runs)[2]
+    diffs = {}
+    for part, got, want in zip("qkv", results["kernel"][1], results["xla"][1], strict=True):
+        got, want = np.asarray(got, np.float32), np.asarray(want, np.float32)
+        diffs[f"d{part}"] = float(np.abs(got - want).max() / np.abs(want).max())
+    out_kernel, out_xla = (
+        np.asarray(with_fn(q, k, v), np.float32)
+        for with_fn in (jax.jit(with_kernel), jax.jit(with_xla))
+    )
+    diffs["out"] = float(np.abs(out_kernel - out_xla).max() / np.abs(out_xla).max())
+    return {
+        "shape_BLHKd": [b, length, h, kv, d],
+        "kernel": kernel,
+        "implementation": ak.implementation(platform) or "xla",
+        "fallbacks": sorted(set(ak.fallbacks()) - logged_before),
+        "max_rel_diff": diffs,
+        "passed": max(diffs.values()) < ATTENTION_RTOL,
+        "fwd_bwd_ms": {name: round(1e3 * t, 2) for name, t in times.items()},
+    }
+
+
 def jaxmoe_throughput(name: str, peak: float) -> dict:
     import jax
 
+    from jaxmoe.models import attention_kernel
+
     config = make_config(MODELS[name])
+    logged_before = set(attention_kernel.fallbacks())
     steps = JaxSteps(config, jax.devices("gpu")[0])
     compile_s = steps.step()
     for _ in range(WARMUP - 1):
@@ -253,6 +328,10 @@ def jaxmoe_throughput(name: str, peak: float) -> dict:
     return timing_row(config, times, flops_per_step(config, fraction), peak) | {
         "first_step_s": round(compile_s, 1),
         "top2_fraction": fraction,
+        "attention_kernel": attention_kernel.resolve_attention_kernel(
+            config.model.attention_kernel, "gpu"
+        ),
+        "attention_fallbacks": sorted(set(attention_kernel.fallbacks()) - logged_before),
     }
 
 
@@ -388,6 +467,19 @@ def table(result: dict) -> str:
         )
     elif eq.get("losses"):
         lines.append(f"\nCPU side of the equality check: losses {eq['losses']['cpu']}")
+    att = result.get("attention", {})
+    if "max_rel_diff" in att:
+        worst = max(att["max_rel_diff"].values())
+        ms = att["fwd_bwd_ms"]
+        lines.append(
+            f"attention {att['kernel']} ({att['implementation']}) vs jaxmoe's XLA path, "
+            f"bf16 {att['shape_BLHKd']}: "
+            f"max relative difference {worst:.2e} ({'passed' if att['passed'] else 'FAILED'}, "
+            f"< {ATTENTION_RTOL}); forward + backward {ms['kernel']} ms vs {ms['xla']} ms"
+            + (f"; fell back: {att['fallbacks']}" if att["fallbacks"] else "")
+        )
+    elif att.get("error"):
+        lines.append(f"attention kernel check: {att['error']}")
     return "\n".join(lines)
 
 
@@ -422,6 +514,15 @@ def run(args) -> dict:
     result["timings_s"]["equality"] = round(clock.elapsed(), 1)
     if not args.dry_run and not result["equality"]["passed"]:
         print("oneshot: GPU and CPU losses differ", file=sys.stderr)
+    try:
+        if clock.allows("jaxmoe"):
+            result["attention"] = attention_check("cpu" if args.dry_run else "gpu")
+        else:
+            result["attention"] = {"skipped": "time budget spent"}
+    except (Exception, TimeUp) as error:  # recorded: the model runs still tell what the step does
+        result["attention"] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+        traceback.print_exc()
+    result["timings_s"]["attention"] = round(clock.elapsed(), 1)
     for name, settings in MODELS.items():
         config = make_config(settings)
         row = {"parameters": parameter_count(config), "flops_per_step": flops_per_step(config, 1.0)}
