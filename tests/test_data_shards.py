@@ -277,8 +277,17 @@ def test_a_failing_process_still_meets_the_others(embedded_data_cache, tmp_path,
     assert str(errors[0]) == "process 1 could not prepare its train shards (see its log)"
 
 
-def test_prepare_command_prepares_one_process_shards(embedded_data_cache, tmp_path):
+def test_prepare_command_prepares_one_process_shards(embedded_data_cache, tmp_path, capsys):
     from jaxmoe.cli import main
+
+    assert main(["prepare", "--process_id", "2", "--num_processes", "2"]) == 2
+    assert main(["prepare", "--num_processes", "3", "--config.data.shards=4"]) == 2
+    errors = capsys.readouterr().err.splitlines()
+    assert errors == [
+        "jaxmoe prepare: error: --process_id=2 is not below --num_processes=2",
+        "jaxmoe prepare: error: data.shards=4 must be a multiple of the process count 3 "
+        "(each process reads whole shards)",
+    ]
 
     cache = tokenizer_only(embedded_data_cache, tmp_path / "cache")
     args = ["prepare", "--config", "configs/default.py", "--process_id", "1"]

@@ -29,16 +29,20 @@ def run(args) -> int:
     from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
 
+    if args.process_id >= args.num_processes:
+        raise ValueError(
+            f"--process_id={args.process_id} is not below --num_processes={args.num_processes}"
+        )
     config = load_config(args.config, args.overrides)
     inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's own
     check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
+    if config.data.shards:
+        from jaxmoe.data.shards import check_shards, prepare_shards
+
+        check_shards(config, args.num_processes)  # before any work too
     start = time.monotonic()
     tokenizer = prepare(config)
     if config.data.shards:
-        from jaxmoe.data.shards import prepare_shards
-
-        if args.process_id >= args.num_processes:
-            raise ValueError(f"--process_id={args.process_id} is not below --num_processes")
         prepare_shards(config, tokenizer, args.process_id, args.num_processes)
     print(
         f"prepared {len(source_configs(config))} source(s) with {tokenizer!r} under "
