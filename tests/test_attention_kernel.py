@@ -231,3 +231,57 @@ def test_sinks_and_dropout_keep_the_xla_path(monkeypatch):
         16, 4, 2, 8, dropout_rate=0.5, kernel="dot_product_attention", causal=True, rngs=nnx.Rngs(0)
     )
     dropout(x, mask=mask, train=True)
+
+
+@pytest.fixture
+def cudnn_lowering(monkeypatch):
+    """Lowering for a CUDA target on this CPU host: jax's cuDNN wrapper asks the installed
+    cuDNN for its version and the GPU for its capability; answer as a cuDNN 9.10 Hopper
+    would (private jax names: skipped where a jax release has moved them)."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fused
+    except ImportError:
+        pytest.skip("jax's cuDNN attention module moved")
+    for name, value in (
+        ("check_cudnn_version", lambda: 91000),
+        ("check_compute_capability", lambda capability: True),
+        ("is_cuda_compute_capability_equal", lambda capability: False),
+    ):
+        if not hasattr(fused, name):
+            pytest.skip(f"jax's cuDNN wrapper has no {name}")
+        monkeypatch.setattr(fused, name, value)
+
+
+def cuda_program(cfg, dtype_tokens):
+    """The StableHLO of a decoder's loss gradient lowered for CUDA, traced as on a GPU."""
+    model = DecoderLM(cfg, rngs=nnx.Rngs(0))
+    graph, params = nnx.split(model)
+
+    def loss(p, tokens):
+        logits, _ = nnx.merge(graph, p)(tokens)
+        return jnp.mean(logits)
+
+    with pytest.MonkeyPatch.context() as patch:  # trace as the GPU would (the mesh's platform)
+        patch.setattr("jaxmoe.models.attention.mesh_platform", lambda: "gpu")
+        traced = jax.jit(jax.grad(loss)).trace(params, dtype_tokens)
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_gpu_lowering_is_cudnn_flash_attention(cudnn_lowering):
+    """bf16 GQA decoder, a sliding and a full layer: each layer's attention lowers to
+    cuDNN's fused attention, forward and backward, causal, the sliding one windowed; the
+    f32 model keeps the XLA path (no cuDNN call)."""
+    import re
+
+    overrides = ("model.sliding_window=5", "model.layer_types=sliding,full")
+    tokens = jnp.zeros((2, 16), jnp.int32)
+    bf16 = tiny_config(*overrides, "model.dtype=bfloat16", "model.moe.num_experts=0").model
+    text = cuda_program(bf16, tokens)
+    calls = re.findall(r"custom_call @([\w$]+)", text)
+    assert calls.count("__cudnn$fmhaSoftmax") == 2, sorted(set(calls))
+    assert calls.count("__cudnn$fmhaSoftmaxBackward") == 2
+    assert set(re.findall(r"mask_type\\22: \\22(\w+)", text)) == {"CAUSAL"}
+    windows = re.findall(r"sliding_window_length\\22: (\d+)", text)
+    assert sorted(set(windows)) == ["0", "5"], windows
+    f32 = tiny_config(*overrides, "model.moe.num_experts=0").model
+    assert "__cudnn$fmha" not in cuda_program(f32, tokens)
