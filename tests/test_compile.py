@@ -321,3 +321,15 @@ def test_dcn_sizes_must_match_the_slices():
     devices = topology_devices(parse_topology("v5p-8", num_slices=2))
     with pytest.raises(ConfigError, match="dcn_data=4 x dcn_fsdp=1 cannot span 2 slices"):
         make_mesh(config.mesh, devices)
+
+
+def test_loop_free_step_reports_the_compilers_estimate(v5p_8):
+    """The tiny step has no loop and no Pallas kernel: the compiler's optimal_seconds is
+    the estimated step time (tests/test_cost_estimate.py checks what that rests on)."""
+    assert v5p_8["while_loops"] == 0 and v5p_8["pallas_kernels"] == {}
+    seconds = v5p_8["estimated_step_s"]
+    assert seconds == v5p_8["optimal_seconds"] > 0 and v5p_8["estimate_note"] == ""
+    assert seconds >= v5p_8["hlo_flops_per_device"] / 459e12  # no faster than v5p's peak
+    mfu = v5p_8["model_flops_per_step"] / (seconds * 4 * 459e12)  # 4 chips
+    assert v5p_8["estimated_mfu"] == pytest.approx(mfu)
+    assert "compiler's step estimate" in compile_module.format_report(v5p_8)

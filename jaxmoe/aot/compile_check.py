@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from jaxmoe.aot.cost_estimate import count_pallas_calls, count_while_loops, step_time_estimate
+from jaxmoe.aot.cost_estimate import count_while_loops, pallas_kernels, step_time_estimate
 from jaxmoe.aot.topologies import Topology, parse_topology, topology_devices
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import AUTO
@@ -282,7 +282,7 @@ def _estimate(result: dict, cost: dict, hlo_text: str, topo: Topology) -> dict:
     return {
         "optimal_seconds": cost.get("optimal_seconds"),
         "while_loops": count_while_loops(hlo_text),
-        "pallas_calls": count_pallas_calls(hlo_text),
+        "pallas_kernels": pallas_kernels(hlo_text),
         "estimated_step_s": seconds,
         "estimated_mfu": result["model_flops_per_step"] / (seconds * peak) if seconds else None,
         "estimate_note": note,
@@ -376,6 +376,9 @@ def format_report(result: dict, config_name: str = "") -> str:
     if "hlo_flops_per_device" in result:
         hlo = result["hlo_flops_per_device"] * result["num_chips"]
         rows.append(("compiled FLOPs / step", f"{hlo:.3e} (loop bodies counted once)"))
+    if result.get("pallas_kernels"):
+        kernels = ", ".join(f"{k} {v}" for k, v in sorted(result["pallas_kernels"].items()))
+        rows.append(("Pallas kernels", kernels))
     if "estimate_note" in result:
         if result["estimated_step_s"]:
             estimate = f"{result['estimated_step_s']:.3g} s (MFU {result['estimated_mfu']:.1%})"

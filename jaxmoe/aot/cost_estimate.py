@@ -25,14 +25,24 @@ def count_while_loops(hlo_text: str) -> int:
     return sum(1 for line in hlo_text.splitlines() if re.search(r" = .* while\(", line))
 
 
+def pallas_kernels(hlo_text: str) -> dict[str, int]:
+    """Mosaic (Pallas TPU) kernel calls in a compiled HLO module by name (gmm, tgmm,
+    splash_mha_fwd_residuals, ...), less libtpu's own `ragged-dot` kernels (the compiler
+    estimates those)."""
+    counts: dict[str, int] = {}
+    for line in hlo_text.splitlines():
+        if PALLAS_TARGET not in line:
+            continue
+        name = re.match(r"\s*(?:ROOT )?%([\w.-]+)", line)
+        base = re.sub(r"\.\d+$", "", name.group(1)) if name else "?"
+        if not base.startswith("ragged-dot"):
+            counts[base] = counts.get(base, 0) + 1
+    return counts
+
+
 def count_pallas_calls(hlo_text: str) -> int:
-    """Mosaic (Pallas TPU) kernel calls in a compiled HLO module, less libtpu's own
-    `ragged-dot` kernels (the compiler estimates those)."""
-    return sum(
-        1
-        for line in hlo_text.splitlines()
-        if PALLAS_TARGET in line and not re.match(r"\s*(ROOT )?%ragged-dot", line)
-    )
+    """Pallas kernel calls in a compiled HLO module (pallas_kernels, all names)."""
+    return sum(pallas_kernels(hlo_text).values())
 
 
 def step_time_estimate(cost: dict, hlo_text: str) -> tuple[float | None, str]:
