@@ -189,7 +189,8 @@ class ModelOptions:
     attention_kernel: str = option(
         "auto",
         "softmax(qk)v kernel: xla (jaxmoe's einsums) | dot_product_attention (jax.nn's; cuDNN "
-        "on GPU) | auto (dot_product_attention on GPU, else xla); docs/gpu.md",
+        "on GPU) | splash (Pallas splash attention, TPU; docs/tpu_kernels.md) | auto "
+        "(dot_product_attention on GPU, else xla); docs/gpu.md",
         ATTENTION_KERNELS,
     )
     remat: str = option("none", "backward-pass recompute policy", tuple(REMAT_POLICIES))
