@@ -17,7 +17,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from jaxmoe.config.defaults import base_config
-from jaxmoe.data import corpus, packing, pipeline, tfds_text
+from jaxmoe.data import corpus, packing, pipeline, sources, tfds_text
 from jaxmoe.data import tokenizer as tokenizer_lib
 
 TOPICS = pydoc_data.topics.topics
@@ -179,7 +179,7 @@ def test_tfds_source_by_name(bundle, tmp_path):
     test_docs = [TOPICS[k] for k in sorted(TOPICS)[60:70]]
     expected = reference_stream(data.tokenizer, test_docs)
     assert data.num_eval_tokens == expected.size
-    got = np.asarray(pipeline.packed_split(config, data.tokenizer, "eval_split", True).tokens_N)
+    got = np.asarray(sources.packed_split(config, data.tokenizer, "eval_split", True).tokens_N)
     eos = data.tokenizer.eos_id
     split_docs = lambda s: sorted(map(tuple, np.split(s, np.flatnonzero(s == eos) + 1)))
     assert split_docs(got) == split_docs(expected)

@@ -1,237 +1,55 @@
 """Batches for training and evaluation: the one entry point is `build_data`.
 
-Examples are addressed by integer index: packed LM windows (packing.py), or for
-`model.arch = "encoder_decoder"` span-corrupted windows (seq2seq.py). The order of an
-epoch is an explicit, replaceable function `epoch_order(epoch) -> example ids` (default: a
-shuffle seeded by (train.seed, epoch)); the curriculum supplies its own. A global batch is
-`train.batch_size` consecutive ids of that order; process p of P takes rows
-[p*B/P, (p+1)*B/P), so the global batch never depends on the number of processes.
+It opens the cached, sharded (shards.py) or streamed (stream_objectives.py) data named by
+`config.data` and builds its batches ahead, on a thread or in grain worker processes
+(workers.py). Examples, epoch orders and the batches themselves are batches.py's; its names
+are re-exported here for the modules and tests that know them as pipeline.X.
 """
 
 import dataclasses
-import functools
 import os
-from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-import numpy as np
-
-from jaxmoe.compat.optional import require
+from jaxmoe.data.batches import (
+    Batch,
+    DataBundle,
+    EpochOrder,
+    Examples,
+    TrainBatches,
+    _local_rows,
+    _padded_batches,
+    default_epoch_order,
+    epoch_batch_ids,
+    eval_batches,
+    is_encoder_decoder,
+    model_vocab,
+    split_examples,
+)
 from jaxmoe.data.mixture import MixtureBatches, component_config, parse_mixture
 from jaxmoe.data.multihost import Barrier, TracedBatches, prepare_once
-from jaxmoe.data.packing import PackedWindows
 from jaxmoe.data.prefetch import Prefetch
-from jaxmoe.data.seq2seq import (
-    EXTRA_IDS,
-    SpanCorruptionExamples,
-    span_corruption_split,
-    tokenizer_sentinels,
-)
-from jaxmoe.data.sources import load_tokenizer, packed_split
+from jaxmoe.data.shards import build_sharded
+from jaxmoe.data.sources import load_tokenizer
+from jaxmoe.data.stream_objectives import build_stream
 from jaxmoe.data.tokenizer import Tokenizer
+from jaxmoe.data.workers import WorkerBatches
 
-if TYPE_CHECKING:
-    import grain
-
-Batch = dict[str, np.ndarray]
-EpochOrder = Callable[[int], np.ndarray]
-Examples = PackedWindows | SpanCorruptionExamples
-
-
-def is_encoder_decoder(config) -> bool:
-    return config.model.arch == "encoder_decoder"
-
-
-def split_examples(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> Examples:
-    """The examples of `data.<split_key>` for the model's task (LM or span corruption)."""
-    if is_encoder_decoder(config):
-        return span_corruption_split(config, tokenizer, split_key, partial_last)
-    return packed_split(config, tokenizer, split_key, partial_last)
-
-
-def default_epoch_order(epoch: int, *, num_examples: int, seed: int, shuffle: bool) -> np.ndarray:
-    """All example ids, shuffled by (seed, epoch) or in order; int64 [num_examples]."""
-    if not shuffle:
-        return np.arange(num_examples, dtype=np.int64)
-    return np.random.default_rng([int(seed), int(epoch)]).permutation(num_examples)
-
-
-def _local_rows(batch_size: int, process_index: int, process_count: int, key: str) -> slice:
-    """Rows of a global batch that this process reads."""
-    if process_count < 1 or not 0 <= process_index < process_count:
-        raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
-    if batch_size < 1 or batch_size % process_count:
-        raise ValueError(
-            f"{key}={batch_size} must be a positive multiple of the process count {process_count}"
-        )
-    local = batch_size // process_count
-    return slice(process_index * local, (process_index + 1) * local)
-
-
-def epoch_batch_ids(order, epoch: int, num_examples: int, global_batch_size: int) -> np.ndarray:
-    """The global batches of an epoch from its order: example ids [steps, B] (the ids left
-    over after the last full batch are skipped)."""
-    order = np.asarray(order)
-    if order.ndim != 1 or not np.issubdtype(order.dtype, np.integer):
-        raise ValueError(f"epoch_order({epoch}) must be 1-D integer ids, got {order.dtype}")
-    if len(order) < global_batch_size:
-        raise ValueError(
-            f"epoch_order({epoch}) has {len(order)} ids, fewer than train.batch_size="
-            f"{global_batch_size}"
-        )
-    if order.min() < 0 or order.max() >= num_examples:
-        raise ValueError(f"epoch_order({epoch}) has ids outside [0, {num_examples})")
-    steps = len(order) // global_batch_size
-    return order[: steps * global_batch_size].reshape(steps, -1)
-
-
-class TrainBatches:
-    """Endless iterator over this process's part of each global training batch.
-
-    Yields dicts: inputs, targets int32 [B_local, L] (targets = inputs shifted by one),
-    weights float32 [B_local, L] (all 1.0), example_ids int32 [B_local] (global ids); an
-    encoder-decoder adds encoder_inputs (see seq2seq.py).
-    Examples left over after the last full global batch of an epoch are skipped.
-    """
-
-    def __init__(
-        self,
-        config,
-        tokenizer: Tokenizer,
-        process_index: int = 0,
-        process_count: int = 1,
-        epoch_order: EpochOrder | None = None,
-        examples: Examples | None = None,  # default: the split's cached examples
-    ):
-        if examples is None:
-            examples = split_examples(config, tokenizer, "train_split", partial_last=False)
-        self.examples = examples
-        self.num_examples = len(self.examples)
-        self.global_batch_size = int(config.train.batch_size)
-        self._rows = _local_rows(
-            self.global_batch_size, process_index, process_count, "train.batch_size"
-        )
-        if self.num_examples < self.global_batch_size:
-            raise ValueError(
-                f"train.seq_len={config.train.seq_len}: the train split of "
-                f"data.source={config.data.source!r} ({self.examples.num_tokens} tokens) makes "
-                f"{self.num_examples} examples, fewer than train.batch_size="
-                f"{self.global_batch_size}"
-            )
-        self.epoch_order = epoch_order or functools.partial(
-            default_epoch_order,
-            num_examples=self.num_examples,
-            seed=int(config.train.seed),
-            shuffle=bool(config.data.shuffle),
-        )
-        self._epoch = 0
-        self._position = 0  # batches already yielded in this epoch
-        self._epoch_batches: grain.MapDataset | None = None
-
-    def set_epoch_order(self, epoch_order: EpochOrder) -> None:
-        """Replaces the order function; it applies from the next epoch the iterator enters."""
-        self.epoch_order = epoch_order
-
-    def _batches_of_epoch(self, epoch: int) -> "grain.MapDataset":
-        """The epoch's local batches as a random-access grain dataset (index = step)."""
-        # Imported here: grain imports jax (~0.7 s), and jaxmoe.data should stay cheap to
-        # import for tools that only prepare data.
-        grain = require("grain", "training batches")
-
-        order = self.epoch_order(epoch)
-        ids_SB = epoch_batch_ids(order, epoch, self.num_examples, self.global_batch_size)
-        return grain.MapDataset.source(ids_SB[:, self._rows]).map(self.examples.batch)
-
-    @property
-    def rows(self) -> slice:
-        """This process's rows of every global batch."""
-        return self._rows
-
-    @property
-    def steps_per_epoch(self) -> int:
-        if self._epoch_batches is None:
-            self._epoch_batches = self._batches_of_epoch(self._epoch)
-        return len(self._epoch_batches)
-
-    def __iter__(self) -> "TrainBatches":
-        return self
-
-    def __next__(self) -> Batch:
-        if self._position >= self.steps_per_epoch:
-            self._epoch, self._position = self._epoch + 1, 0
-            self._epoch_batches = self._batches_of_epoch(self._epoch)
-        batch = self._epoch_batches[self._position]
-        self._position += 1
-        return batch
-
-    def get_state(self) -> dict:
-        """JSON-serialisable position: the next batch is step `position` of `epoch`."""
-        return {
-            "epoch": self._epoch,
-            "position": self._position,
-            "num_examples": self.num_examples,
-            "global_batch_size": self.global_batch_size,
-        }
-
-    def set_state(self, state: dict) -> None:
-        """Resumes at a position from `get_state` (of any process count), without replay.
-
-        With a custom `epoch_order`, it must return the same order for the saved epoch.
-        """
-        if not {"epoch", "position"} <= set(state):
-            raise ValueError(f"data state {state} lacks 'epoch' or 'position'")
-        for key, mine in (
-            ("num_examples", self.num_examples),
-            ("global_batch_size", self.global_batch_size),
-        ):
-            if key in state and int(state[key]) != mine:
-                raise ValueError(
-                    f"data state has {key}={state[key]} but this run has {mine}: the data "
-                    f"or train.batch_size changed since it was saved"
-                )
-        epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or position < 0:
-            raise ValueError(f"data state {state} has a negative epoch or position")
-        self._epoch, self._position = epoch, position
-        self._epoch_batches = self._batches_of_epoch(epoch)
-        if position > len(self._epoch_batches):
-            raise ValueError(
-                f"data state position={position} is past the {len(self._epoch_batches)} "
-                f"steps of epoch {epoch}"
-            )
-
-
-def eval_batches(
-    config,
-    tokenizer: Tokenizer,
-    max_batches: int | None = None,
-    process_index: int = 0,
-    process_count: int = 1,
-) -> list[Batch]:
-    """All validation windows in order, in batches of train.batch_size (this process's rows).
-
-    LM: every token of the split after the first is a target with weight 1 exactly once.
-    Encoder-decoder: every raw window of the split, span-corrupted, once. The last window
-    and the last batch are padded with weight 0 (example_ids -1 on padding rows).
-    """
-    examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
-    rows = _local_rows(
-        int(config.train.batch_size), process_index, process_count, "train.batch_size"
-    )
-    return _padded_batches(examples, int(config.train.batch_size), rows, max_batches)
-
-
-def _padded_batches(
-    examples: Examples, batch_size: int, rows: slice, max_batches: int | None
-) -> list[Batch]:
-    """Every example in order, in global batches of batch_size padded with ids -1."""
-    num_batches = -(-len(examples) // batch_size)
-    if max_batches is not None:
-        num_batches = min(num_batches, int(max_batches))
-    ids = np.full(num_batches * batch_size, -1, dtype=np.int64)
-    real = min(len(examples), ids.size)
-    ids[:real] = np.arange(real)
-    return [examples.batch(ids_B[rows]) for ids_B in ids.reshape(num_batches, batch_size)]
+__all__ = [
+    "Batch",
+    "DataBundle",
+    "EpochOrder",
+    "Examples",
+    "TrainBatches",
+    "_local_rows",
+    "_padded_batches",
+    "build_data",
+    "default_epoch_order",
+    "epoch_batch_ids",
+    "eval_batches",
+    "is_encoder_decoder",
+    "model_vocab",
+    "split_examples",
+    "wrapped",
+]
 
 
 def wrapped(batches, config, process_index: int):
@@ -240,36 +58,11 @@ def wrapped(batches, config, process_index: int):
     traced when JAXMOE_DATA_TRACE names a folder."""
     depth, workers = int(config.data.prefetch), int(config.data.get("workers", 0))
     if workers:
-        from jaxmoe.data.workers import WorkerBatches  # it imports this module
-
         batches = WorkerBatches(batches, workers, depth)
     elif depth and config.data.curriculum == "none":
         batches = Prefetch(batches, depth)
     folder = os.environ.get("JAXMOE_DATA_TRACE")
     return TracedBatches(batches, folder, process_index) if folder else batches
-
-
-@dataclasses.dataclass
-class DataBundle:
-    """Everything the trainer needs from the data side."""
-
-    tokenizer: Tokenizer
-    train: TrainBatches | MixtureBatches
-    eval_batches: list[Batch]
-    vocab_size: int
-    num_train_examples: int
-    num_eval_examples: int
-    num_train_tokens: int
-    num_eval_tokens: int
-    # With data.mixture: each source's own eval batches by name (eval_batches holds them all).
-    eval_sets: dict[str, list[Batch]] = dataclasses.field(default_factory=dict)
-
-
-def model_vocab(config, tokenizer: Tokenizer) -> int:
-    """The vocabulary the model needs: span corruption's sentinels sit above the
-    tokenizer's ids (T5's extra ids) unless the tokenizer has its own."""
-    extra = is_encoder_decoder(config) and tokenizer_sentinels(tokenizer) is None
-    return tokenizer.vocab_size + (EXTRA_IDS if extra else 0)
 
 
 def build_data(
@@ -290,13 +83,11 @@ def build_data(
         prepare_once(config, process_index, barrier, report)
     tokenizer = load_tokenizer(config)
     if config.data.shards:
-        from jaxmoe.data.shards import build_sharded  # it builds on this module
-
-        return build_sharded(config, tokenizer, process_index, process_count, allgather, report)
+        bundle = build_sharded(config, tokenizer, process_index, process_count, allgather, report)
+        return dataclasses.replace(bundle, train=wrapped(bundle.train, config, process_index))
     if config.data.streaming:  # every objective, mixtures and the curriculum
-        from jaxmoe.data.stream_objectives import build_stream
-
-        return build_stream(config, tokenizer, process_index, process_count)
+        bundle = build_stream(config, tokenizer, process_index, process_count)
+        return dataclasses.replace(bundle, train=wrapped(bundle.train, config, process_index))
     if parse_mixture(config.data.mixture):
         return _build_mixture(config, tokenizer, process_index, process_count)
     train = TrainBatches(config, tokenizer, process_index, process_count)

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxmoe.data import pipeline
+from jaxmoe.data import batches as core
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.seq2seq import SpanCorruptionExamples, tokenizer_sentinels
 from jaxmoe.data.sources import (
@@ -133,7 +133,7 @@ def shard_examples(config, tokenizer, tokens_N: np.ndarray, shard: int):
     """The train examples of one shard's stream: windows of seq_len + 1 tokens, or for an
     encoder-decoder span-corrupted raw windows, masks drawn from (train.seed, shard, window
     of the shard)."""
-    if not pipeline.is_encoder_decoder(config):
+    if not core.is_encoder_decoder(config):
         return PackedWindows(tokens_N, int(config.train.seq_len), tokenizer.pad_id, False)
     return SpanCorruptionExamples(
         tokens_N,
@@ -217,7 +217,7 @@ def sharded_train(
 class ShardedBatches:
     """Endless iterator over this process's rows of each global batch of a sharded train
     split (`parts`: its own shards' windows). Same interface and batch layout as
-    pipeline.TrainBatches, without epoch orders (a curriculum orders one whole split)."""
+    core.TrainBatches, without epoch orders (a curriculum orders one whole split)."""
 
     def __init__(
         self,
@@ -308,15 +308,15 @@ def build_sharded(
     process_count: int,
     allgather: Allgather | None,
     report,
-) -> "pipeline.DataBundle":
+) -> "core.DataBundle":
     """The DataBundle of `data.shards`: a sharded train split, the eval split whole."""
     train = sharded_train(config, tokenizer, process_index, process_count, allgather, report)
-    evals = pipeline.split_examples(config, tokenizer, "eval_split", partial_last=True)
-    return pipeline.DataBundle(
+    evals = core.split_examples(config, tokenizer, "eval_split", partial_last=True)
+    return core.DataBundle(
         tokenizer=tokenizer,
-        train=pipeline.wrapped(train, config, process_index),
-        eval_batches=pipeline.eval_batches(config, tokenizer, None, process_index, process_count),
-        vocab_size=pipeline.model_vocab(config, tokenizer),
+        train=train,  # pipeline.build_data builds it ahead (pipeline.wrapped)
+        eval_batches=core.eval_batches(config, tokenizer, None, process_index, process_count),
+        vocab_size=core.model_vocab(config, tokenizer),
         num_train_examples=train.num_examples,
         num_eval_examples=len(evals),
         num_train_tokens=train.num_tokens,

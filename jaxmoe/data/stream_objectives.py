@@ -1,5 +1,5 @@
 """Streaming (`data.streaming=True`) for every objective: span corruption, mixtures and the
-curriculum, on top of stream.py's lanes. `build_stream` is pipeline.build_data's streaming
+curriculum, on top of stream.py's lanes. `build_stream` is core.build_data's streaming
 branch.
 
 - **Span corruption** (`model.arch=encoder_decoder`): lane r reads the same documents as an
@@ -17,7 +17,7 @@ branch.
   so it does not depend on train.seq_len or the tokenizer). Its row holds the document's
   first train.seq_len + 1 tokens (T5: its first raw window, span-corrupted by (train.seed,
   id)), padded with weight 0 when shorter; tokens past that are not trained. The documents
-  are then ordinary examples of pipeline.TrainBatches, so the curriculum, its complexity
+  are then ordinary examples of core.TrainBatches, so the curriculum, its complexity
   store, the scoring pass, resuming and the process split are those of the cached path.
 
 Across processes: process p reads rows [pB/P, (p+1)B/P) of every batch. LM, span corruption
@@ -29,7 +29,7 @@ of TrainBatches, disjoint ids per step and per epoch, the same union.
 
 import numpy as np
 
-from jaxmoe.data import pipeline
+from jaxmoe.data import batches as core
 from jaxmoe.data.mixture import Component, component_config, parse_mixture, row_sources
 from jaxmoe.data.seq2seq import (
     _SEED_TAG,
@@ -258,8 +258,8 @@ def open_stream(config, tokenizer, rows: slice, spans: SpanCorruption | None):
 def build_stream(config, tokenizer, process_index: int, process_count: int):
     """The DataBundle of `data.streaming`: train read as it goes, eval from the cache."""
     batch_size = int(config.train.batch_size)
-    rows = pipeline._local_rows(batch_size, process_index, process_count, "train.batch_size")
-    spans = SpanCorruption(config, tokenizer) if pipeline.is_encoder_decoder(config) else None
+    rows = core._local_rows(batch_size, process_index, process_count, "train.batch_size")
+    spans = SpanCorruption(config, tokenizer) if core.is_encoder_decoder(config) else None
     components = parse_mixture(config.data.mixture)
     if config.data.curriculum != "none":
         if components:
@@ -270,7 +270,7 @@ def build_stream(config, tokenizer, process_index: int, process_count: int):
         documents = open_split(config, "train_split").documents
         seq_len, seed = int(config.train.seq_len), int(config.train.seed)
         examples = DocumentExamples(documents, tokenizer, seq_len, seed, spans)
-        train = pipeline.TrainBatches(
+        train = core.TrainBatches(
             config, tokenizer, process_index, process_count, examples=examples
         )
         streams, configs = [], [config]
@@ -287,17 +287,17 @@ def build_stream(config, tokenizer, process_index: int, process_count: int):
         train = streams[0]
         if components:
             train = StreamMixture(components, streams, batch_size, int(config.train.seed), rows)
-    evals = [pipeline.split_examples(c, tokenizer, "eval_split", True) for c in configs]
+    evals = [core.split_examples(c, tokenizer, "eval_split", True) for c in configs]
     eval_sets = {
-        c.name: pipeline._padded_batches(e, batch_size, rows, None)
+        c.name: core._padded_batches(e, batch_size, rows, None)
         for c, e in zip(components, evals, strict=False)  # no components: no sets
     }
     eval_batches = [b for batches in eval_sets.values() for b in batches]
-    return pipeline.DataBundle(
+    return core.DataBundle(
         tokenizer=tokenizer,
-        train=pipeline.wrapped(train, config, process_index),
-        eval_batches=eval_batches or pipeline._padded_batches(evals[0], batch_size, rows, None),
-        vocab_size=pipeline.model_vocab(config, tokenizer),
+        train=train,  # pipeline.build_data builds it ahead (pipeline.wrapped)
+        eval_batches=eval_batches or core._padded_batches(evals[0], batch_size, rows, None),
+        vocab_size=core.model_vocab(config, tokenizer),
         num_train_examples=train.num_examples,
         num_eval_examples=sum(len(e) for e in evals),
         num_train_tokens=0,  # not known before the stream is read

@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from jaxmoe.compat.optional import require
-from jaxmoe.data.pipeline import TrainBatches, epoch_batch_ids
+from jaxmoe.data.batches import TrainBatches, epoch_batch_ids
 
 # Far beyond any run's steps, and k + _ENDLESS still fits int64.
 _ENDLESS = 1 << 60
