@@ -22,6 +22,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -91,12 +92,22 @@ def staged_directory(dst: str | os.PathLike) -> Iterator[Path]:
                 staging.rename(dst)
             finally:
                 with _signals_held():  # a second Ctrl-C must not stop the cleanup half way
-                    shutil.rmtree(staging, ignore_errors=True)
+                    _remove_while_writers_finish(staging)
     except BaseException:
         if made:  # e.g. export t5x's OUT: not left behind, empty, by a failed export
             with contextlib.suppress(OSError):
                 dst.parent.rmdir()
         raise
+
+
+def _remove_while_writers_finish(staging: Path, settle_s: float = 0.2, limit_s: float = 30.0):
+    """Removes `staging`, again while it reappears: an interrupt can land while Orbax's
+    writer threads still have files in flight, and a file they finish after the first
+    removal brings its folder back (seen as a leftover staging folder under load)."""
+    deadline = time.monotonic() + limit_s
+    while staging.exists() and time.monotonic() < deadline:  # renamed into place: gone
+        shutil.rmtree(staging, ignore_errors=True)
+        time.sleep(settle_s)
 
 
 @contextlib.contextmanager
