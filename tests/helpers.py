@@ -93,3 +93,18 @@ def compile_cache_off():
     finally:
         jax.config.update("jax_enable_compilation_cache", before)
         compilation_cache.reset_cache()
+
+
+def abstract_param_count(config) -> int:
+    """Parameters of `config`'s model from its abstract shapes (eval_shape: nothing is
+    allocated), on one device: the count does not depend on the mesh."""
+    import math
+
+    from jaxmoe.models.spec import model_spec
+    from jaxmoe.parallel.mesh import make_mesh
+
+    mesh_config = config.mesh.copy_and_resolve_references()
+    mesh_config.expert = 1
+    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
+    spec = model_spec(config.model, mesh)
+    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))

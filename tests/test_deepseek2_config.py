@@ -2,14 +2,10 @@
 transformers' DeepseekV2ForCausalLM from the checkpoint's config.json values (meta device,
 nothing allocated); `:tiny` is the same design at test size, counted the same way."""
 
-import math
-
-import jax
 import pytest
 
 from jaxmoe.config.loading import load_config
-from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.mesh import make_mesh
+from tests.helpers import abstract_param_count
 
 CONFIG = "configs/deepseek2_16b.py"
 # deepseek-ai/DeepSeek-V2-Lite's config.json (the values that size or shape the model).
@@ -36,14 +32,6 @@ DEEPSEEK_V2_LITE = {
     "tie_word_embeddings": False,
     "aux_loss_alpha": 0.001,
 }
-
-
-def _jaxmoe_count(config) -> int:
-    mesh_config = config.mesh.copy_and_resolve_references()
-    mesh_config.expert = 1  # one device: the count does not depend on the mesh
-    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
-    spec = model_spec(config.model, mesh)  # eval_shape only
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))
 
 
 def _hf_count(hf: dict) -> int:
@@ -93,7 +81,7 @@ def test_full_config_is_deepseek_v2_lite():
         "mla", "yarn", 40.0, 4096,
     )  # fmt: skip
     assert m.moe.shared_ffn_dim == m.moe.ffn_dim  # 2 shared experts of 1408
-    assert _jaxmoe_count(config) == _hf_count(DEEPSEEK_V2_LITE)
+    assert abstract_param_count(config) == _hf_count(DEEPSEEK_V2_LITE)
     t = config.train
     assert (t.batch_size, t.seq_len, t.grad_accum, config.mesh.expert) == (64, 4096, 1, 8)
 
@@ -101,4 +89,4 @@ def test_full_config_is_deepseek_v2_lite():
 def test_tiny_variant_counts_as_transformers():
     config = load_config(f"{CONFIG}:tiny")
     assert config.model.attention == "mla" and config.model.moe.first_dense_layers == 1
-    assert _jaxmoe_count(config) == _hf_count(_as_hf(config))
+    assert abstract_param_count(config) == _hf_count(_as_hf(config))

@@ -3,16 +3,11 @@ transformers' Qwen3MoeForCausalLM built from the checkpoint's config.json values
 meta device: nothing allocated), and its `:tiny` variant is the same design at test size,
 whose sharded step compiles for a TPU slice with experts split over chips."""
 
-import math
-
-import jax
 import pytest
 
 from jaxmoe.aot.compile_check import compile_for_topology
 from jaxmoe.config.loading import load_config
-from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.mesh import make_mesh
-from tests.helpers import compile_cache_off
+from tests.helpers import abstract_param_count, compile_cache_off
 
 CONFIG = "configs/qwen3_30b_a3b.py"
 # Qwen/Qwen3-30B-A3B's config.json (the values that size or shape the model).
@@ -35,14 +30,6 @@ QWEN3_30B_A3B = {
     "mlp_only_layers": [],
     "router_aux_loss_coef": 0.001,
 }
-
-
-def _jaxmoe_count(config) -> int:
-    mesh_config = config.mesh.copy_and_resolve_references()
-    mesh_config.expert = 1  # one device: the count does not depend on the mesh
-    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
-    spec = model_spec(config.model, mesh)  # eval_shape only
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))
 
 
 def _hf_count(hf: dict) -> int:
@@ -90,7 +77,7 @@ def test_full_config_is_qwen3_30b_a3b():
     )  # fmt: skip
     assert m.moe.num_shared_experts == 0 and m.moe.z_loss_weight == 0.0
     # 30.5B parameters, as the model card says; transformers counts the same.
-    count = _jaxmoe_count(config)
+    count = abstract_param_count(config)
     assert count == _hf_count(QWEN3_30B_A3B) == 30_532_122_624
     # The step of issue 27: 128 x 4096 tokens, no micro-batches, fsdp 4 x expert 8 on 32.
     t = config.train
@@ -109,7 +96,7 @@ def test_tiny_variant_is_the_same_design_and_compiles_with_expert_parallelism():
     assert {k: tiny[k] for k in same} == {k: full[k] for k in same}
     assert tiny["num_experts"] > tiny["num_experts_per_tok"] > 2  # fine-grained top-k
     assert config.model.qk_norm == "head"
-    assert _jaxmoe_count(config) == _hf_count(tiny)
+    assert abstract_param_count(config) == _hf_count(tiny)
     overrides = ["mesh.expert=4", "model.dtype=bfloat16"]
     config = load_config(f"{CONFIG}:tiny", overrides)
     with compile_cache_off():

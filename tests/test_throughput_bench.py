@@ -2,7 +2,6 @@
 and the tiny Mixtral's size."""
 
 import json
-import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +11,7 @@ import pytest
 
 from benchmarks import throughput_hf, throughput_jaxmoe, throughput_maxtext, train_throughput
 from jaxmoe.config.loading import load_config
+from tests.helpers import abstract_param_count
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs" / "tiny_mixtral.py"
@@ -35,18 +35,6 @@ SHRINK = [
 ]
 
 
-def _param_count(variant: str) -> int:
-    import jax
-
-    from jaxmoe.models.spec import model_spec
-    from jaxmoe.parallel.mesh import make_mesh
-
-    config = load_config(f"{CONFIG}:{variant}")
-    mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
-    spec = model_spec(config.model, mesh)  # eval_shape only: nothing is allocated
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))
-
-
 def _expected_count(ffn_params_per_layer: int, router: int) -> int:
     vocab, dim, layers, heads, kv_heads, head_dim = 8192, 256, 4, 8, 2, 32
     embeddings = 2 * vocab * dim  # untied input embedding and output layer
@@ -67,7 +55,7 @@ def _expected_count(ffn_params_per_layer: int, router: int) -> int:
     ],
 )
 def test_tiny_mixtral_has_the_peer_parameter_count(variant, expected):
-    assert _param_count(variant) == expected
+    assert abstract_param_count(load_config(f"{CONFIG}:{variant}")) == expected
     assert _expected_count(8 * 3 * 256 * 512, 256 * 8) == 17_443_072
     assert _expected_count(3 * 256 * 1024, 0) == 7_997_696
 
@@ -77,7 +65,7 @@ def test_tiny_mixtral_matches_hugging_face_mixtral_size():
     pytest.importorskip("transformers")
     spec = throughput_jaxmoe.peer_spec(load_config(f"{CONFIG}:top2"))
     runner = throughput_hf.HFRunner(spec, "top2", num_batches=1, threads=1)
-    assert runner.num_params() == _param_count("top2")
+    assert runner.num_params() == abstract_param_count(load_config(f"{CONFIG}:top2"))
 
 
 def test_workers_never_import_the_other_system():

@@ -2,11 +2,11 @@
 Qwen3MoeForCausalLM (parameter count from HF's own classes, and a shrunk run end to end)."""
 
 import json
-import math
 
 import pytest
 
 from benchmarks import throughput_hf, throughput_jaxmoe, train_throughput
+from tests.helpers import abstract_param_count
 
 SHRINK = [
     f"--set={item}"
@@ -24,17 +24,6 @@ SHRINK = [
 ]
 
 
-def _param_count(config) -> int:
-    import jax
-
-    from jaxmoe.models.spec import model_spec
-    from jaxmoe.parallel.mesh import make_mesh
-
-    mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
-    spec = model_spec(config.model, mesh)
-    return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))
-
-
 def test_fine_grained_is_a_tiny_qwen3_moe_of_hugging_faces_size():
     pytest.importorskip("transformers")
     config = throughput_jaxmoe.variant_config("fine_grained", [])
@@ -46,7 +35,7 @@ def test_fine_grained_is_a_tiny_qwen3_moe_of_hugging_faces_size():
     # 64 x 3 x 256 x 128; the final norm 256.
     per_layer = 2 * 256 * 256 + 2 * 256 * 64 + 2 * 256 + 2 * 32 + 256 * 64 + 64 * 3 * 256 * 128
     expected = 2 * 8192 * 256 + 4 * per_layer + 256
-    assert _param_count(config) == expected == 30_083_584
+    assert abstract_param_count(config) == expected == 30_083_584
     spec = throughput_jaxmoe.peer_spec(config)
     runner = throughput_hf.HFRunner(spec, "fine_grained", num_batches=1, threads=1)
     assert runner.num_params() == expected
