@@ -185,6 +185,15 @@ def matmul_2d(x, w, contract: int = 1):
     return y.reshape(*lead, *w.shape[contract:])
 
 
+def head_logits(h_BLD, w_DV, scale: float = 1.0):
+    """The output layer: logits [B, L, V] f32 of the final-normed hidden states and the head
+    matrix (tied: the embedding table transposed), the product in the hidden states' dtype.
+    Models and the chunked training loss (training/chunked_loss.py) share it, so both give
+    the same numbers."""
+    logits = matmul_2d(h_BLD, w_DV.astype(h_BLD.dtype)).astype(jnp.float32)
+    return logits * scale if scale != 1.0 else logits
+
+
 class MLP(nnx.Module):
     """Ungated FFN: act(x wi) wo (T5 v1.0 and Switch Base / Large / C with relu).
 

@@ -33,9 +33,9 @@ from jaxmoe.models.layers import (
     compute_dtype,
     dropout,
     fan_in_init,
+    head_logits,
     make_dropout,
     make_param,
-    matmul_2d,
     normal_init,
 )
 from jaxmoe.models.stack import build_stack, map_stack, run_stack
@@ -235,8 +235,10 @@ class EncoderDecoderLM(nnx.Module):
         train: bool = False,
         token_mask_BL=None,
         cache: DecodeCache | None = None,
+        head: bool = True,
     ):
-        """(logits [B, L, V] f32, aux) given the encoder output; `token_mask_BL` (bool, None =
+        """(logits [B, L, V] f32, aux) given the encoder output (`head=False`, training: the
+        output layer's input [B, L, D] instead, for the chunked loss); `token_mask_BL` (bool, None =
         all) marks the real decoder positions for the MoE losses and statistics. With `cache`
         (holding the cross-attention K/V, `encoded_BSD` unused) the tokens are the next L at
         slots cache.index.. and the call returns (logits, aux, the advanced cache)."""
@@ -277,6 +279,8 @@ class EncoderDecoderLM(nnx.Module):
         x, aux, states = run_stack(
             self.decoder_layers, x, apply, self.cfg.remat, lambda i: f"decoder_{i}", states
         )
+        if not head and cache is None:
+            return self.decoder_hidden(x, train), aux
         logits = self.decoder_logits(x, train)
         if cache is None:
             return logits, aux
@@ -292,10 +296,18 @@ class EncoderDecoderLM(nnx.Module):
 
     def decoder_logits(self, x, train: bool = False):
         """The output layer on the last decoder block's output: logits [B, L, V] f32."""
-        x = dropout(self.dropout, self.decoder_norm(x), train)
+        return head_logits(self.decoder_hidden(x, train), *self.output_weights())
+
+    def decoder_hidden(self, x, train: bool = False):
+        """The last decoder block's output through the final norm (and dropout)."""
+        return dropout(self.dropout, self.decoder_norm(x), train)
+
+    def output_weights(self):
+        """(head matrix [D, V] in its parameter dtype, logit scale) for layers.head_logits:
+        tied, the embedding table transposed and 1/sqrt(d_model) (T5X's scaling)."""
         if self.cfg.tie_embeddings:
-            return self.token_embed.attend(x).astype(jnp.float32) * self.cfg.d_model**-0.5
-        return matmul_2d(x, self.lm_head[...].astype(x.dtype)).astype(jnp.float32)
+            return self.token_embed.embedding[...].T, self.cfg.d_model**-0.5
+        return self.lm_head[...], 1.0
 
     def __call__(
         self,
@@ -305,6 +317,7 @@ class EncoderDecoderLM(nnx.Module):
         train: bool = False,
         token_mask_BL=None,
         cache: DecodeCache | None = None,
+        head: bool = True,
     ):
         """Encoder padding (token 0) is known; `token_mask_BL` marks the decoder's real
         positions (e.g. loss weights > 0) for the MoE losses, None = all.
@@ -336,5 +349,6 @@ class EncoderDecoderLM(nnx.Module):
             encoder_tokens_BS != 0,
             train=train,
             token_mask_BL=token_mask_BL,
+            head=head,
         )
         return logits, enc_aux | dec_aux

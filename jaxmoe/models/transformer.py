@@ -21,9 +21,9 @@ from jaxmoe.models.layers import (
     compute_dtype,
     dropout,
     fan_in_init,
+    head_logits,
     make_dropout,
     make_param,
-    matmul_2d,
 )
 from jaxmoe.models.mla import LatentAttention
 from jaxmoe.models.ring_cache import ring_self_attention
@@ -108,6 +108,7 @@ class DecoderLM(nnx.Module):
         token_mask_BL=None,
         cache: DecodeCache | None = None,
         last_only: bool = False,
+        head: bool = True,
     ):
         """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
         `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
@@ -119,6 +120,9 @@ class DecoderLM(nnx.Module):
         cache.pad_B), and the call returns (logits, aux, cache advanced by L): a prefill is
         one call on the prompt, a decode step one call on one token. `last_only`: logits
         of the last position only [B, 1, V] (a prefill needs no more).
+
+        `head=False` (training without a cache): (the output layer's input [B, L, D], aux)
+        instead; the chunked loss applies `output_weights` to it a few positions at a time.
         """
         cfg = self.cfg
         b, l = tokens_BL.shape
@@ -154,6 +158,8 @@ class DecoderLM(nnx.Module):
         )
         if last_only:
             x_BLD = x_BLD[:, -1:]
+        if not head and cache is None:
+            return self.output_hidden(x_BLD, train), aux
         logits = self.logits(x_BLD, train)
         if cache is None:
             return logits, aux
@@ -161,9 +167,15 @@ class DecoderLM(nnx.Module):
 
     def logits(self, x_BLD, train: bool = False):
         """The output layer on the last block's output: logits [B, L, V] f32."""
-        x_BLD = dropout(self.dropout, self.final_norm(x_BLD), train)
+        return head_logits(self.output_hidden(x_BLD, train), *self.output_weights())
+
+    def output_hidden(self, x_BLD, train: bool = False):
+        """The last block's output through the final norm (and dropout): the head's input."""
+        return dropout(self.dropout, self.final_norm(x_BLD), train)
+
+    def output_weights(self):
+        """(head matrix [D, V] in its parameter dtype, logit scale) for layers.head_logits:
+        the embedding table transposed when tied."""
         if self.cfg.tie_embeddings:
-            logits = self.embed.attend(x_BLD)
-        else:
-            logits = matmul_2d(x_BLD, self.lm_head[...].astype(x_BLD.dtype))
-        return logits.astype(jnp.float32)
+            return self.embed.embedding[...].T, 1.0
+        return self.lm_head[...], 1.0

@@ -44,6 +44,12 @@ class TrainOptions:
     logits_z_loss: float = option(
         0.0, "output z-loss: coef * mean(logsumexp(logits)^2) over targets"
     )
+    loss_chunk: int = option(
+        0,
+        "training loss: apply the output layer to this many positions of every sequence at "
+        "a time, recomputed in the backward pass (a divisor of seq_len; 0 = the whole "
+        "[batch, seq_len, vocab] logits at once)",
+    )
 
     def check(self) -> None:
         for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
@@ -69,6 +75,11 @@ class TrainOptions:
         except ValueError as error:
             raise ConfigError(str(error)) from None
         need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
+        need(self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be >= 0")
+        need(
+            not self.loss_chunk or self.seq_len % self.loss_chunk == 0,
+            f"train.loss_chunk={self.loss_chunk} does not divide train.seq_len={self.seq_len}",
+        )
 
 
 @dataclass(frozen=True)

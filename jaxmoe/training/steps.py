@@ -19,6 +19,7 @@ from jaxmoe.models.ffn import is_moe_layer
 from jaxmoe.models.moe import balancing
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import period_of
+from jaxmoe.training.chunked_loss import chunked_output_losses
 
 SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction", "exchange_overflow")
 # Micro-batch values that add up to the step's (the rest are averaged).
@@ -46,6 +47,7 @@ class StepFns:
     rest: nnx.State | None = None  # non-parameter model state (ModelSpec.rest)
     seed: int = 0  # base of the per-step router-jitter and dropout keys
     logits_z_loss: float = 0.0  # T5X's output z-loss coefficient (train.logits_z_loss)
+    loss_chunk: int = 0  # train.loss_chunk: positions per output-loss chunk (0 = all at once)
     sequence_balance_weight: float = 0.0  # DeepSeek-V3's sequence-wise balance loss
     # Selection biases (model.moe.selection_bias): kept off the optimizer, moved by
     # bias_update_rate * sign(mean load - load) after each step over these decoder layers.
@@ -70,6 +72,7 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         rest=spec.rest,
         seed=config.train.seed,
         logits_z_loss=config.train.logits_z_loss,
+        loss_chunk=config.train.loss_chunk,
         sequence_balance_weight=float(moe.sequence_balance_weight),
         selection_bias=bool(moe.num_experts and moe.selection_bias),
         bias_update_rate=float(moe.bias_update_rate),
@@ -85,13 +88,28 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
     prediction is padding too) count in no MoE loss or routing statistic (the complexity
     vectors): with causal attention nothing they route reaches a weighted prediction.
     """
+    return _call(merge_model(graphdef, params, rest, rng), batch, train=train, head=True)
+
+
+def forward_hidden(graphdef, params, batch, *, train: bool, rest=None, rng=None):
+    """`forward` stopped before the output layer: (its input [B, L, D], (head matrix [D, V],
+    logit scale), aux), for chunked_loss.chunked_output_losses."""
     model = merge_model(graphdef, params, rest, rng)
+    hidden_BLD, aux = _call(model, batch, train=train, head=False)
+    return hidden_BLD, model.output_weights(), aux
+
+
+def _call(model, batch, *, train: bool, head: bool):
     token_mask = batch["weights"] > 0 if "weights" in batch else None
     if "encoder_inputs" in batch:
         return model(
-            batch["encoder_inputs"], batch["inputs"], train=train, token_mask_BL=token_mask
+            batch["encoder_inputs"],
+            batch["inputs"],
+            train=train,
+            token_mask_BL=token_mask,
+            head=head,
         )
-    return model(batch["inputs"], train=train, token_mask_BL=token_mask)
+    return model(batch["inputs"], train=train, token_mask_BL=token_mask, head=head)
 
 
 def real_tokens_BM(batch, layers) -> jax.Array:
@@ -134,14 +152,29 @@ def moe_summary(aux: dict) -> dict:
     return out
 
 
-def _loss(params, batch, total_weight, rng, fns: StepFns):
-    logits, aux = forward(fns.graphdef, params, batch, train=True, rest=fns.rest, rng=rng)
+def _output_losses(params, batch, rng, fns: StepFns):
+    """(weighted NLL sum, weighted logsumexp^2 sum or None when unused, MoE aux): from the
+    full logits, or chunk by chunk with `fns.loss_chunk` (the logits never whole)."""
+    kwargs = {"train": True, "rest": fns.rest, "rng": rng}
+    if fns.loss_chunk:
+        hidden_BLD, (w_DV, scale), aux = forward_hidden(fns.graphdef, params, batch, **kwargs)
+        nll_sum, z_sum = chunked_output_losses(
+            hidden_BLD, w_DV, scale, batch["targets"], batch["weights"], fns.loss_chunk
+        )
+        return nll_sum, z_sum, aux
+    logits, aux = forward(fns.graphdef, params, batch, **kwargs)
     nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
+    z_sum = logits_z_loss_sum(logits, batch["weights"]) if fns.logits_z_loss else None
+    return nll_sum, z_sum, aux
+
+
+def _loss(params, batch, total_weight, rng, fns: StepFns):
+    nll_sum, z_sum, aux = _output_losses(params, batch, rng, fns)
     loss = nll_sum / total_weight
     extra = {"nll_sum": nll_sum}
     if fns.logits_z_loss:
         # Divided by the whole batch's target count, so micro-batch terms add up to the mean.
-        z = fns.logits_z_loss * logits_z_loss_sum(logits, batch["weights"]) / total_weight
+        z = fns.logits_z_loss * z_sum / total_weight
         loss = loss + z
         extra["logits_z_loss"] = z
     if aux:
