@@ -144,19 +144,6 @@ def test_adaptive_gating_trains_after_convert(tmp_path):
     assert float(jnp.abs(kv_up).sum()) > 0
 
 
-def test_adaptive_gating_on_v3_router_is_one_line(tmp_path):
-    """V3's sigmoid router with its selection bias has no probabilities for the adaptive
-    gap: refused in one line naming the gate, not converted into something else."""
-    build("v3_full_rank_q").save_pretrained(tmp_path / "src")
-    with pytest.raises(ValueError) as info:
-        convert_hf(
-            str(tmp_path / "src"),
-            str(tmp_path / "dst"),
-            overrides=["--config.model.moe.gating=adaptive"],
-        )
-    assert "model.moe.gating='adaptive'" in str(info.value) and "\n" not in str(info.value)
-
-
 def test_mtp_layer_tensors_are_refused(tmp_path):
     model = build("v3_full_rank_q")
     model.save_pretrained(tmp_path / "src")

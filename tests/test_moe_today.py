@@ -361,7 +361,7 @@ def test_scan_accepts_dense_layers_the_every_rule_already_has():
         (("model.moe.shared_expert_gate=true",), "needs model.moe.num_shared_experts"),
         (("model.moe.num_shared_experts=-1",), "model.moe.num_shared_experts"),
         (("model.moe.routed_scaling_factor=0",), "routed_scaling_factor"),
-        (("model.moe.gating=adaptive", "model.moe.router_scoring=sigmoid"), "top-k gate"),
+        (("model.moe.gating=top_p", "model.moe.router_scoring=sigmoid"), "top-k gate"),
         (("model.moe.gating=top_p", "model.moe.selection_bias=true"), "top-k gate"),
         (("model.qk_norm=rms",), "model.qk_norm"),
     ],

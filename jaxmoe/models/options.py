@@ -37,7 +37,9 @@ class MoEOptions:
     ffn_dim: int = option(256, "hidden size of one expert")
     gating: str = option("adaptive", "router policy", GATES)
     threshold: float = option(
-        0.1, "adaptive: two experts when the gap (gap_normalization) < threshold"
+        0.1,
+        "adaptive / adaptive_k: the next expert while its gap to the top-1 < threshold (>= 0; "
+        "sigmoid or biased routers: on the selection scores, docs/adaptive_k.md)",
     )
     top_k: int = option(2, "topk: experts per token")
     top_p: float = option(0.4, "top_p: smallest expert set whose probabilities pass p")

@@ -13,6 +13,8 @@ and must be ignored by the dispatch.
       reading). The gap lies in [0, 1]: threshold 0 is top-1, threshold 1 is top-2 (for
       every token whose second probability is not exactly 0);
     "none": gap = p1 - p2 on the raw softmax probabilities.
+  Any threshold >= 0 is accepted (above 1 the "top2" gap always passes). With sigmoid
+  scores, a selection bias or group limits the adaptive gates run in router.py instead.
 - `top_p` (Huang et al. 2024): the smallest set of experts, by descending probability,
   whose probabilities sum to at least top_p, capped at K = max_k experts (static shapes).
 - `adaptive_k`: the adaptive gate for top-k routers, K = max_k (adaptive_k.py).
@@ -91,8 +93,10 @@ class GateConfig:
             raise bad("max_k", self.max_k, "an integer >= 1")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a probability in (0, 1]")
-        if not 0.0 <= self.threshold <= 1.0:
-            raise bad("threshold", self.threshold, "a number in [0, 1]")
+        # Above 1 a pair-renormalised gap (in [0, 1)) always passes; a raw gap of biased
+        # sigmoid scores (router.py) can exceed 1, so any T >= 0 is allowed.
+        if not self.threshold >= 0.0:
+            raise bad("threshold", self.threshold, "a number >= 0")
 
 
 def num_slots(cfg: GateConfig) -> int:

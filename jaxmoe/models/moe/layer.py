@@ -144,8 +144,8 @@ def check_today_options(moe, num_experts: int) -> None:
     rcfg = router.RouterConfig.from_config(moe)
     if rcfg.plain:
         return
-    # Sigmoid scores, a selection bias and group limits are defined for top-k choice: the
-    # adaptive gates read gaps and sums of softmax probabilities.
+    # Sigmoid scores, a selection bias and group limits are defined for top-k choice, which
+    # the adaptive gates mask (router.py); top-p reads sums of softmax probabilities.
     for key in ("gating", "eval_gating"):
         if moe[key] and moe[key] not in router.TOPK_GATES:
             raise ValueError(

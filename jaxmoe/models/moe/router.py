@@ -10,6 +10,12 @@ The classic path (softmax scores, no bias, one group) goes through gates.route u
 - the top-k of choice_TE are the experts; their weights are their UNBIASED scores,
   renormalised when `renormalize` (softmax: as gates.combine_weights; sigmoid: / (sum +
   1e-20) as DeepSeek-V3), then times `routed_scaling_factor`.
+
+The adaptive gates (`adaptive`, `adaptive_k`) work here too: the candidates are the top
+`num_slots` of choice_TE, and a token keeps rank j while its gap to the top-1 on choice_TE
+(the scores it is chosen by) is below the threshold (`adaptive_gap_normalization` says how
+that gap is measured; why: docs/adaptive_k.md "Sigmoid and biased routers"). Masked slots
+weigh 0 and the renormalisation sums over the kept slots only.
 """
 
 import dataclasses
@@ -18,10 +24,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.moe import gates
+from jaxmoe.models.moe.adaptive_k import kept_ranks
 
 SCORINGS = ("softmax", "sigmoid")
 
-TOPK_GATES = ("top1", "top2", "topk")  # the gates a selection bias / group limit works with
+# The gates a selection bias / group limit works with: top-k choice, optionally adaptive.
+ADAPTIVE_GATES = ("adaptive", "adaptive_k")
+TOPK_GATES = ("top1", "top2", "topk", *ADAPTIVE_GATES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,20 +89,37 @@ def choice_scores(scores_TE, bias_E, n_group: int, topk_group: int) -> jax.Array
     return jnp.where(keep_TGS, grouped_TGS, -jnp.inf).reshape(tokens, experts)
 
 
+def adaptive_gap_normalization(router: RouterConfig, gate: gates.GateConfig) -> str:
+    """How the adaptive gap is measured on the choice scores: as `gap_normalization` says
+    for softmax scores without a selection bias; as a plain difference ("none") otherwise.
+    A biased score can be <= 0 (the pair renormalisation then has no meaning) and the
+    ranking ignores a common shift of all biases, which a difference ignores and a ratio
+    does not; sigmoid scores lie in (0, 1) whatever the number of experts, so their
+    difference keeps one scale (the reason "top2" exists for softmax does not apply)."""
+    if router.scoring == "softmax" and not router.selection_bias:
+        return gate.gap_normalization
+    return "none"
+
+
 def route(scores_TE, bias_E, router: RouterConfig, gate: gates.GateConfig) -> gates.Routing:
-    """Top-k routing of the module docstring; `gate` gives k and `renormalize`."""
+    """Top-k routing of the module docstring; `gate` gives k, `renormalize` and, for the
+    adaptive gates, the threshold of the gap rule."""
     if router.plain:
         routing = gates.route(scores_TE, gate)
     else:
         choice_TE = choice_scores(scores_TE, bias_E, router.n_group, router.topk_group)
-        _, indices_TK = jax.lax.top_k(choice_TE, gates.num_slots(gate))
+        ranked_TK, indices_TK = jax.lax.top_k(choice_TE, gates.num_slots(gate))
         indices_TK = indices_TK.astype(jnp.int32)
         chosen_TK = jnp.take_along_axis(scores_TE, indices_TK, axis=-1)
         mask_TK = jnp.ones(indices_TK.shape, bool)
+        if gate.gating in ADAPTIVE_GATES:
+            normalization = adaptive_gap_normalization(router, gate)
+            mask_TK = kept_ranks(ranked_TK, gate.threshold, normalization)
         if router.scoring == "sigmoid":
-            weights_TK = chosen_TK
+            weights_TK = jnp.where(mask_TK, chosen_TK, 0.0)
             if gate.renormalize:
-                weights_TK = chosen_TK / (jnp.sum(chosen_TK, axis=-1, keepdims=True) + 1e-20)
+                total_T1 = jnp.sum(weights_TK, axis=-1, keepdims=True)
+                weights_TK = weights_TK / (total_T1 + 1e-20)
         else:
             weights_TK = gates.combine_weights(chosen_TK, mask_TK, gate)
         routing = gates.Routing(indices_TK, weights_TK, mask_TK)
