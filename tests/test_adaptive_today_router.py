@@ -19,7 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxmoe.checkpoints.manager import CheckpointError, read_config
 from jaxmoe.cli import main as jaxmoe_main
+from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.models.moe import gates
 from jaxmoe.models.moe.layer import MoE
 from jaxmoe.models.spec import merge_model
@@ -248,6 +250,14 @@ def test_converted_deepseek_v3_trains_with_adaptive_k(tmp_path, capsys):
             "--config.model.moe.threshold=0.05",
             "--config.model.moe.bias_update_rate=0.001"]  # fmt: skip
     assert jaxmoe_main(["convert", "hf", str(src), str(tmp_path / "ckpt"), *gate]) == 0
+    # DeepSeek's own router is top-k: export refuses the adaptive gate, evaluates by top-k.
+    m = read_config(str(tmp_path / "ckpt")).model
+    refusal = r"model.moe.gating='adaptive_k': DeepSeek routes"
+    with pytest.raises(CheckpointError, match=refusal) as e:
+        export_plan(m)
+    assert "\n" not in str(e.value)
+    m.moe.eval_gating = "topk"
+    assert export_plan(m)[0]["num_experts_per_tok"] == 2
     rng = np.random.default_rng(0)
     text.mkdir()
     for i in range(8):
