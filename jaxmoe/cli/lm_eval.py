@@ -34,13 +34,20 @@ def join_processes(argv: list[str]) -> list[str]:
     joining the run they describe (or a detected pod / SLURM job): each process is then
     one of lm-eval's data-parallel ranks."""
     import argparse
+    import time
 
     from jaxmoe.cli.flags import add_distributed_flags, initialize_from_flags
+    from jaxmoe.inference import across_processes
 
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)  # lm-eval's flags
     add_distributed_flags(parser)
     flags, rest = parser.parse_known_args(argv)
+    start, clock = time.time(), time.perf_counter()
     initialize_from_flags(flags)
+    seconds = time.perf_counter() - clock
+    # Start-up before this (imports) and the join itself, for benchmarks/lm_eval_processes.py.
+    started = across_processes.process_started()
+    across_processes.log_timing("join", start, seconds, process_started=started)
     return rest
 
 

@@ -7,7 +7,10 @@ they compute; what they found is gathered at the end through jax's multihost uti
 A model that does not fit on one host's devices needs the global mesh instead (not done).
 """
 
+import json
+import os
 import pickle
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -59,3 +62,30 @@ def shard(items: list, index: int | None = None, count: int | None = None) -> li
     index = jax.process_index() if index is None else index
     count = jax.process_count() if count is None else count
     return items[index::count]
+
+
+# Each process prints one `TIMING_TAG {json}` line per phase of an evaluation (joining the
+# run, loading the model, each request kind, each gather): epoch timestamps and seconds, so a
+# multi-process run's time can be split into start-up, compile, the request loop and the
+# gather (benchmarks/lm_eval_processes.py reads them).
+TIMING_TAG = "jaxmoe-lm-eval-timing"
+
+
+def log_timing(phase: str, start: float, seconds: float, **fields) -> None:
+    """One timing line: `phase` began at epoch `start` and took `seconds` on this process."""
+    record = {"process": jax.process_index(), "processes": jax.process_count(), "phase": phase}
+    record |= {"start": start, "seconds": seconds, **fields}
+    print(f"{TIMING_TAG} {json.dumps(record)}", flush=True)
+
+
+def process_started() -> float | None:
+    """When this process started (epoch seconds, to 10 ms: Linux's /proc counts it in clock
+    ticks since boot), None where unknown."""
+    import time
+
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rpartition(")")[2].split()[19])
+        since_boot = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return time.time() - since_boot + ticks / os.sysconf("SC_CLK_TCK")

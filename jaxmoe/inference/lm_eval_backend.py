@@ -28,6 +28,7 @@ Model args: `checkpoint=PATH` (required), `mesh=data:4/tensor:2` (mesh axis size
 override as `section.key=value` (e.g. `model.dtype=float32`).
 """
 
+import contextlib
 import functools
 import logging
 import sys
@@ -59,6 +60,35 @@ log = logging.getLogger(__name__)
 _lm_eval_log = logging.getLogger("lm_eval.models.jaxmoe")
 
 DEFAULT_BATCH_SIZE = 32
+# jax's own monitoring events for tracing, lowering and XLA compiling a program.
+COMPILE_EVENTS = frozenset(
+    {
+        "/jax/core/compile/jaxpr_trace_duration",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration",
+        "/jax/core/compile/backend_compile_duration",
+    }
+)
+
+
+class CompileClock:
+    """Seconds this process has spent tracing, lowering and compiling so far (read from
+    jax.monitoring, which reports every jit compile), so a phase's wall time can be split
+    into compile and the rest."""
+
+    seconds = 0.0
+    _listening = False
+
+    @classmethod
+    def start(cls) -> None:
+        if not cls._listening:
+            jax.monitoring.register_event_duration_secs_listener(cls._record)
+            cls._listening = True
+
+    @classmethod
+    def _record(cls, event: str, duration: float, **kwargs) -> None:
+        del kwargs
+        if event in COMPILE_EVENTS:
+            cls.seconds += duration
 
 
 def mesh_overrides(mesh: str) -> list[str]:
@@ -116,10 +146,16 @@ class JaxmoeLM(TemplateLM):
         **config_overrides,
     ):
         super().__init__()
+        del device, max_batch_size  # the mesh decides placement; batches have one size
+        CompileClock.start()
+        with self._phase("load"):
+            self._open(checkpoint, mesh, batch_size, max_length, max_gen_toks, config_overrides)
+
+    def _open(self, checkpoint, mesh, batch_size, max_length, max_gen_toks, config_overrides):
+        """Restore the checkpoint onto this process's mesh and prepare the scoring program."""
         from jaxmoe.inference.trained_model import TrainedModel, checkpoint_config
         from jaxmoe.storage.paths import absolute_path
 
-        del device, max_batch_size  # the mesh decides placement; batches have one size
         if not checkpoint:
             raise ValueError("--model_args checkpoint=PATH is required")
         bad = [k for k in config_overrides if "." not in k]
@@ -163,7 +199,8 @@ class JaxmoeLM(TemplateLM):
         return torch.from_numpy(gathered.reshape(-1, *tensor.shape[1:]))
 
     def gather_object(self, obj, dst=0):
-        gathered = across_processes.allgather_objects(obj)
+        with self._phase("gather", requests=len(obj) if isinstance(obj, list) else None):
+            gathered = across_processes.allgather_objects(obj)
         return gathered if self.rank == dst else None
 
     def barrier(self) -> None:
@@ -195,7 +232,9 @@ class JaxmoeLM(TemplateLM):
     def tok_decode(self, tokens) -> str:
         return self.tokenizer.decode(tokens)
 
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs):
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, kind: str = "loglikelihood", **kwargs
+    ):
         """[(key, context ids, continuation ids)] -> [(sum log p(continuation), greedy)]."""
         sequences = []
         for _, context, continuation in requests:
@@ -211,9 +250,9 @@ class JaxmoeLM(TemplateLM):
             else:  # as lm-eval's HF backend: the last max_length + 1 ids, the final one unfed
                 whole = (context + continuation)[-(self.max_length + 1) :]
                 sequences.append((whole, len(continuation)))
-        start = time.perf_counter()
-        scores = self._score_sequences(sequences, disable_tqdm)
-        self._log_time("loglikelihood", len(sequences), start)
+        tokens = sum(len(s[0]) + (len(s[1]) if self.encoder_decoder else 0) for s in sequences)
+        with self._phase(kind, requests=len(sequences), tokens=tokens):
+            scores = self._score_sequences(sequences, disable_tqdm)
         for (key, _, _), score in zip(requests, scores, strict=True):
             if key is not None:
                 self.cache_hook.add_partial("loglikelihood", key, score)
@@ -236,23 +275,40 @@ class JaxmoeLM(TemplateLM):
                 owners.append(index)
         totals = [0.0] * len(requests)
         for owner, (logprob, _) in zip(
-            owners, self._loglikelihood_tokens(windows, disable_tqdm), strict=True
+            owners,
+            self._loglikelihood_tokens(windows, disable_tqdm, kind="loglikelihood_rolling"),
+            strict=True,
         ):
             totals[owner] += logprob
         for request, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
         return totals
 
-    def _log_time(self, kind: str, count: int, start: float) -> None:
-        """One line per request kind and process: how long its share took (compiles too)."""
-        seconds = time.perf_counter() - start
-        _lm_eval_log.info(
-            "process %d/%d: %d %s requests in %.2f s (%.1f ms each)",
-            self.rank, self.world_size, count, kind, seconds, 1e3 * seconds / max(count, 1),
-        )  # fmt: skip
+    @contextlib.contextmanager
+    def _phase(self, name: str, **counts):
+        """Log how long the phase took on this process, and how much of it was compile: a
+        readable line, and a timing line for benchmarks (across_processes.log_timing)."""
+        compiled, begin, wall = CompileClock.seconds, time.time(), time.perf_counter()
+        yield
+        seconds = time.perf_counter() - wall
+        compile_s = CompileClock.seconds - compiled
+        rank, world = jax.process_index(), jax.process_count()
+        requests = counts.get("requests")
+        if requests:
+            _lm_eval_log.info(
+                "process %d/%d: %d %s requests in %.2f s, %.2f s of it compiling "
+                "(%.1f ms each without)",
+                rank, world, requests, name, seconds, compile_s,
+                1e3 * (seconds - compile_s) / requests,
+            )  # fmt: skip
+        across_processes.log_timing(name, begin, seconds, compile_seconds=compile_s, **counts)
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        begin = time.perf_counter()
+        tokens = sum(len(self.tok_encode(request.args[0])) for request in requests)
+        with self._phase("generate_until", requests=len(requests), tokens=tokens):
+            return self._generate_until(requests, disable_tqdm)
+
+    def _generate_until(self, requests, disable_tqdm: bool) -> list[str]:
         eos_text = self.tokenizer.decode([self.eot_token_id])
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
@@ -294,7 +350,6 @@ class JaxmoeLM(TemplateLM):
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
                 bar.update(len(chunk))
         bar.close()
-        self._log_time("generate_until", len(requests), begin)
         return results
 
     # ------------------------------------------------------------------ batched scoring
