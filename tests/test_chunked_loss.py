@@ -159,3 +159,14 @@ def test_training_with_chunks_loses_what_training_without_does():
     mesh = ("mesh.data=2", "mesh.fsdp=1", "mesh.tensor=4", "mesh.expert=1")
     sharded = train_losses(tiny_config(*base, *mesh, "train.loss_chunk=8"), jax.devices())
     np.testing.assert_allclose(sharded, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_memory_lower_bound_counts_one_chunk_of_logits():
+    from jaxmoe.parallel.device_memory import step_bytes_lower_bound
+
+    config = tiny_config("model.moe.num_experts=0", "train.loss_chunk=4")
+    mesh = make_mesh(config.mesh)
+    optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
+    abstract, shardings = state_shardings(mesh, model_spec(config.model, mesh), optimizer)
+    parts = step_bytes_lower_bound(config, mesh, abstract, shardings)
+    assert parts["logits"] == 1 * 4 * 128 * 4  # rows per device x chunk x vocab, float32

@@ -2,10 +2,10 @@
 
 The estimate is a lower bound from the config and the state's shardings alone, so it never
 refuses a step that fits: the exact parameters + optimizer state each device holds, their
-gradients, the float32 logits of one micro-batch and one residual-stream activation per
-layer (what even a fully rematerialised backward pass keeps). Anything it misses only makes
-the real step bigger. Without it, an impossible step costs a full compile before XLA (or
-the kernel) reports an out-of-memory error.
+gradients, the float32 logits of one micro-batch (of one train.loss_chunk) and one
+residual-stream activation per layer (what even a fully rematerialised backward pass
+keeps). Anything it misses only makes the real step bigger. Without it, an impossible step
+costs a full compile before XLA (or the kernel) reports an out-of-memory error.
 """
 
 import math
@@ -42,7 +42,8 @@ def step_bytes_lower_bound(config, mesh, abstract_state, shardings) -> dict[str,
     return {
         "state": state_bytes_per_device(abstract_state, shardings),
         "gradients": state_bytes_per_device(abstract_state["params"], shardings["params"]),
-        "logits": rows * t.seq_len * m.vocab_size * 4 / tensor,
+        # train.loss_chunk: the loss holds one chunk's logits at a time (training/chunked_loss.py)
+        "logits": rows * min(t.loss_chunk or t.seq_len, t.seq_len) * m.vocab_size * 4 / tensor,
         "activations": rows * t.seq_len * m.d_model * itemsize * layers,
     }
 
