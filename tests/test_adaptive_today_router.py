@@ -146,6 +146,7 @@ def test_choices_weights_and_output_match_the_loop(name, threshold):
     np.testing.assert_allclose(np.asarray(y).reshape(want_y.shape), want_y, rtol=1e-4, atol=1e-5)
     counts = np.bincount([e for row in want_kept for e in row], minlength=E)
     np.testing.assert_array_equal(np.asarray(aux["expert_load"]), counts)
+    np.testing.assert_allclose(float(aux["kept_fraction"]), counts.sum() / (len(x_TD) * slots))
 
 
 def test_thresholds_actually_vary_the_number_of_experts():
@@ -273,7 +274,8 @@ def test_converted_deepseek_v3_trains_with_adaptive_k(tmp_path, capsys):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     rows = [r for r in rows if r.get("split") == "train"]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(np.isfinite(r["loss"]) for r in rows)
-    # max_k = 2: the share of the two slots kept is (1 + share of two-expert tokens) / 2.
-    kept = [(1 + r["top2_fraction"]) / 2 for r in rows]
+    kept = [r["kept_fraction"] for r in rows]
     print("share of assignments kept per step:", [round(k, 3) for k in kept])
     assert all(0.5 < k < 1.0 for k in kept)
+    # max_k = 2: the share of the two slots kept is (1 + share of two-expert tokens) / 2.
+    np.testing.assert_allclose(kept, [(1 + r["top2_fraction"]) / 2 for r in rows], rtol=1e-6)

@@ -21,7 +21,13 @@ from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import period_of
 from jaxmoe.training.chunked_loss import chunked_output_losses
 
-SCALAR_MOE_KEYS = ("top2_fraction", "expert_load_cv", "dropped_fraction", "exchange_overflow")
+SCALAR_MOE_KEYS = (
+    "top2_fraction",
+    "expert_load_cv",
+    "dropped_fraction",
+    "exchange_overflow",
+    "kept_fraction",
+)
 # Micro-batch values that add up to the step's (the rest are averaged).
 SUMMED_KEYS = (
     "nll_sum",

@@ -352,8 +352,9 @@ class SharedGate(nnx.Module):
 def routing_metrics(
     routing: gates.Routing, mask_BLK, keep_BLK, num_experts: int, token_mask_BL
 ) -> dict:
-    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction (f32), over
-    the real tokens of token_mask_BL (bool [B, L]); an example without any gives 0."""
+    """top2_fraction, top2_per_example [B], expert_load_cv, dropped_fraction, kept_fraction
+    (f32), over the real tokens of token_mask_BL (bool [B, L]); an example without any
+    gives 0. kept_fraction: the share of the K slots the gate kept (adaptive gates mask)."""
     real_BL = token_mask_BL.astype(jnp.float32)
     multi_BL = (jnp.sum(mask_BLK, axis=-1) >= 2).astype(jnp.float32) * real_BL
     chosen_TK = routing.mask * real_BL.reshape(-1, 1)
@@ -369,4 +370,5 @@ def routing_metrics(
         # Population std / mean of the per-expert assignment counts (before any drop).
         "expert_load_cv": jnp.std(load_E) / jnp.maximum(jnp.mean(load_E), 1e-9),
         "dropped_fraction": 1.0 - kept / jnp.maximum(assigned, 1.0),
+        "kept_fraction": assigned / jnp.maximum(jnp.sum(real_BL) * mask_BLK.shape[-1], 1.0),
     }
