@@ -14,7 +14,9 @@ logit_1 - logit_j < log((1 + T) / (1 - T)), whatever the number of experts. Why 
 not a chain of neighbour gaps or cumulative top-p: docs/adaptive_k.md.
 
 Shapes are static: max_k slots per token, slot j the rank-(j+1) expert, masked slots weight 0.
-This module holds the rule; gates.py's `adaptive_k_gate` turns it into a Routing.
+This module holds the rule; gates.py's `adaptive_k_gate` turns it into a Routing, and
+router.py applies it to the selection scores (bias and group limit included) of sigmoid,
+biased and group-limited routers, as a plain difference there (docs/adaptive_k.md).
 """
 
 import jax
