@@ -156,3 +156,21 @@ def test_eval_score_and_generate_on_two_processes_equal_one(checkpoint, tmp_path
     two = run_eval(2, checkpoint, *generate, str(tmp_path / "two.jsonl"))
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
     assert one["new_tokens"] == two["new_tokens"] and one["rouge1"] == two["rouge1"]
+
+
+def test_builtin_task_index_skipped_only_for_include_path_tasks():
+    """lm-eval's built-in task index (every process's start-up) is skipped only when each
+    --tasks name is a task of --include_path's own."""
+    from lm_eval import tasks
+
+    from jaxmoe.inference.lm_eval_backend import builtin_tasks_skipped, included_tasks_only
+
+    ours = ["--include_path", str(TASKS), "--tasks"]
+    assert included_tasks_only([*ours, "jaxmoe_tiny_mc,jaxmoe_tiny_gen"])
+    assert included_tasks_only([*ours, "jaxmoe_tiny_mc", "jaxmoe_tiny_text"])
+    assert not included_tasks_only([*ours, "jaxmoe_tiny_mc,hellaswag"])  # a built-in task
+    assert not included_tasks_only(["--tasks", "jaxmoe_tiny_mc"])  # no --include_path
+    full = tasks.TaskManager
+    with builtin_tasks_skipped(True):
+        assert tasks.TaskManager(include_path=str(TASKS)).all_tasks == sorted(NAMES)
+    assert tasks.TaskManager is full

@@ -430,8 +430,56 @@ def run_lm_eval(argv: list[str]) -> int:
             raise ValueError("--model is implied (jaxmoe); pass the checkpoint in --model_args")
     if args[:1] in (["ls"], ["validate"]):
         sys.argv = ["jaxmoe lm-eval", *args]
-    else:
-        check_model_args(args)
-        sys.argv = ["jaxmoe lm-eval", "run", "--model", "jaxmoe", *args]
-    cli_evaluate()
+        cli_evaluate()
+        return 0
+    check_model_args(args)
+    sys.argv = ["jaxmoe lm-eval", "run", "--model", "jaxmoe", *args]
+    with builtin_tasks_skipped(included_tasks_only(args)):
+        cli_evaluate()
     return 0
+
+
+def included_tasks_only(argv: list[str]) -> bool:
+    """Whether every `--tasks` name is a task (not a group or tag) of `--include_path`'s
+    own: lm-eval's index of its built-in task configs (14683 of them, 10-12 s of every
+    process's start-up on this host) is then not needed. Task files, globs, groups and tags
+    keep lm-eval's full index."""
+    import argparse
+
+    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks._index import Kind
+
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--tasks", "-t", nargs="+", default=None)
+    parser.add_argument("--include_path", default=None)
+    try:
+        flags = parser.parse_known_args(argv)[0]
+    except SystemExit:  # lm-eval's own parser reports it in its words
+        return False
+    if not flags.tasks or not flags.include_path:
+        return False
+    names = [name for text in flags.tasks for name in text.split(",") if name]
+    index = TaskManager(include_path=flags.include_path, include_defaults=False).task_index
+    return all(name in index and index[name].kind in (Kind.TASK, Kind.PY_TASK) for name in names)
+
+
+@contextlib.contextmanager
+def builtin_tasks_skipped(skip: bool):
+    """While on (`skip`), lm-eval's command line builds its TaskManager without the built-in
+    tasks (it has no flag for that: its `TaskManager(include_defaults=...)` argument)."""
+    import lm_eval.tasks
+
+    if not skip:
+        yield
+        return
+    full = lm_eval.tasks.TaskManager
+
+    class IncludedOnly(full):
+        def __init__(self, *args, include_defaults: bool = False, **kwargs):
+            super().__init__(*args, include_defaults=include_defaults, **kwargs)
+
+    lm_eval.tasks.TaskManager = IncludedOnly
+    try:
+        yield
+    finally:
+        lm_eval.tasks.TaskManager = full
