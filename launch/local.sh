@@ -13,8 +13,9 @@
 # Process i runs pinned (taskset) to its own share of the cores this script may use: XLA:CPU,
 # Eigen and torch size their thread pools from the affinity mask, and N unpinned processes
 # would each start pools for every core and contend for them (measured on a 2-core host:
-# lm-eval on 2 processes took 229 s against 123 s on 1). More processes than cores share
-# cores round-robin. JAXMOE_LOCAL_PIN=0 runs them unpinned.
+# lm-eval's request loops on 2 processes took 0.71x the 1-process time per request pinned,
+# 0.88x unpinned; docs/results/2026-12-02_lm_eval_processes.md). More processes than cores
+# share cores round-robin. JAXMOE_LOCAL_PIN=0 runs them unpinned.
 set -euo pipefail
 
 usage() { echo "usage: $0 N [--devices_per_process D] -- JAXMOE_ARGS..." >&2; exit 2; }
