@@ -132,6 +132,22 @@ def test_qwen3_moe_converts_and_exports(norm, tie, k, tmp_path):
 # ----------------------------------------------------------------------------- Qwen2-MoE
 
 
+def test_regating_a_top4_qwen3_moe_keeps_up_to_its_4_experts(tmp_path):
+    """`convert hf --config.model.moe.gating=adaptive_k` on a top-4 model: max_k becomes the
+    checkpoint's 4 (not the key's default 2) unless given; with a threshold no gap reaches,
+    every token keeps its 4 experts, so the re-gated model gives transformers' top-4 NLL."""
+    model = qwen3_moe(norm=True, tie=False, seed=33, k=4)
+    model.save_pretrained(tmp_path / "src")
+    always = ("model.moe.gating=adaptive_k", "model.moe.threshold=10.0")
+    config = convert_hf(str(tmp_path / "src"), str(tmp_path / "regated"), overrides=always)
+    assert (config.model.moe.gating, config.model.moe.max_k) == ("adaptive_k", 4)
+    got = jaxmoe_logits(load_converted(tmp_path / "regated"), IDS)
+    assert_same_nll(got, hf_logits(model, IDS))
+    own = ("model.moe.gating=adaptive_k", "model.moe.max_k=3")
+    config = convert_hf(str(tmp_path / "src"), str(tmp_path / "own"), overrides=own)
+    assert config.model.moe.max_k == 3
+
+
 @pytest.fixture(scope="module")
 def qwen2_moe(tmp_path_factory):
     """4 layers, MoE in layers 1 and 3 (decoder_sparse_step 2), 8 experts top-4, a gated

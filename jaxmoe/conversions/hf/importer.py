@@ -295,6 +295,15 @@ def _check_tied_copies(plan: ImportPlan, folder) -> None:
             )
 
 
+def _regate_up_to_checkpoint_k(moe: ConfigDict, set_keys: list[str]) -> None:
+    """A checkpoint re-gated to `adaptive_k` or `top_p` without a `max_k` of the user's own
+    may use as many experts per token as it was trained with (the plan's `top_k`), not the
+    key's default of 2: re-gating a top-8 Qwen3-MoE keeps up to 8 slots."""
+    regated = "model.moe.gating" in set_keys and moe.gating in ("adaptive_k", "top_p")
+    if regated and "model.moe.max_k" not in set_keys and int(moe.top_k) > 0:
+        moe.max_k = int(moe.top_k)
+
+
 def convert_hf(
     src_dir: str | os.PathLike, dst_dir: str | os.PathLike, dtype: str = "float32", overrides=()
 ) -> ConfigDict:
@@ -312,7 +321,8 @@ def convert_hf(
     plan = plan_of(hf_config, set(folder.names), config.model)
     kept = kept_tokenizer(src)  # the copy made below, if any
     config.data.tokenizer = str(dst / kept) if kept else ""
-    apply_overrides(config, overrides)  # which makes every path absolute
+    set_keys = apply_overrides(config, overrides)  # which makes every path absolute
+    _regate_up_to_checkpoint_k(config.model.moe, set_keys)
     if kept and config.data.tokenizer == str(dst / kept):
         config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
     validate(config)
