@@ -124,10 +124,15 @@ def run_stack(stack, x, apply: Callable, remat, name: Callable[[int], object], s
     return _run_blocks(list(stack), 0, x, apply, policy_name, name, states)
 
 
-def _checkpointed(fn, policy_name: str):
+def _checkpointed(fn, policy_name: str, *, in_scan: bool):
+    """fn under jax.checkpoint. Outside a scan, `prevent_cse` keeps XLA from merging the
+    backward pass's recomputation of a block with its forward pass (the two are the same
+    ops): merged, the forward's values stay live until the backward and remat saves
+    nothing. A scan body needs no such barrier (JAX's advice), and it would cost speed."""
     if policy_name == "none":
         return fn
-    return jax.checkpoint(fn, policy=REMAT_POLICIES[policy_name], prevent_cse=False)
+    policy = REMAT_POLICIES[policy_name]
+    return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
 def _run_blocks(blocks, first_index: int, x, apply, policy_name, name, states):
@@ -155,7 +160,8 @@ def _apply_pure(block, x, state, apply, policy_name):
         x, layer_aux, state = apply(live, x, state, None)
         return x, layer_aux, state, nnx.split(live, nnx.Param, ...)[2]
 
-    x, layer_aux, state, new_rest = _checkpointed(fn, policy_name)(x, state, params, rest)
+    rematted = _checkpointed(fn, policy_name, in_scan=False)
+    x, layer_aux, state, new_rest = rematted(x, state, params, rest)
     nnx.update(block, new_rest)
     return x, layer_aux, state
 
@@ -183,7 +189,7 @@ def _run_scanned(stack: ScannedStack, x, apply, policy_name, name, states):
     rows = jnp.arange(stack.num_periods, dtype=jnp.int32)
     period_states = None if states is None else states[:k]
     (x, period_states), (auxes, new_rest) = jax.lax.scan(
-        _checkpointed(body, policy_name), (x, period_states), (rows, params, rest)
+        _checkpointed(body, policy_name, in_scan=True), (x, period_states), (rows, params, rest)
     )
     nnx.update(stack.period, new_rest)
     aux = {}
