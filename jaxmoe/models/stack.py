@@ -127,8 +127,9 @@ def run_stack(stack, x, apply: Callable, remat, name: Callable[[int], object], s
 def _checkpointed(fn, policy_name: str, *, in_scan: bool):
     """fn under jax.checkpoint. Outside a scan, `prevent_cse` keeps XLA from merging the
     backward pass's recomputation of a block with its forward pass (the two are the same
-    ops): merged, the forward's values stay live until the backward and remat saves
-    nothing. A scan body needs no such barrier (JAX's advice), and it would cost speed."""
+    ops): merged, forward values can stay live until the backward, which remat is there
+    to avoid. A scan body needs no such barrier: JAX documents prevent_cse=False as safe
+    there, as the loop keeps the two apart."""
     if policy_name == "none":
         return fn
     policy = REMAT_POLICIES[policy_name]
