@@ -73,6 +73,13 @@ def get_config(variant: str | None = None) -> ConfigDict:
     moe.num_shared_experts = 2
     moe.shared_ffn_dim = 1408
     moe.capacity_factor = 0.0  # dropless
+    # Receive buffer of the ragged exchange: half the balanced load (49152 rows of the
+    # 98304 a device's 16384 tokens x 6 slots make), so a step takes at least 2 rounds, the
+    # overflow of each round sent in the next (dropless: same values). With the default 2.0
+    # each round's [196608, 2048] rows cost 768 MiB a copy. TPU v5p-32 AOT, 3 layers: peak
+    # HBM 28.29 GiB at 2.0, 13.29 GiB at 0.5 (and stack.py's prevent_cse), per
+    # docs/results/2026-12-02_deepseek2_peak_proxies.md.
+    moe.ep_buffer_factor = 0.5
     moe.balance_loss_weight = 0.001  # aux_loss_alpha
     moe.z_loss_weight = 0.0
 
