@@ -124,3 +124,18 @@ def test_lm_eval_merge_dict_action_parses_model_args():
     assert args.model_args == {"max_length": 64, "pretrained": "x", "max_gen_toks": 8}
     as_json = parser.parse_args(["--model_args", '{"max_length": 32}'])
     assert as_json.model_args == {"max_length": 32}
+
+
+def test_lm_eval_single_task_kinds_tell_a_task_from_a_group(tmp_path):
+    pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    (tmp_path / "one.yaml").write_text(
+        "task: one_task\ndataset_path: json\noutput_type: loglikelihood\n"
+        "doc_to_text: x\ndoc_to_target: y\n"
+    )
+    (tmp_path / "group.yaml").write_text("group: a_group\ntask:\n  - one_task\n")
+    index = TaskManager(include_path=str(tmp_path), include_defaults=False).task_index
+    kinds = private_apis.lm_eval_single_task_kinds()
+    assert index["one_task"].kind in kinds
+    assert index["a_group"].kind not in kinds

@@ -78,3 +78,12 @@ def lm_eval_merge_dict_action() -> type:
     from lm_eval._cli.utils import MergeDictAction
 
     return MergeDictAction
+
+
+def lm_eval_single_task_kinds() -> tuple:
+    """The kinds of lm-eval task-index entries that are one task (a YAML task or a Python
+    task class), not a group or a tag: whether `--tasks` names only such tasks decides if
+    lm-eval's built-in index may be skipped. TaskManager's public API lists names, not kinds."""
+    from lm_eval.tasks._index import Kind
+
+    return (Kind.TASK, Kind.PY_TASK)

@@ -447,7 +447,8 @@ def included_tasks_only(argv: list[str]) -> bool:
     import argparse
 
     from lm_eval.tasks import TaskManager
-    from lm_eval.tasks._index import Kind
+
+    from jaxmoe.compat.private_apis import lm_eval_single_task_kinds
 
     parser = argparse.ArgumentParser(add_help=False)
     parser.add_argument("--tasks", "-t", nargs="+", default=None)
@@ -460,7 +461,8 @@ def included_tasks_only(argv: list[str]) -> bool:
         return False
     names = [name for text in flags.tasks for name in text.split(",") if name]
     index = TaskManager(include_path=flags.include_path, include_defaults=False).task_index
-    return all(name in index and index[name].kind in (Kind.TASK, Kind.PY_TASK) for name in names)
+    kinds = lm_eval_single_task_kinds()
+    return all(name in index and index[name].kind in kinds for name in names)
 
 
 @contextlib.contextmanager
