@@ -10,7 +10,6 @@ that the unchunked loss holds. Nothing is run, so the load changes only the comp
 """
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -18,14 +17,10 @@ import time
 import jax
 
 from benchmarks.results import add_json_flag, markdown_table, publish
-from jaxmoe.aot.compile_check import abstract_batch
+from jaxmoe.aot.compile_check import jitted_train_step
 from jaxmoe.config.loading import apply_overrides, load_config
 from jaxmoe.config.validation import validate
-from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.mesh import make_mesh
-from jaxmoe.training.optimizer import make_optimizer
-from jaxmoe.training.state import state_shardings
-from jaxmoe.training.steps import step_fns, train_step
 
 # A mid-size dense decoder whose output layer dominates: logits f32 [8, 1024, 32768] = 1 GiB.
 MODEL = (
@@ -47,16 +42,7 @@ MODEL = (
 def compiled_memory(config) -> dict:
     """Memory analysis (bytes) and compile seconds of one train step of `config`."""
     mesh = make_mesh(config.mesh, jax.devices()[:1])
-    spec = model_spec(config.model, mesh)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
-    abstract_state, shardings = state_shardings(mesh, spec, optimizer)
-    batch = abstract_batch(config, mesh)
-    step = jax.jit(
-        functools.partial(train_step, fns=step_fns(config, spec, optimizer, schedule)),
-        in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    step, _, abstract_state, batch = jitted_train_step(config, mesh)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract_state, batch).compile()

@@ -192,6 +192,22 @@ def _compile_error_numbers(message: str) -> dict:
     return out
 
 
+def jitted_train_step(config, mesh: Mesh):
+    """The jitted train step of `config` on `mesh`, state donated, with the model spec and
+    the abstract state and batch it lowers for (nothing is allocated)."""
+    spec = model_spec(config.model, mesh)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    abstract_state, shardings = state_shardings(mesh, spec, optimizer)
+    batch = abstract_batch(config, mesh)
+    step = jax.jit(
+        functools.partial(train_step, fns=step_fns(config, spec, optimizer, schedule)),
+        in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
+        out_shardings=(shardings, None),
+        donate_argnums=0,
+    )
+    return step, spec, abstract_state, batch
+
+
 def compile_for_topology(
     config, topology: str, num_slices: int = 1, step_time_s: float | None = None
 ) -> dict:
@@ -212,16 +228,7 @@ def compile_for_topology(
         )
     config = for_tpu(config)
 
-    spec = model_spec(config.model, mesh)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
-    abstract_state, shardings = state_shardings(mesh, spec, optimizer)
-    batch = abstract_batch(config, mesh)
-    step = jax.jit(
-        functools.partial(train_step, fns=step_fns(config, spec, optimizer, schedule)),
-        in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
-    )
+    step, spec, abstract_state, batch = jitted_train_step(config, mesh)
     with jax.set_mesh(mesh):
         lowered = step.lower(abstract_state, batch)
     lowered_s = time.perf_counter() - started
