@@ -195,3 +195,50 @@ def test_capacity_mode_drops_overflow_and_counts_it(data):
 def test_bad_exchange_settings_name_the_key(override, message):
     with pytest.raises(ConfigError, match="^" + re.escape(message)):
         tiny_config(override)
+
+
+@pytest.mark.parametrize("gating", ["adaptive_k", "topk"])
+def test_only_kept_assignments_travel(gating, data, monkeypatch):
+    """An adaptive_k token sends one row per expert it keeps, not max_k: the rows each
+    device hands the ragged exchange add up to the kept assignments of the rule written
+    plainly (tests/test_adaptive_k.py), over every round of a buffer too small for one."""
+    from jaxmoe.models.moe import ragged_exchange
+    from tests.test_adaptive_k import ref_adaptive_k
+
+    trips = {"to_experts": [], "back": []}
+    primitive = ragged_exchange.ragged_all_to_all
+
+    def counted(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis):
+        # The trip to the experts writes a receive buffer of `rows` rows; the trip back
+        # writes the send buffer, one row per slot (num_assign = 16 tokens x 8 slots = 128).
+        trip = "back" if output.shape[0] == 16 * 8 else "to_experts"
+        jax.debug.callback(lambda s: trips[trip].append(int(np.sum(s))), send_sizes)
+        return primitive(
+            operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, axis=axis
+        )
+
+    monkeypatch.setattr(ragged_exchange, "ragged_all_to_all", counted)
+    x, _ = data
+    options = dict(gating=gating, max_k=8, top_k=8, threshold=0.3, renormalize=True)
+    # 0.75 x 16 tokens x 8 slots = 96 rows a round: dropless needs more than one round.
+    cfg = moe_config(**options, ep_exchange="ragged", ep_buffer_factor=0.75)
+    graphdef, params = nnx.split(MoE(cfg, rngs=nnx.Rngs(0)))
+    mesh = _mesh((2, 1, 1, 4))  # 4 expert devices with 2 experts each, data 2
+    params = jax.device_put(params, sharding.named(mesh, sharding.param_specs(params, mesh)))
+    x_sharded = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
+    with jax.set_mesh(mesh):
+        _, aux = jax.jit(lambda p, x: nnx.merge(graphdef, p)(x, train=False))(params, x_sharded)
+        jax.effects_barrier()
+
+    probs_TE = jax.nn.softmax(np.asarray(x).reshape(-1, D) @ np.asarray(params["router"][...]))
+    gate = gate_config(cfg.moe, "adaptive_k")
+    per_token = [len(ref_adaptive_k(p, gate)) if gating == "adaptive_k" else 8 for p in probs_TE]
+    kept = sum(per_token)
+    slots = len(per_token) * 8
+    assert sum(trips["to_experts"]) == kept  # every device, every round
+    assert sum(trips["back"]) == kept
+    np.testing.assert_allclose(float(aux["kept_fraction"]), kept / slots, rtol=1e-6)
+    if gating == "adaptive_k":
+        assert set(per_token) > {1, 2} and kept < slots / 2  # 1..8 experts, well under max_k
+    else:
+        assert kept == slots
