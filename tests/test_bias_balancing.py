@@ -196,8 +196,28 @@ def test_scanned_layout_rows_are_layers():
     np.testing.assert_array_equal(new["layers"]["period"]["0"]["ffn"]["wo"], np.ones((2, 3)))
 
 
-def test_scanned_step_moves_every_row_by_the_rate():
-    _, _, before, after, _ = one_step(0.25, "model.scan_layers=true", "model.num_layers=3")
+def test_scanned_rows_count_from_the_end_of_the_head():
+    """A dense head of h layers (stack.head_of) shifts the rows: row p of period/0 is layer
+    h + p."""
+    from jaxmoe.models.moe.balancing import update_selection_biases
+
+    params = {
+        "layers": {
+            "head": {"0": {"ffn": {"wo": np.ones(3)}}},
+            "period": {"0": {"ffn": {"selection_bias": np.zeros((2, 4), np.float32)}}},
+        }
+    }
+    loads = {1: np.array([4.0, 0, 0, 0]), 2: np.array([1.0, 1, 1, 1])}
+    new = update_selection_biases(params, loads, 0.5, period=1, head=1)
+    expected = np.array([[-0.5, 0.5, 0.5, 0.5], [0, 0, 0, 0]], np.float32)
+    np.testing.assert_array_equal(new["layers"]["period"]["0"]["ffn"]["selection_bias"], expected)
+
+
+@pytest.mark.parametrize(
+    "head", [(), ("model.num_layers=4", "model.moe.first_dense_layers=1")], ids=["", "head"]
+)
+def test_scanned_step_moves_every_row_by_the_rate(head):
+    _, _, before, after, _ = one_step(0.25, "model.scan_layers=true", "model.num_layers=3", *head)
     old = before["params"]["layers"]["period"]["0"]["ffn"]["selection_bias"]
     new = after["params"]["layers"]["period"]["0"]["ffn"]["selection_bias"]
     assert old.shape == (3, E)

@@ -6,7 +6,8 @@ covering full-rank and low-rank queries, YaRN rotary with both mscales, a first 
 layer, shared experts, the sigmoid router with a random selection bias and group-limited
 routing (V3), and V2's softmax top-k. The converted model must give transformers'
 per-example NLL (1e-4 relative); greedy decoding through jaxmoe's latent cache must give
-transformers' `generate` token for token.
+transformers' `generate` token for token. Each holds in the scanned layout too (`:scanned`
+cases: the dense first layer unrolled ahead of the scanned MoE layers).
 """
 
 import json
@@ -79,14 +80,24 @@ def build(name: str):
     return model
 
 
-@pytest.fixture(scope="module", params=list(CASES))
+# Converted with --config.model.scan_layers=true: the dense layer 0 unrolled (the stack's
+# head), the two MoE layers one scanned block stacked 2 deep (models/stack.py).
+SCANNED = ("v3_low_rank_q_yarn", "v2_softmax")
+
+
+@pytest.fixture(scope="module", params=[*CASES, *(f"{name}:scanned" for name in SCANNED)])
 def converted(request, tmp_path_factory):
-    model = build(request.param)
-    src = tmp_path_factory.mktemp(f"hf_{request.param}")
+    name, _, layout = request.param.partition(":")
+    model = build(name)
+    src = tmp_path_factory.mktemp(f"hf_{name}")
     model.save_pretrained(src, safe_serialization=True)
     dst = src.parent / f"{src.name}_jaxmoe"
-    convert_hf(str(src), str(dst))
-    return request.param, model, dst
+    overrides = ["--config.model.scan_layers=true"] if layout else []
+    convert_hf(str(src), str(dst), overrides=overrides)
+    if layout:  # stored stacked: the head apart, the MoE layers as rows
+        tree = (dst / "params" / "_METADATA").read_text()
+        assert '"head"' in tree and '"period"' in tree
+    return name, model, dst
 
 
 def test_nll_matches_transformers(converted):

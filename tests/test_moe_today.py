@@ -325,12 +325,26 @@ def test_is_moe_layer_follows_hf_placement():
         (("model.moe.dense_layers=1,x",), "model.moe.dense_layers"),
         (("model.moe.dense_layers=9",), "layer 9 >= num_layers"),
         (("model.moe.first_dense_layers=2",), "leave no MoE layer"),
-        (("model.moe.first_dense_layers=1", "model.scan_layers=true"), "scan_layers"),
+        # Dense layer 1 behind MoE layer 0: not a dense prefix, no scan.
+        (("model.num_layers=3", "model.moe.dense_layers=1", "model.scan_layers=true"), "layer 1"),
     ],
 )
 def test_placement_checks(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny_config(*overrides)
+
+
+@pytest.mark.parametrize(
+    "placement", ["model.moe.first_dense_layers=1", "model.moe.dense_layers=0"]
+)
+def test_scan_unrolls_a_dense_prefix_before_the_periods(placement):
+    """DeepSeek's first_k_dense_replace / Qwen's mlp_only_layers = [0]: layer 0 is the
+    unrolled head, layers 1-3 one scanned MoE block stacked 3 deep."""
+    cfg = tiny_config("model.num_layers=4", placement, "model.scan_layers=true").model
+    layers = build_model(cfg, rngs=nnx.Rngs(0)).layers
+    assert [type(block.ffn).__name__ for block in layers.head] == ["GatedMLP"]
+    assert [type(block.ffn).__name__ for block in layers.period] == ["MoE"]
+    assert (layers.num_periods, len(layers.tail)) == (3, 0)
 
 
 def test_scan_accepts_dense_layers_the_every_rule_already_has():

@@ -28,6 +28,12 @@ DECODERS = {
     # Interleaved MoE with a leftover layer: a scan of 2-block periods plus an unrolled tail.
     "moe_interleaved": ("model.moe.num_experts=4", "model.moe.every=2", "model.num_layers=3"),
     "moe_adaptive": ("model.moe.num_experts=4", "model.moe.gating=adaptive"),
+    # DeepSeek's dense first layer: scanned, an unrolled head before the MoE periods.
+    "moe_dense_head": (
+        "model.moe.num_experts=4",
+        "model.moe.first_dense_layers=1",
+        "model.num_layers=3",
+    ),
 }
 T5S = {
     "t5_gqa": (),

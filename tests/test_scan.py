@@ -20,9 +20,18 @@ from jaxmoe.training import steps
 from tests.helpers import synthetic_batches, tiny_config
 
 # name: config overrides. Interleaved: MoE in layers 1 and 3, dense 0, 2 and a dense tail 4.
+# Dense head (DeepSeek's first_k_dense_replace at every=2): layer 1, MoE by the every-2
+# pattern, is dense, so layers 0-1 are an unrolled head, then periods (2, 3), (4, 5) and a
+# dense tail 6.
 CASES = {
     "decoder": ("model.num_layers=3",),
     "interleaved": ("model.num_layers=5", "model.moe.every=2", "model.remat=dots_saveable"),
+    "dense_head": (
+        "model.num_layers=7",
+        "model.moe.every=2",
+        "model.moe.first_dense_layers=2",
+        "model.remat=full",
+    ),
     "t5": (
         "model.arch=encoder_decoder",
         "model.num_layers=3",
@@ -84,20 +93,27 @@ def init_params(config):
     return jax.device_get(model_params(model)[1])
 
 
-def hand_stacked(params, name, k, num_layers):
-    """The scanned layout written out by hand: row p of period/j is layer p * k + j."""
-    periods = num_layers // k
+HEADS = {"dense_head": 2}  # unrolled leading layers of a case, counted by hand
+
+
+def hand_stacked(params, name, k, num_layers, head=0):
+    """The scanned layout written out by hand: head/i is layer i, row p of period/j is layer
+    head + p * k + j, tail/t the layers after the last whole period."""
+    periods = (num_layers - head) // k
     layers = params[name]
     out = {
         "period": {
             str(j): jax.tree.map(
-                lambda *xs: np.stack(xs), *[layers[str(p * k + j)] for p in range(periods)]
+                lambda *xs: np.stack(xs), *[layers[str(head + p * k + j)] for p in range(periods)]
             )
             for j in range(k)
         }
     }
-    if num_layers % k:
-        out["tail"] = {str(t): layers[str(periods * k + t)] for t in range(num_layers % k)}
+    if head:
+        out["head"] = {str(i): layers[str(i)] for i in range(head)}
+    first_tail = head + periods * k
+    if num_layers > first_tail:
+        out["tail"] = {str(t): layers[str(first_tail + t)] for t in range(num_layers - first_tail)}
     return out
 
 
@@ -115,7 +131,8 @@ def test_scanned_matches_unrolled(case, mesh_name):
         else {"layers": m.num_layers}
     )
     for name, n in expected_names.items():
-        jax.tree.map(np.testing.assert_array_equal, stacked[name], hand_stacked(params, name, k, n))
+        by_hand = hand_stacked(params, name, k, n, HEADS.get(case, 0))
+        jax.tree.map(np.testing.assert_array_equal, stacked[name], by_hand)
     # The scanned model's own parameter tree has exactly this layout and shapes.
     spec = model_spec(
         scanned_cfg.model,
@@ -137,9 +154,10 @@ def test_scanned_matches_unrolled(case, mesh_name):
     )
 
 
-def test_same_seed_same_model_and_round_trip():
+@pytest.mark.parametrize("case", ["interleaved", "dense_head"])
+def test_same_seed_same_model_and_round_trip(case):
     """Blocks are created in the same order from the same streams in both layouts."""
-    unrolled_cfg, scanned_cfg = configs("interleaved", "one_device")
+    unrolled_cfg, scanned_cfg = configs(case, "one_device")
     params = init_params(unrolled_cfg)
     scanned = init_params(scanned_cfg)  # built with scan_layers on
     jax.tree.map(np.testing.assert_array_equal, scanned, stack_layers(params, scanned_cfg.model))

@@ -31,11 +31,11 @@ def check_gpt_oss_options(m) -> None:
             "model.attention='gqa')",
         )
     if windowed and m.scan_layers:
-        from jaxmoe.models.stack import period_of  # stack pulls in the layer code
+        from jaxmoe.models.stack import head_of, period_of  # stack pulls in the layer code
 
-        period = period_of(m)
+        period, head = period_of(m), head_of(m)  # the unrolled head may differ
         need(
-            all(kinds[i] == kinds[i % period] for i in range(m.num_layers)),
+            all(kinds[i] == kinds[head + (i - head) % period] for i in range(head, m.num_layers)),
             f"model.scan_layers=True needs the layer_types to repeat every {period} layers "
             f"(model.moe.every); got {','.join(kinds)}: set model.scan_layers=False",
         )

@@ -22,9 +22,10 @@ place with `lax.dynamic_update_slice`, so a whole generation runs inside one com
 with static shapes.
 
 The caches mirror the layer stack (`stack.stack_modules`): one `LayerCache` per unrolled
-block; a scanned stack's period blocks hold theirs STACKED [P, ...] along the layer axis
-(P = number of periods) and carried through the same `lax.scan` as training, each layer
-writing and reading its row in place, so the decode program does not grow with depth.
+block (a scanned stack's head and tail included); its period blocks hold theirs STACKED
+[P, ...] along the layer axis (P = number of periods) and carried through the same
+`lax.scan` as training, each layer writing and reading its row in place, so the decode
+program does not grow with depth.
 
 Decoder-only prompts are left-padded: every row then writes the same cache slot at each
 step (one shared index) and keys in the padding are masked out, so a padded row gives the
@@ -40,7 +41,7 @@ import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF, Attention
 from jaxmoe.models.attention_window import layer_window, softmax_with_sinks
-from jaxmoe.models.stack import ScannedStack, period_of
+from jaxmoe.models.stack import ScannedStack, stack_layout
 
 
 class LayerCache(NamedTuple):
@@ -93,9 +94,7 @@ def stacked_counts(model_cfg) -> list[int | None]:
     """Per stack module of the decoder: its layer count P when scanned, None when a block."""
     if not model_cfg.scan_layers:
         return [None] * model_cfg.num_layers
-    k = period_of(model_cfg)
-    periods = model_cfg.num_layers // k
-    return [periods] * (k if periods else 0) + [None] * (model_cfg.num_layers - periods * k)
+    return stack_layout(model_cfg).module_counts()
 
 
 def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[LayerCache]:
@@ -122,14 +121,12 @@ def init_caches(model_cfg, batch: int, length: int, constrain=None) -> list[Laye
 
 def module_cache_slots(model_cfg, length: int) -> list[int]:
     """Cache slots of each stack module: `length`, or a sliding-window layer's ring of
-    min(window, length) slots (ring_cache.py), so a long generation does not grow it."""
-    counts = stacked_counts(model_cfg)
-    periods = next((p for p in counts if p is not None), 0)
-    scanned = [j for j, p in enumerate(counts) if p is not None]
-    layers = [
-        j if p is not None else periods * len(scanned) + j - len(scanned)
-        for j, p in enumerate(counts)
-    ]
+    min(window, length) slots (ring_cache.py), so a long generation does not grow it. A
+    scanned module's layers share one kind (gpt_oss_options checks), that of its row 0."""
+    if model_cfg.scan_layers:
+        layers = stack_layout(model_cfg).module_layers()
+    else:
+        layers = range(model_cfg.num_layers)
     windows = [layer_window(model_cfg, i) for i in layers]
     return [min(w, length) if w else length for w in windows]
 
@@ -146,7 +143,8 @@ def check_matches_stack(caches: list, stack, what: str) -> None:
     """A one-line ValueError when `caches` is not laid out like `stack` (e.g. caches made
     for the unrolled model given to the scanned one)."""
     if isinstance(stack, ScannedStack):
-        want = [stack.num_periods] * len(stack.period) + [None] * len(stack.tail)
+        scanned = [stack.num_periods] * len(stack.period)
+        want = [None] * len(stack.head) + scanned + [None] * len(stack.tail)
     else:
         want = [None] * len(stack)
     got = [None if c.k.ndim == 3 else c.k.shape[0] for c in caches]

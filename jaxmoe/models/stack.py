@@ -3,13 +3,16 @@
 Unrolled (`model.scan_layers=False`): an `nnx.List` of blocks, parameters at
 `<stack>/<i>/...`. Compile time and program size grow with depth.
 
-Scanned (`model.scan_layers=True`): a `ScannedStack`. Block i = p * k + j (period p, position
-j in a period of k = `model.moe.every` blocks, so dense and MoE layers keep alternating)
-keeps its parameters in row p of `<stack>/period/<j>/...`, whose leading axis has the logical
-name `layers` (never sharded). The k blocks of one period are one `jax.lax.scan` body, so
-the program holds one period whatever the depth. Layers left over when k does not divide the
-depth (all dense, see ffn.is_moe_layer) are unrolled after the scan at
-`<stack>/tail/<t>/...`.
+Scanned (`model.scan_layers=True`): a `ScannedStack`. A dense prefix that breaks the
+`moe.every` pattern (DeepSeek's first_k_dense_replace = `moe.first_dense_layers`, or
+`moe.dense_layers` ids that form a prefix) is the head: its h layers (a multiple of k, see
+`head_of`) are unrolled first, at `<stack>/head/<i>/...`. Block i = h + p * k + j (period p,
+position j in a period of k = `model.moe.every` blocks, so dense and MoE layers keep
+alternating) keeps its parameters in row p of `<stack>/period/<j>/...`, whose leading axis
+has the logical name `layers` (never sharded). The k blocks of one period are one
+`jax.lax.scan` body, so the program holds one period whatever the depth. Layers left over
+when k does not divide the rest (all dense, see ffn.is_moe_layer) are unrolled after the
+scan at `<stack>/tail/<t>/...`. Any other irregular placement is refused.
 
 Both run the same block code and create parameters in the same order from the same RNG
 streams, so one seed gives the same model in either layout (`stack_layers` maps one onto
@@ -17,6 +20,7 @@ the other).
 """
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +29,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 LAYERS_AXIS = "layers"
-PERIOD, TAIL = "period", "tail"
+HEAD, PERIOD, TAIL = "head", "period", "tail"
 
 # model.remat -> jax.checkpoint policy (None: save only the block inputs).
 REMAT_POLICIES = {
@@ -51,41 +55,66 @@ def period_of(cfg) -> int:
     return int(cfg.moe.every) if cfg.moe.num_experts > 0 else 1
 
 
-def check_scannable(cfg, num_layers: int | None = None) -> None:
-    """ValueError (one line) when `model.scan_layers` meets an MoE placement that is not the
-    `moe.every` pattern (first_dense_layers / dense_layers): one scan body holds one period,
-    so every period must have the same layer kinds. Such models run unrolled."""
-    if not cfg.scan_layers or cfg.moe.num_experts <= 0:
-        return
+def _irregular_layers(cfg, num_layers: int | None) -> list[int]:
+    """Layers the `moe.every` pattern makes MoE but first_dense_layers / dense_layers dense."""
     from jaxmoe.models.ffn import is_moe_layer  # ffn imports the MoE options
 
     every = int(cfg.moe.every)
-    irregular = [
+    return [
         i
         for i in range(int(num_layers or cfg.num_layers))
         if is_moe_layer(cfg, i) != ((i + 1) % every == 0)
     ]
-    if irregular:
+
+
+def head_of(cfg, num_layers: int | None = None) -> int:
+    """Leading layers a scanned stack unrolls before its periods: 0 when every layer follows
+    the `moe.every` pattern, else the smallest multiple of k = `moe.every` past the last
+    layer that breaks it, so the periods keep the pattern's phase. `check_scannable`
+    refuses heads that are not all dense (DeepSeek's first_k_dense_replace = 1 gives h = 1)."""
+    if cfg.moe.num_experts <= 0:
+        return 0
+    every = int(cfg.moe.every)
+    irregular = _irregular_layers(cfg, num_layers)
+    return (irregular[-1] // every + 1) * every if irregular else 0
+
+
+def check_scannable(cfg, num_layers: int | None = None) -> None:
+    """ValueError (one line) when `model.scan_layers` meets an MoE placement that is neither
+    the `moe.every` pattern nor that pattern behind a dense prefix (`head_of`): one scan
+    body holds one period, so every period must have the same layer kinds. Such models run
+    unrolled."""
+    if not cfg.scan_layers or cfg.moe.num_experts <= 0:
+        return
+    from jaxmoe.models.ffn import is_moe_layer
+
+    if any(is_moe_layer(cfg, i) for i in range(head_of(cfg, num_layers))):
         raise ValueError(
             f"model.scan_layers=True needs every layer kind to repeat with model.moe.every="
-            f"{every}, but first_dense_layers / dense_layers make layer {irregular[0]} dense; "
+            f"{cfg.moe.every} behind a dense prefix, but first_dense_layers / dense_layers "
+            f"make layer {_irregular_layers(cfg, num_layers)[0]} dense; "
             "set model.scan_layers=False"
         )
 
 
 class ScannedStack(nnx.Module):
-    """`num_layers` blocks made by `make_block(i, rngs)`, stacked by period for a scan."""
+    """`num_layers` blocks made by `make_block(i, rngs)`: the first `head` unrolled, the
+    next ones stacked by period for a scan, the leftover tail unrolled."""
 
-    def __init__(self, make_block: Callable, num_layers: int, period: int, *, rngs: nnx.Rngs):
-        blocks = [make_block(i, rngs) for i in range(num_layers)]
-        self.num_periods = num_layers // period
+    def __init__(
+        self, make_block: Callable, num_layers: int, period: int, head: int, *, rngs: nnx.Rngs
+    ):
+        blocks = [make_block(i, rngs) for i in range(num_layers)]  # one RNG order, any layout
+        self.head = nnx.List(blocks[:head])
+        scanned = blocks[head:]
+        self.num_periods = len(scanned) // period
         self.period = nnx.List(
             [
-                _stacked(blocks[j], [blocks[p * period + j] for p in range(self.num_periods)])
+                _stacked(scanned[j], [scanned[p * period + j] for p in range(self.num_periods)])
                 for j in range(period if self.num_periods else 0)  # fewer layers than k
             ]
         )
-        self.tail = nnx.List(blocks[self.num_periods * period :])
+        self.tail = nnx.List(scanned[self.num_periods * period :])
 
 
 def _stacked(template: nnx.Module, members: list[nnx.Module]) -> nnx.Module:
@@ -103,7 +132,8 @@ def build_stack(cfg, make_block: Callable, num_layers: int, rngs: nnx.Rngs):
     """An nnx.List of blocks, or a ScannedStack when `cfg.scan_layers`."""
     if cfg.scan_layers:
         check_scannable(cfg, num_layers)
-        return ScannedStack(make_block, num_layers, period_of(cfg), rngs=rngs)
+        head = head_of(cfg, num_layers)
+        return ScannedStack(make_block, num_layers, period_of(cfg), head, rngs=rngs)
     return nnx.List([make_block(i, rngs) for i in range(num_layers)])
 
 
@@ -168,10 +198,27 @@ def _apply_pure(block, x, state, apply, policy_name):
 
 
 def _run_scanned(stack: ScannedStack, x, apply, policy_name, name, states):
-    k = len(stack.period)
-    tail_states = None if states is None else states[k:]
-    if not stack.num_periods:
-        return _run_blocks(list(stack.tail), 0, x, apply, policy_name, name, tail_states)
+    h, k = len(stack.head), len(stack.period)
+    head_states = None if states is None else states[:h]
+    period_states = None if states is None else states[h : h + k]
+    tail_states = None if states is None else states[h + k :]
+    x, aux, head_states = _run_blocks(list(stack.head), 0, x, apply, policy_name, name, head_states)
+    if stack.num_periods:
+        x, period_aux, period_states = _scan_periods(
+            stack, x, apply, policy_name, name, period_states
+        )
+        aux |= period_aux
+    first_tail = h + stack.num_periods * k
+    x, tail_aux, tail_states = _run_blocks(
+        list(stack.tail), first_tail, x, apply, policy_name, name, tail_states
+    )
+    new_states = None if states is None else [*head_states, *period_states, *tail_states]
+    return x, aux | tail_aux, new_states
+
+
+def _scan_periods(stack: ScannedStack, x, apply, policy_name, name, period_states):
+    """The period blocks under one jax.lax.scan over the P periods."""
+    h, k = len(stack.head), len(stack.period)
     graphdef, params, rest = nnx.split(stack.period, nnx.Param, ...)
 
     def body(carry, slices):
@@ -188,30 +235,24 @@ def _run_scanned(stack: ScannedStack, x, apply, policy_name, name, states):
         return (x, new_states), (auxes, nnx.split(period, nnx.Param, ...)[2])
 
     rows = jnp.arange(stack.num_periods, dtype=jnp.int32)
-    period_states = None if states is None else states[:k]
     (x, period_states), (auxes, new_rest) = jax.lax.scan(
         _checkpointed(body, policy_name, in_scan=True), (x, period_states), (rows, params, rest)
     )
     nnx.update(stack.period, new_rest)
     aux = {}
-    # Per-layer outputs come out stacked [num_periods, ...]; layer p * k + j is row p of j.
+    # Per-layer outputs come out stacked [num_periods, ...]; layer h + p * k + j is row p of j.
     for p in range(stack.num_periods):
         for j, stacked in enumerate(auxes):
             if stacked:
-                aux[name(p * k + j)] = jax.tree.map(lambda a, p=p: a[p], stacked)
-    first_tail = stack.num_periods * k
-    x, tail_aux, tail_states = _run_blocks(
-        list(stack.tail), first_tail, x, apply, policy_name, name, tail_states
-    )
-    new_states = None if states is None else [*period_states, *tail_states]
-    return x, aux | tail_aux, new_states
+                aux[name(h + p * k + j)] = jax.tree.map(lambda a, p=p: a[p], stacked)
+    return x, aux, period_states
 
 
 def stack_modules(stack) -> list[nnx.Module]:
-    """The block modules a stack holds (a scanned stack: its period blocks, then its tail),
-    for changing blocks in place."""
+    """The block modules a stack holds (a scanned stack: its head, its period blocks, then
+    its tail), for changing blocks in place."""
     if isinstance(stack, ScannedStack):
-        return [*stack.period, *stack.tail]
+        return [*stack.head, *stack.period, *stack.tail]
     return list(stack)
 
 
@@ -228,7 +269,47 @@ def map_stack(stack, fn: Callable) -> list:
             return None, [fn(block) for block in nnx.merge(graphdef, state_p)]
 
         out = list(jax.lax.scan(body, None, state)[1])
-    return out + [fn(block) for block in stack.tail]
+    return [fn(block) for block in stack.head] + out + [fn(block) for block in stack.tail]
+
+
+class StackLayout(NamedTuple):
+    """Where the layers of one scanned stack go: `head` unrolled layers, `periods` periods
+    of `period` scanned layers (layer head + p * period + j is row p of module j), and
+    `tail` unrolled layers after them."""
+
+    head: int
+    period: int
+    periods: int
+    tail: int
+
+    def module_counts(self) -> list[int | None]:
+        """Per stack module (stack_modules order): its rows P when scanned, None when one
+        layer."""
+        scanned = [self.periods] * (self.period if self.periods else 0)
+        return [None] * self.head + scanned + [None] * self.tail
+
+    def module_layers(self) -> list[int]:
+        """Per stack module: the layer it is (a scanned module: the layer of its row 0)."""
+        scanned = range(self.head, self.head + (self.period if self.periods else 0))
+        first_tail = self.head + self.periods * self.period
+        return [*range(self.head), *scanned, *range(first_tail, first_tail + self.tail)]
+
+    def location(self, layer: int) -> tuple[str, int, int | None]:
+        """(HEAD / PERIOD / TAIL, module index in that part, row or None) of a layer."""
+        if layer < self.head:
+            return HEAD, layer, None
+        p, j = divmod(layer - self.head, self.period)
+        if p < self.periods:
+            return PERIOD, j, p
+        return TAIL, layer - self.head - self.periods * self.period, None
+
+
+def stack_layout(cfg, num_layers: int | None = None) -> StackLayout:
+    """The StackLayout of a scanned stack of `num_layers` (default cfg.num_layers)."""
+    num_layers = int(num_layers or cfg.num_layers)
+    head, k = head_of(cfg, num_layers), period_of(cfg)
+    periods = (num_layers - head) // k
+    return StackLayout(head, k, periods, num_layers - head - periods * k)
 
 
 def stack_sizes(cfg) -> dict[str, int]:
@@ -247,7 +328,7 @@ def is_stacked(params, cfg) -> bool:
 
 
 def _stacked_tree(layers: dict) -> bool:
-    return PERIOD in layers or TAIL in layers
+    return HEAD in layers or PERIOD in layers or TAIL in layers
 
 
 def _stack(*leaves):
@@ -285,60 +366,56 @@ def stack_layers(params: dict, cfg) -> dict:
     Host (numpy) leaves stay on the host. A tree already stacked is returned as it is.
     Converters build per-layer trees and call this at the end when `cfg.scan_layers`.
     """
-    k = period_of(cfg)
     out = dict(params)
     for name, num_layers in stack_sizes(cfg).items():
         layers = params[name]
         if _stacked_tree(layers):
             continue
-        periods = num_layers // k
+        layout = stack_layout(cfg, num_layers)
+        h, k, periods = layout.head, layout.period, layout.periods
         stacked = {}
+        if h:
+            stacked[HEAD] = {str(i): layers[str(i)] for i in range(h)}
         if periods:
             stacked[PERIOD] = {
-                str(j): jax.tree.map(_stack, *[layers[str(p * k + j)] for p in range(periods)])
+                str(j): jax.tree.map(_stack, *[layers[str(h + p * k + j)] for p in range(periods)])
                 for j in range(k)
             }
-        if num_layers > periods * k:
-            tail = range(periods * k, num_layers)
-            stacked[TAIL] = {str(t): layers[str(i)] for t, i in enumerate(tail)}
+        if layout.tail:
+            first_tail = h + periods * k
+            stacked[TAIL] = {str(t): layers[str(first_tail + t)] for t in range(layout.tail)}
         out[name] = stacked
     return out
 
 
 def unstack_layers(params: dict, cfg) -> dict:
     """The inverse of `stack_layers`: per-layer entries `<stack>/<i>/...`."""
-    k = period_of(cfg)
     out = dict(params)
     for name, num_layers in stack_sizes(cfg).items():
         stacked = params[name]
         if not _stacked_tree(stacked):
             continue
-        periods = num_layers // k
-        layers = {}
-        for i in range(periods * k):
-            p, j = divmod(i, k)
-            layers[str(i)] = jax.tree.map(lambda a, p=p: _take(a, p), stacked[PERIOD][str(j)])
-        for t, subtree in stacked.get(TAIL, {}).items():
-            layers[str(periods * k + int(t))] = subtree
+        layout, layers = stack_layout(cfg, num_layers), {}
+        for i in range(num_layers):
+            part, index, row = layout.location(i)
+            subtree = stacked[part][str(index)]
+            if row is not None:
+                subtree = jax.tree.map(lambda a, p=row: _take(a, p), subtree)
+            layers[str(i)] = subtree
         out[name] = layers
     return out
 
 
 def stacked_location(path: tuple[str, ...], cfg) -> tuple[tuple[str, ...], int | None]:
     """Where per-layer parameter `path` (`<stack>/<i>/...`) lives in the scanned layout of
-    `cfg`: (stacked path, row) for a layer in a period, (tail path, None) for a tail layer,
-    and (`path`, None) for anything outside a layer stack. The inverse of `stack_layers`
-    for one leaf, for converters that read or write one layer at a time."""
+    `cfg`: (stacked path, row) for a layer in a period, (head or tail path, None) for an
+    unrolled layer, and (`path`, None) for anything outside a layer stack. The inverse of
+    `stack_layers` for one leaf, for converters that read or write one layer at a time."""
     sizes = stack_sizes(cfg)
     if len(path) < 2 or path[0] not in sizes:
         return path, None
-    k = period_of(cfg)
-    periods = sizes[path[0]] // k
-    layer, rest = int(path[1]), path[2:]
-    if layer < periods * k:
-        p, j = divmod(layer, k)
-        return (path[0], PERIOD, str(j), *rest), p
-    return (path[0], TAIL, str(layer - periods * k), *rest), None
+    part, index, row = stack_layout(cfg, sizes[path[0]]).location(int(path[1]))
+    return (path[0], part, str(index), *path[2:]), row
 
 
 def layer_layouts(cfg) -> tuple[Callable[[dict], dict], Callable[[dict], dict]]:

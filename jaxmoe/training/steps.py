@@ -18,7 +18,7 @@ from flax import nnx
 from jaxmoe.models.ffn import is_moe_layer
 from jaxmoe.models.moe import balancing
 from jaxmoe.models.spec import merge_model
-from jaxmoe.models.stack import period_of
+from jaxmoe.models.stack import head_of, period_of
 from jaxmoe.training.chunked_loss import chunked_output_losses
 
 SCALAR_MOE_KEYS = (
@@ -61,6 +61,7 @@ class StepFns:
     bias_update_rate: float = 0.0
     moe_layer_ids: tuple = ()
     period: int = 1
+    scan_head: int = 0  # layers a scanned stack unrolls before its periods (stack.head_of)
 
 
 def step_fns(config, spec, optimizer, schedule) -> StepFns:
@@ -84,6 +85,7 @@ def step_fns(config, spec, optimizer, schedule) -> StepFns:
         bias_update_rate=float(moe.bias_update_rate),
         moe_layer_ids=tuple(i for i in range(m.num_layers) if is_moe_layer(m, i)),
         period=period_of(m),
+        scan_head=head_of(m) if m.scan_layers else 0,
     )
 
 
@@ -249,7 +251,7 @@ def train_step(state, batch, fns: StepFns):
         loads_ME = extra.pop("expert_load_ME")
         loads = dict(zip(fns.moe_layer_ids, loads_ME, strict=True))
         new_params = balancing.update_selection_biases(
-            new_params, loads, fns.bias_update_rate, fns.period
+            new_params, loads, fns.bias_update_rate, fns.period, fns.scan_head
         )
     nll = extra.pop("nll_sum") / total_weight
     finite = jnp.isfinite(nll) & jnp.isfinite(optax.tree.norm(grads))

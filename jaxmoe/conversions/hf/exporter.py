@@ -77,8 +77,8 @@ def _stored_layout(stored: StoredParams, leaves: dict, m) -> bool:
     """Whether the checkpoint keeps its layers stacked (scanned layout), whichever layout
     `model.scan_layers` names; one CheckpointError when it fits neither."""
     per_layer = unflatten(leaves)
-    if set(flatten(per_layer)) == stored.paths:  # before stacking: irregular dense/MoE
-        check_params_match(stored.step_dir, per_layer)  # placements (dense_layers) never stack
+    if set(flatten(per_layer)) == stored.paths:  # unrolled (irregular dense/MoE placements
+        check_params_match(stored.step_dir, per_layer)  # other than a dense prefix never stack)
         return False
     try:
         stacked = stack_layers(per_layer, m)

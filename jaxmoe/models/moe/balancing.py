@@ -10,7 +10,7 @@ The biases are parameters at `<moe layer>/selection_bias` (so checkpoints carry 
 import jax
 import jax.numpy as jnp
 
-from jaxmoe.models.stack import PERIOD, TAIL
+from jaxmoe.models.stack import HEAD, PERIOD, TAIL
 
 BIAS_NAME = "selection_bias"
 
@@ -34,21 +34,23 @@ def balanced_bias(bias_E, load_E, rate: float):
     return bias_E + jnp.asarray(rate, bias_E.dtype) * jnp.sign(mean - load_E).astype(bias_E.dtype)
 
 
-def update_selection_biases(params: dict, loads: dict, rate: float, period: int) -> dict:
+def update_selection_biases(
+    params: dict, loads: dict, rate: float, period: int, head: int = 0
+) -> dict:
     """params with each decoder MoE layer's bias moved by its load (`loads`: layer id ->
     f32 [E]). Layouts of models/stack.py: `layers/<i>/ffn` (unrolled), or
-    `layers/period/<j>/ffn` with row p = layer p * period + j (scanned; its tail layers are
-    dense)."""
+    `layers/period/<j>/ffn` with row p = layer head + p * period + j (scanned behind `head`
+    unrolled layers; its head and tail layers are dense)."""
 
     def update(path, leaf):
         keys = _keys(path)
         if keys[-1] != BIAS_NAME:
             return leaf
-        if keys[0] != "layers" or keys[1] == TAIL:
+        if keys[0] != "layers" or keys[1] in (HEAD, TAIL):
             raise ValueError(f"bias balancing: unexpected selection bias at {'/'.join(keys)}")
         if keys[1] == PERIOD:
             j = int(keys[2])
-            rows = [loads[p * period + j] for p in range(leaf.shape[0])]
+            rows = [loads[head + p * period + j] for p in range(leaf.shape[0])]
             return balanced_bias(leaf, jnp.stack(rows), rate)
         return balanced_bias(leaf, loads[int(keys[1])], rate)
 
