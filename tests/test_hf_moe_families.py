@@ -101,12 +101,15 @@ def check_family(model, src, tmp_path, architecture: str, ids=IDS):
 # ----------------------------------------------------------------------------- Qwen3-MoE
 
 
-def qwen3_moe(norm: bool, tie: bool, seed: int, k: int = 2) -> Qwen3MoeForCausalLM:
-    """3 layers, layer 1 dense (mlp_only_layers); head_dim 16 != d / heads; 8 experts top-k."""
+def qwen3_moe(
+    norm: bool, tie: bool, seed: int, k: int = 2, dense: tuple = (1,)
+) -> Qwen3MoeForCausalLM:
+    """3 layers, `dense` of them dense (mlp_only_layers); head_dim 16 != d / heads; 8
+    experts top-k."""
     config = Qwen3MoeConfig(
         vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-        num_experts_per_tok=k, moe_intermediate_size=24, mlp_only_layers=[1],
+        num_experts_per_tok=k, moe_intermediate_size=24, mlp_only_layers=list(dense),
         norm_topk_prob=norm, tie_word_embeddings=tie, rms_norm_eps=1e-5, rope_theta=500.0,
         router_aux_loss_coef=0.02,
     )  # fmt: skip
@@ -204,6 +207,22 @@ def test_qwen2_moe_scanned_layers(qwen2_moe, tmp_path):
     assert read_config(str(tmp_path / "ckpt")).model.scan_layers
     assert_same_nll(jaxmoe_logits(load_converted(tmp_path / "ckpt"), IDS), want)
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert_same_nll(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), IDS), want)
+
+
+def test_qwen3_moe_dense_prefix_scans(tmp_path):
+    """mlp_only_layers = [0]: layer 0 unrolled ahead of the scanned MoE layers 1-2
+    (models/stack.py's head); converts to transformers' NLL and exports back."""
+    model = qwen3_moe(norm=True, tie=False, seed=37, dense=(0,))
+    model.save_pretrained(tmp_path / "src")
+    want = hf_logits(model, IDS)
+    convert_hf(
+        str(tmp_path / "src"), str(tmp_path / "ckpt"), overrides=["--config.model.scan_layers=True"]
+    )
+    assert '"head"' in (tmp_path / "ckpt" / "params" / "_METADATA").read_text()
+    assert_same_nll(jaxmoe_logits(load_converted(tmp_path / "ckpt"), IDS), want)
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["mlp_only_layers"] == [0]
     assert_same_nll(hf_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"), IDS), want)
 
 
