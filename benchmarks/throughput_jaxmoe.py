@@ -127,7 +127,8 @@ class JaxRunner:
         fraction = None
         if self.config.model.moe.num_experts:
             fraction = float(self.last_metrics["top2_fraction"])
-        return {"compiles": self.compiles(), "top2_fraction": fraction}
+        loss = None if self.last_metrics is None else float(self.last_metrics["loss"])
+        return {"compiles": self.compiles(), "top2_fraction": fraction, "loss": loss}
 
 
 def _token_batches(config, count: int, seed: int, sharding) -> list[dict]:
