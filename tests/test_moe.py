@@ -331,19 +331,31 @@ def test_bad_config_names_the_key(override, key):
 
 
 def test_few_tokens_with_large_blocks_match_dense():
-    """Decoding-sized inputs (a row buffer shorter than a block) still run the block dispatch."""
+    """Decoding-sized inputs (a row buffer shorter than a block) still run the block dispatch.
+
+    5 tokens: up to dispatch.ALL_EXPERTS_MAX_ROWS an inference call would run "dense" itself.
+    """
     from tests.helpers import tiny_config
 
     cfg = tiny_config(
         "model.moe.block_size=256", "model.moe.dispatch=blocks", "model.moe.num_experts=2"
     ).model
     layer = MoE(cfg, rngs=nnx.Rngs(0))
-    x = jax.random.normal(jax.random.key(0), (1, 3, cfg.d_model))
+    x = jax.random.normal(jax.random.key(0), (1, dispatch.ALL_EXPERTS_MAX_ROWS + 1, cfg.d_model))
     got = layer(x, train=False)[0]
     cfg.moe.dispatch = "dense"
     dense = MoE(cfg, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense(x, train=False)[0]), atol=1e-5)
     assert jnp.isfinite(got).all()
+
+
+def test_inference_on_a_few_tokens_runs_every_expert():
+    few = dispatch.ALL_EXPERTS_MAX_ROWS
+    assert dispatch.inference_dispatch("blocks", few, capacity=0) == "dense"
+    assert dispatch.inference_dispatch("blocks", few + 1, capacity=0) == "blocks"
+    # A capacity drops assignments, which the dense path would not; other dispatches stay.
+    assert dispatch.inference_dispatch("blocks", 1, capacity=2) == "blocks"
+    assert dispatch.inference_dispatch("ragged", 1, capacity=0) == "ragged"
 
 
 def test_ragged_chunk_count_by_hand():

@@ -286,6 +286,8 @@ class MoE(nnx.Module):
         mesh = expert_parallel.current_mesh()
         overflow_BLK = jnp.zeros(keep_BLK.shape, bool)
         if mesh is None:
+            if not train:
+                options["impl"] = dispatch.inference_dispatch(self.impl, batch * length, capacity)
             y_BLD = dispatch.local_moe_ffn(*args, **options)
         else:
             y_BLD, overflow_BLK = expert_parallel.sharded_moe_ffn(
