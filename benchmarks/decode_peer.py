@@ -17,6 +17,7 @@ flagged `"quiet": false`.
     python -m benchmarks decode_peer --peer hf          # table
     python -m benchmarks decode_peer --peer hf --json   # + docs/results/DATE-decode_peer.json
     python -m benchmarks decode_peer --peer hf --only mla   # the MLA rows alone
+    python -m benchmarks decode_peer --peer hf --only moe   # the MoE rows alone
 """
 
 import argparse
@@ -51,8 +52,10 @@ def cases(batches, only: str = "all") -> list[dict]:
     mla = [{"kv_heads": SPEC["heads"], "batch": b, "attention": "mla"} for b in batches]
     if only == "mla":
         return mla
+    moe = [{"kv_heads": KV_HEADS["GQA-8"], "batch": b, "gating": "top2"} for b in batches]
+    if only == "moe":
+        return moe
     dense = [{"kv_heads": k, "batch": b} for k in KV_HEADS.values() for b in batches]
-    moe = [{"kv_heads": KV_HEADS["GQA-8"], "batch": batches[-1], "gating": "top2"}]
     return dense + moe + mla
 
 
@@ -138,7 +141,7 @@ def main(argv=None) -> int:
     # Enough steps that the decode time dwarfs the run-to-run noise of a batch-8 prefill.
     parser.add_argument("--new_tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--only", choices=("all", "mla"), default="all", help="cases to run")
+    parser.add_argument("--only", choices=("all", "mla", "moe"), default="all", help="cases to run")
     parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads")
     add_json_flag(parser)
     args = parser.parse_args(argv)

@@ -127,7 +127,7 @@ def test_profiles_both_steps_and_attributes_most_of_jaxmoes_op_time(tmp_path):
     for system in (jax_result, torch_result):
         assert system["kinds_s"]["matmul"] > 0
         assert sum(system["kinds_s"].values()) == pytest.approx(system["op_s"])
-    # The trace's ops are found in the compiled HLO: they cover a good part of the wall time.
-    assert jax_result["op_s"] / jax_result["op_threads"] > 0.3 * jax_result["wall_s"]
+    # The trace's ops are found in the compiled HLO: ops ran for most of the wall time.
+    assert jax_result["outside_ops_s"] < 0.5 * jax_result["wall_s"]
     assert any(place.startswith("grouped_ffn.py") for place in jax_result["modules_s"])
     assert result["host"]["cpu_model"]
