@@ -7,6 +7,7 @@ without installing it and without the caller's PYTHONPATH. Standard library only
 """
 
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -38,6 +39,22 @@ def run_worker(module: str, argv: list[str], env=None, python=None) -> list[dict
         tail = result.stderr.strip().splitlines()[-1:]
         raise RuntimeError(f"benchmarks.{module} exited {result.returncode}: {tail}")
     return json_lines(result.stdout)
+
+
+def timed_blocks(workers: dict, steps: int, blocks: int, loads: list[float]) -> dict:
+    """Warmed-up served workers take turns running `steps // blocks` steps, `blocks` times,
+    so a drifting load hits them alike. Per worker: every step time ("times") and each
+    block's median ("block_medians"); the load average after each round joins `loads`."""
+    times = {name: [] for name in workers}
+    block_medians = {name: [] for name in workers}
+    per_block = max(steps // blocks, 1)
+    for _ in range(blocks):
+        for name, worker in workers.items():
+            block = worker.steps(per_block)
+            times[name] += block
+            block_medians[name].append(statistics.median(block))
+        loads.append(load_average())
+    return {"times": times, "block_medians": block_medians}
 
 
 def venv_python(venv: str | Path) -> Path | None:

@@ -45,6 +45,7 @@ from benchmarks.peer_harness import (
     load_average,
     maxtext_env,
     start_worker,
+    timed_blocks,
     venv_python,
 )
 from benchmarks.results import add_json_flag, markdown_table, publish
@@ -113,16 +114,7 @@ def measure(workers: dict, args, loads: list[float]) -> dict:
     """Per worker: its step times, and the median of each block."""
     for worker in workers.values():
         worker.steps(args.warmup)
-    times = {name: [] for name in workers}
-    block_medians = {name: [] for name in workers}
-    per_block = max(args.steps // args.blocks, 1)
-    for _ in range(args.blocks):
-        for name, worker in workers.items():
-            block = worker.steps(per_block)
-            times[name] += block
-            block_medians[name].append(statistics.median(block))
-        loads.append(load_average())
-    return {"times": times, "block_medians": block_medians}
+    return timed_blocks(workers, args.steps, args.blocks, loads)
 
 
 def row(variant, system, times, ready, final, peak_flops) -> dict:

@@ -20,7 +20,7 @@ import os
 import statistics
 import sys
 
-from benchmarks.peer_harness import NOT_QUIET, is_quiet, load_average, start_worker
+from benchmarks.peer_harness import NOT_QUIET, is_quiet, load_average, start_worker, timed_blocks
 from benchmarks.results import add_json_flag, markdown_table, publish
 
 # name -> XLA_FLAGS added to the environment's own. Names say what changes against the
@@ -71,15 +71,8 @@ def measure_variant(variant: str, args, loads: list[float]) -> dict:
             del workers[name]
     if "default" not in workers:
         raise RuntimeError(f"{variant}: the default option set failed: {failed['default']}")
-    medians = {name: [] for name in workers}
-    times = {name: [] for name in workers}
-    per_block = max(args.steps // args.blocks, 1)
-    for _ in range(args.blocks):
-        for name, worker in workers.items():
-            block = worker.steps(per_block)
-            times[name] += block
-            medians[name].append(statistics.median(block))
-        loads.append(load_average())
+    measured = timed_blocks(workers, args.steps, args.blocks, loads)
+    times, medians = measured["times"], measured["block_medians"]
     finals = {name: worker.stop() for name, worker in workers.items()}
     rows = []
     for name in workers:
