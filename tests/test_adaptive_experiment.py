@@ -1,4 +1,4 @@
-"""benchmarks.adaptive_vs_fixed: its arithmetic on hand-computed values, then the whole
+"""experiments.adaptive_vs_fixed: its arithmetic on hand-computed values, then the whole
 script in --quick mode (five tiny trainings) in a fresh process."""
 
 import copy
@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from benchmarks import adaptive_vs_fixed as avf
+from experiments import adaptive_vs_fixed as avf
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +122,7 @@ def quick_report(tmp_path_factory):
     env.pop("XLA_FLAGS", None)  # one CPU device: the quickest compiles
     # Run from a scratch directory: the checkout on the path is where `benchmarks` lives.
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "benchmarks", "adaptive_vs_fixed", "--quick"]
+    command = [sys.executable, "-m", "experiments", "adaptive_vs_fixed", "--quick"]
     command += ["--out", str(root / "out")]
     command += ["--cache_dir", str(root / "cache"), "--seeds", "0,1"]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=900)

@@ -1,4 +1,4 @@
-"""benchmarks.adaptive_k_uptrain and its PyTorch pretraining: the learning-rate mirror of
+"""experiments.adaptive_k_uptrain and its PyTorch pretraining: the learning-rate mirror of
 jaxmoe's schedule, and the pretrain -> save -> `convert hf` -> evaluate link on a two-step
 toy (transformers' eval loss equals the converted model's, and the kept-expert count is the
 hand count of the gate swapped in)."""
@@ -6,9 +6,9 @@ hand count of the gate swapped in)."""
 import numpy as np
 import pytest
 
-from benchmarks import adaptive_k_uptrain as bench
-from benchmarks import qwen3_moe_pretrain as hf
-from benchmarks.adaptive_k_curve import evaluate_gate
+from experiments import adaptive_k_uptrain as bench
+from experiments import qwen3_moe_pretrain as hf
+from experiments.adaptive_k_curve import evaluate_gate
 
 
 @pytest.mark.parametrize(("warmup", "total"), [(4, 40), (1, 3), (0, 10)])

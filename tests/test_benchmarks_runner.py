@@ -1,5 +1,6 @@
-"""`python -m benchmarks`: every module of the package listed with its description, an
-unknown name answered in one line, no module patching sys.path, and the dated results path."""
+"""`python -m benchmarks` and `python -m experiments` (one runner): every module of each
+package listed with its description, an unknown name answered in one line, no module patching
+sys.path, and the dated results path."""
 
 import ast
 import datetime
@@ -13,31 +14,47 @@ import pytest
 from benchmarks import results
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = ROOT / "benchmarks"
-MODULES = sorted(p.stem for p in PACKAGE.glob("*.py") if not p.stem.startswith("_"))
+PACKAGES = ("benchmarks", "experiments")
 
 
-def runner(*argv: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "benchmarks", *argv]
+def module_names(package: str) -> list[str]:
+    return sorted(p.stem for p in (ROOT / package).glob("*.py") if not p.stem.startswith("_"))
+
+
+def runner(*argv: str, package: str = "benchmarks") -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", package, *argv]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 
-def test_list_names_every_module_with_its_description():
-    listed = runner("--list")
+@pytest.mark.parametrize(
+    "package, expected",
+    [
+        ("benchmarks", ["train_throughput", "decode_peer"]),
+        ("experiments", ["time_to_target", "gqa_ablation"]),
+    ],
+)
+def test_list_names_every_module_with_its_description(package, expected):
+    listed = runner("--list", package=package)
     assert listed.returncode == 0, listed.stderr
-    assert runner().stdout == listed.stdout  # no argument: the same list
+    assert runner(package=package).stdout == listed.stdout  # no argument: the same list
     lines = {line.split()[0]: line for line in listed.stdout.splitlines() if line[:2] == "  "}
-    assert sorted(lines) == MODULES
-    for name in MODULES:
-        first_line = ast.get_docstring(ast.parse((PACKAGE / f"{name}.py").read_text()))
-        assert first_line, f"benchmarks/{name}.py has no docstring"
+    assert sorted(lines) == module_names(package)
+    for name in module_names(package):
+        source = (ROOT / package / f"{name}.py").read_text()
+        first_line = ast.get_docstring(ast.parse(source))
+        assert first_line, f"{package}/{name}.py has no docstring"
         description = first_line.split("\n")[0].strip()
         assert lines[name].split(None, 1)[1] == description, name
-    assert "train_throughput" in listed.stdout and "decode_peer" in listed.stdout
+    assert all(name in listed.stdout for name in expected)
 
 
-def test_no_benchmark_module_touches_sys_path():
-    for path in sorted(PACKAGE.glob("*.py")):
+def test_benchmarks_and_experiments_do_not_share_a_name():
+    assert not set(module_names("benchmarks")) & set(module_names("experiments"))
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_module_touches_sys_path(package):
+    for path in sorted((ROOT / package).glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Attribute) and node.attr == "path":
                 assert not (isinstance(node.value, ast.Name) and node.value.id == "sys"), (
@@ -53,10 +70,19 @@ def test_unknown_name_is_one_line_with_a_suggestion():
     assert "did you mean train_throughput?" in line
     # A shared piece is not a benchmark either.
     assert "unknown benchmark 'results'" in runner("results").stderr
+    # An experiment is not a benchmark: each runner runs its own package's modules.
+    assert "unknown benchmark 'time_to_target'" in runner("time_to_target").stderr
+    done = runner("gqa_ablaton", package="experiments")
+    assert done.returncode == 2
+    assert "unknown experiment 'gqa_ablaton': did you mean gqa_ablation?" in done.stderr
+    assert "`python -m experiments --list`" in done.stderr
 
 
-def test_a_benchmark_runs_through_the_runner_and_as_its_own_module():
-    for command in (["benchmarks", "host_malloc"], ["benchmarks.host_malloc"]):
+@pytest.mark.parametrize(
+    "package, name", [("benchmarks", "decode_peer"), ("experiments", "gqa_ablation")]
+)
+def test_a_module_runs_through_the_runner_and_as_its_own_module(package, name):
+    for command in ([package, name], [f"{package}.{name}"]):
         done = subprocess.run(
             [sys.executable, "-m", *command, "--help"], cwd=ROOT, capture_output=True, text=True
         )

@@ -54,7 +54,7 @@ def test_loop_free_estimate_is_the_roofline(compile_one_chip):
     assert cost["flops"] == ONE_MATMUL
     seconds, note = step_time_estimate(cost, hlo)
     assert note == ""
-    # Measured 1.16x at 8192 (benchmarks/cost_analysis_probe.py): a bound, not a guess.
+    # Measured 1.16x at 8192 (docs/tpu_kernels.md): a bound, not a guess.
     assert 1.0 <= seconds / (ONE_MATMUL / V5P_PEAK) < 1.6
 
 

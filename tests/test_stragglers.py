@@ -1,13 +1,13 @@
 """The straggler simulation's arithmetic and the time-to-target rule, against hand-computed
-values (benchmarks/stragglers.py, benchmarks/time_to_target.py)."""
+values (experiments/stragglers.py, experiments/time_to_target.py)."""
 
 import json
 
 import numpy as np
 import pytest
 
-from benchmarks import stragglers
-from benchmarks.time_to_target import target_from_pilot
+from experiments import stragglers
+from experiments.time_to_target import target_from_pilot
 
 # 4 examples, 2 MoE layers: per-layer fractions of their tokens sent to two experts.
 TOP2_NM = np.array([[0.0, 0.0], [1.0, 1.0], [0.5, 0.0], [0.0, 0.5]])

@@ -1,8 +1,8 @@
 """The TPU compiler's estimated run time of a program (`cost_analysis()["optimal_seconds"]`)
 and when `jaxmoe compile` may report it as the step time.
 
-Measured with libtpu 0.0.42.1 for v5p (benchmarks/cost_analysis_probe.py; the numbers are
-in docs/tpu_kernels.md):
+Measured with libtpu 0.0.42.1 for v5p (the numbers are in docs/tpu_kernels.md;
+the probe is in docs/results/retired_benchmarks.md):
 - a loop-free program: optimal_seconds is 1.16x a bf16 matmul's FLOPs at the chip's peak
   (1.55x with an all-reduce after it; `jax.lax.ragged_dot`, which libtpu runs as its own
   kernels, 1.16x too);

@@ -6,7 +6,8 @@ kernel on free, so the next step touches fresh pages again: on the 2-core benchm
 top-2 step of configs/tiny_mixtral.py took 91,000 page faults and 140 ms of kernel time for
 about 620 ms of compute. Four mallopt settings keep those pages: one arena for all threads,
 no mmap'd blocks, no trimming of the heap's top, and 64 MiB of slack when it grows. Then a
-step takes about 15,000 faults and 23 ms of kernel time (`benchmarks/host_malloc.py`).
+step takes about 15,000 faults and 23 ms of kernel time
+(docs/results/2026-12-01_train_throughput.md).
 
 The cost is that memory freed once stays with the process, so its resident size is its
 peak. That is what a compute loop wants, and not what a converter streaming a checkpoint

@@ -26,7 +26,7 @@ the counts were kept orders by the mean, with one warning.
   measure nothing) but `train=False`, so router jitter noise does not blur the measure.
   Costs a forward pass over the split per epoch (default job, 2 busy CPU cores: ~9 s
   against ~47 s of training per epoch) and one extra compile, but no per-step fetches.
-  Early in training it predicts the next epoch's routing far better (benchmarks/curriculum.py).
+  Early in training it predicts the next epoch's routing far better (experiments/curriculum.py).
 
 Epoch 0 uses the default shuffled order; epoch e >= 1 the order written at its boundary.
 Only process 0 writes files; with several processes the others wait at a barrier and read

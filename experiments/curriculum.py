@@ -1,8 +1,8 @@
 """The routing-complexity curriculum on the default adaptive-MoE job: none vs paper vs magnitude.
 
-    python -m benchmarks curriculum --out runs/bench_curriculum            # 3 epochs each
-    python -m benchmarks curriculum --out DIR --steps 600 --devices 8 --config.train.seed=1
-    python -m benchmarks curriculum --out DIR --policies magnitude --source scoring_pass
+    python -m experiments curriculum --out runs/bench_curriculum            # 3 epochs each
+    python -m experiments curriculum --out DIR --steps 600 --devices 8 --config.train.seed=1
+    python -m experiments curriculum --out DIR --policies magnitude --source scoring_pass
 
 Each policy trains configs/default.py from scratch (same seed, data and number of tokens;
 only `data.curriculum` differs) through `jaxmoe.training.loop.train` with train.log_every=1, so

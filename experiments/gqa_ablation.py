@@ -9,8 +9,8 @@
 4. Write ablation.md, ablation.json and ablation.png into --out (with --json also
    docs/results/YYYY-MM-DD-gqa_ablation.json).
 
-    python -m benchmarks gqa_ablation --out runs/gqa_ablation
-    python -m benchmarks gqa_ablation --out /tmp/quick --steps 60 --alphas 0.1  # smoke run
+    python -m experiments gqa_ablation --out runs/gqa_ablation
+    python -m experiments gqa_ablation --out /tmp/quick --steps 60 --alphas 0.1  # smoke run
 
 Compiled programs are cached on disk under --out, so variants of one shape compile once.
 """

@@ -14,17 +14,17 @@ the share of tokens sent to two experts, and the final eval loss. Two settings:
   plain            configs/default.py as is (4 layers, training gate at evaluation)
 
 After training, the variants' final models take turns on the same batches in this one
-process (benchmarks.interleaved_steps): their step-time ratios are what load on a shared
+process (experiments.interleaved_steps): their step-time ratios are what load on a shared
 machine changes least. Writes into --out:
   adaptive_vs_fixed.json   every number, per seed and variant, and mean / std over seeds
   adaptive_vs_fixed.md     the table, next to the paper's numbers
   loss_vs_time.png         eval loss against training time and against training FLOPs
 and with --json also docs/results/YYYY-MM-DD-adaptive_vs_fixed.json.
 
-    python -m benchmarks adaptive_vs_fixed --out runs/avf                 # paper, 3 seeds
-    python -m benchmarks adaptive_vs_fixed --out runs/avf --variants adaptive_T0.1_gap_none
-    python -m benchmarks adaptive_vs_fixed --setting plain --seeds 0 --out runs/avf_plain
-    python -m benchmarks adaptive_vs_fixed --quick --out /tmp/avf        # ~2 min smoke test
+    python -m experiments adaptive_vs_fixed --out runs/avf                 # paper, 3 seeds
+    python -m experiments adaptive_vs_fixed --out runs/avf --variants adaptive_T0.1_gap_none
+    python -m experiments adaptive_vs_fixed --setting plain --seeds 0 --out runs/avf_plain
+    python -m experiments adaptive_vs_fixed --quick --out /tmp/avf        # ~2 min smoke test
 
 Training time is the sum of the logged per-step wall times (train.log_every = 1), where the
 steps that also carry a compilation (step 1) or an evaluation are counted at the run's median
@@ -564,7 +564,7 @@ def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     import jax
 
-    from benchmarks.interleaved_steps import interleaved_step_times
+    from experiments.interleaved_steps import interleaved_step_times
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

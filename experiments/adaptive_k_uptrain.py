@@ -3,7 +3,7 @@
 The measurement issue 27 asks for, on a model that was not born in jaxmoe:
   1. pretrain: a tiny transformers Qwen3MoeForCausalLM (32 experts, top-8, norm_topk_prob,
      per-head QK-norm), trained in PyTorch with its own top-8 routing for --pretrain_steps
-     steps on jaxmoe's batches of the embedded corpus (benchmarks/qwen3_moe_pretrain.py);
+     steps on jaxmoe's batches of the embedded corpus (experiments/qwen3_moe_pretrain.py);
      saved with save_pretrained beside jaxmoe's SentencePiece tokenizer;
   2. convert: `jaxmoe convert hf` (convert_hf); the converted model's top-8 eval loss on the
      whole embedded validation split must equal transformers' (asserted, 1e-4 relative:
@@ -23,9 +23,9 @@ Writes into --out: adaptive_k_uptrain.json, adaptive_k_uptrain.png (loss mean +-
 seeds against share kept, the pre-uptraining swap curve faint); --figure copies the plot,
 --json also writes docs/results/YYYY-MM-DD-adaptive-k-uptrain.json.
 
-    nice -n 5 python -m benchmarks adaptive_k_uptrain --out /tmp/akup --json \
+    nice -n 5 python -m experiments adaptive_k_uptrain --out /tmp/akup --json \
         --figure docs/figures/adaptive_k_uptrain.png
-    python -m benchmarks adaptive_k_uptrain --quick --out /tmp/akup_quick   # smoke test
+    python -m experiments adaptive_k_uptrain --quick --out /tmp/akup_quick   # smoke test
 """
 
 import argparse
@@ -38,9 +38,9 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.adaptive_k_curve import _gate as eval_gate
-from benchmarks.adaptive_k_curve import evaluate_gate, plot, seed_list, summarize
 from benchmarks.results import add_json_flag, markdown_table, write_json
+from experiments.adaptive_k_curve import _gate as eval_gate
+from experiments.adaptive_k_curve import evaluate_gate, plot, seed_list, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 ORIGINAL_K = 8
@@ -106,7 +106,7 @@ def pretrain_and_convert(args, out: Path) -> dict:
     Returns the converted checkpoint's path and the numbers that tie it to transformers."""
     import torch
 
-    from benchmarks import qwen3_moe_pretrain as hf
+    from experiments import qwen3_moe_pretrain as hf
     from jaxmoe.conversions.hf.importer import convert_hf
     from jaxmoe.data.batches import TrainBatches, eval_batches
     from jaxmoe.data.sources import load_tokenizer

@@ -6,7 +6,7 @@ Its batches are jaxmoe's (`TrainBatches` of the run's config: same tokenizer, pa
 order), and the optimizer mirrors jaxmoe's AdamW recipe (jaxmoe/training/optimizer.py:
 linear warmup from 0, cosine to min_lr_ratio x peak, decoupled weight decay on matrices
 only, global-norm clipping), so `jaxmoe convert hf` of the result is "the same model, now in
-jaxmoe" and uptraining it continues the same recipe. Used by benchmarks/adaptive_k_uptrain.py
+jaxmoe" and uptraining it continues the same recipe. Used by experiments/adaptive_k_uptrain.py
 and its test; imports torch only when called.
 """
 

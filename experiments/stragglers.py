@@ -6,7 +6,7 @@ so that a step's shards route alike (their Table 6: 9-22% more training time wit
 One CPU device cannot show that, so it is simulated from three measured inputs:
 
 1. each training example's per-layer top-2 fractions as an adaptive model trained them
-   (benchmarks.time_to_target's routing.npz: epoch 0 orders epoch 1 under the curriculum,
+   (experiments.time_to_target's routing.npz: epoch 0 orders epoch 1 under the curriculum,
    epoch 1's own fractions time it);
 2. the time of one MoE layer (forward + backward, the real dropless dispatch) on one
    device's shard against that shard's top-2 share, measured here (benchmarks.moe_layer's
@@ -21,8 +21,8 @@ parallelism (experts on other devices), the attention and embedding time (the sa
 device, so it adds to both orders alike and shrinks the relative effect), and any effect of
 the order on convergence (the time to target assumes the same tokens to target either way).
 
-    python -m benchmarks stragglers --routing runs/ttt/routing.npz --json
-    python -m benchmarks stragglers --routing runs/ttt/routing.npz --curve none   # no timing
+    python -m experiments stragglers --routing runs/ttt/routing.npz --json
+    python -m experiments stragglers --routing runs/ttt/routing.npz --curve none   # no timing
 """
 
 import argparse
@@ -241,7 +241,7 @@ def main(argv=None) -> int:
     p.add_argument(
         "--routing",
         required=True,
-        help="routing.npz of benchmarks.time_to_target (comma-separated: several runs)",
+        help="routing.npz of experiments.time_to_target (comma-separated: several runs)",
     )
     p.add_argument("--variant", default="adaptive_T0.1", help="whose routing to simulate")
     p.add_argument("--devices", default=",".join(map(str, DEVICES)))

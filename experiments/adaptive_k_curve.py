@@ -14,9 +14,9 @@ model and top-8 is 2.0. Writes into --out:
   adaptive_k_curve.png    eval loss against share kept (one marker per gate, mean of seeds)
 and with --json also docs/results/YYYY-MM-DD-adaptive-k-curve.json; --figure copies the plot.
 
-    python -m benchmarks adaptive_k_curve --out runs/akc --json \
+    python -m experiments adaptive_k_curve --out runs/akc --json \
         --figure docs/figures/adaptive_k_curve.png
-    python -m benchmarks adaptive_k_curve --quick --out /tmp/akc        # ~2 min smoke test
+    python -m experiments adaptive_k_curve --quick --out /tmp/akc        # ~2 min smoke test
 
 The eval loss is computed by this module's own step (the model plus a probe that counts the
 kept slots); for the training gate it is checked against `jaxmoe.inference.evaluate` and
@@ -90,7 +90,7 @@ def train_config(args, seed: int):
 
 
 def probe_class():
-    """The probe module (built here so that listing the benchmarks imports no framework)."""
+    """The probe module (built here so that listing the experiments imports no framework)."""
     from flax import nnx
 
     class Probe(nnx.Module):

@@ -8,18 +8,18 @@ load average is recorded next to them. Per variant and seed:
 
 - eval loss over training with the model's own gate and with top-1 gating;
 - seconds, FLOPs and steps until the eval loss first reaches the target (linear
-  interpolation between evaluations; benchmarks.adaptive_vs_fixed.reach);
+  interpolation between evaluations; experiments.adaptive_vs_fixed.reach);
 - the share of tokens whose router is concentrated on its top-1 expert (normalised gap
   p1 - p2 at least T = 0.1, what the paper's adaptive gate sends to one expert), per MoE
   layer at each evaluation, for every MoE model (the paper: at least 55%);
 - for adaptive models, each training example's per-layer top-2 fractions as trained
-  (routing.npz: what benchmarks.stragglers simulates data-parallel steps with).
+  (routing.npz: what experiments.stragglers simulates data-parallel steps with).
 
 Target rule, fixed before the runs: a pilot dense model trained with another seed (--pilot_seed)
 for the same steps; target = initial - TARGET_FRACTION x (initial - final) of its eval loss.
 
-    python -m benchmarks time_to_target --out runs/ttt --json    # 3 seeds, ~40 min on 2 cores
-    python -m benchmarks time_to_target --out /tmp/ttt --quick   # tiny smoke test (~3 min)
+    python -m experiments time_to_target --out runs/ttt --json    # 3 seeds, ~40 min on 2 cores
+    python -m experiments time_to_target --out /tmp/ttt --quick   # tiny smoke test (~3 min)
 
 Writes OUT/time_to_target.json (everything), OUT/routing.npz, OUT/loss_vs_*.png, with
 --json docs/results/YYYY-MM-DD-time_to_target.json, and with --figures DIR the plots there.
@@ -35,8 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks.adaptive_vs_fixed import GSHARD_BALANCE, reach, step_flops
 from benchmarks.results import add_json_flag, markdown_table, write_json
+from experiments.adaptive_vs_fixed import GSHARD_BALANCE, reach, step_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 THRESHOLDS = (0.1, 0.05, 0.2, 0.3, 0.4)  # the paper's main value, then its ablation
