@@ -30,6 +30,8 @@ from jaxmoe.checkpoints.tokenizer_item import (
     tokenizer_files,
     write_tokenizer_files,
 )
+from jaxmoe.data.chat_template import BUILT_IN
+from jaxmoe.data.tokenizer_files import CHAT_TEMPLATE_FILE
 from jaxmoe.errors import CheckpointError, ConfigError
 from jaxmoe.storage.paths import absolute_path, finished_steps, is_remote
 
@@ -56,14 +58,19 @@ def _args_save(state, meta: dict, config: ConfigDict, tokenizer: dict | None):
 class TrainCheckpoints:
     """Periodic, asynchronous, atomic checkpoints of a training run."""
 
-    def __init__(self, workdir: str, max_to_keep: int, tokenizer=None):
+    def __init__(self, workdir: str, max_to_keep: int, tokenizer=None, chat_template: str = ""):
         """`tokenizer`: the run's (an opened Tokenizer or HFTokenizer), copied into every
         step so that the checkpoint is whole; None only for runs without one (tests).
+        `chat_template`: data.chat_template; a .jinja file is copied in beside the tokenizer
+        (as chat_template.jinja, which the stored config then names as the tokenizer's own).
         `workdir`: absolute or remote (`train` makes it so, once)."""
         if not (is_remote(workdir) or os.path.isabs(workdir)):
             raise ValueError(f"TrainCheckpoints: workdir {workdir!r} is not absolute")
         self.directory = epath.Path(workdir) / "checkpoints"
         self._tokenizer = tokenizer_files(tokenizer) if tokenizer is not None else None
+        self._template_file = bool(self._tokenizer) and chat_template not in ("", *BUILT_IN)
+        if self._template_file:
+            self._tokenizer[CHAT_TEMPLATE_FILE] = epath.Path(chat_template).read_bytes()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=max_to_keep, create=True, enable_async_checkpointing=True
         )
@@ -90,6 +97,8 @@ class TrainCheckpoints:
         if self._tokenizer:  # the copy saved with the step, not the path it came from
             config = ConfigDict(config.to_dict())
             config.data.tokenizer = stored_name(self._tokenizer)
+            if self._template_file:
+                config.data.chat_template = ""  # the copy beside the tokenizer
         self.manager.save(step, args=_args_save(state, meta, config, self._tokenizer), force=force)
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:

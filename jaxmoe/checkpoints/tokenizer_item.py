@@ -26,6 +26,7 @@ SIDE_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # the chat template, where transformers >= 4.43 saves it
 )
 
 

@@ -10,6 +10,7 @@ OPTIONAL = {
     "array_record": ("array-record", "data"),
     "grain": ("grain", "data"),
     "tensorboardX": ("tensorboardX", "data"),
+    "jinja2": ("jinja2", "data"),  # chat templates (data.format=chat)
 }
 
 

@@ -59,6 +59,22 @@ def _check_across(job: JobConfig) -> None:
         raise ConfigError(
             f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}"
         )
+    data, arch = job.data, job.model.arch
+    if arch == "encoder_decoder" and data.format not in ("text", "seq2seq"):
+        raise ConfigError(
+            f"data.format={data.format!r} is for decoder-only models; model.arch=encoder_decoder "
+            f"reads data.format=seq2seq (inputs/targets) or text (span corruption)"
+        )
+    if arch != "encoder_decoder" and data.format == "seq2seq":
+        raise ConfigError(
+            "data.format='seq2seq' needs model.arch=encoder_decoder (a decoder-only model "
+            "reads data.format=prompt_completion)"
+        )
+    if arch == "encoder_decoder" and data.format == "text" and data.packing == "documents":
+        raise ConfigError(
+            "data.packing=documents packs whole examples: span corruption (model.arch="
+            "encoder_decoder, data.format=text) reads windows of one stream (data.packing=concat)"
+        )
 
 
 def leaf_fields(cls=JobConfig, prefix: str = "") -> dict[str, dataclasses.Field]:

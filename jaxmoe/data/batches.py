@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jaxmoe.compat.optional import require
+from jaxmoe.data.document_packing import PackedDocuments
 from jaxmoe.data.mixture import MixtureBatches
+from jaxmoe.data.options import packs_documents
 from jaxmoe.data.packing import PackedWindows
 from jaxmoe.data.seq2seq import (
     EXTRA_IDS,
@@ -25,7 +27,7 @@ from jaxmoe.data.seq2seq import (
     span_corruption_split,
     tokenizer_sentinels,
 )
-from jaxmoe.data.sources import packed_split
+from jaxmoe.data.sources import document_split, packed_split
 from jaxmoe.data.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
 Batch = dict[str, np.ndarray]
 EpochOrder = Callable[[int], np.ndarray]
-Examples = PackedWindows | SpanCorruptionExamples
+Examples = PackedWindows | SpanCorruptionExamples | PackedDocuments
 
 
 def is_encoder_decoder(config) -> bool:
@@ -41,7 +43,11 @@ def is_encoder_decoder(config) -> bool:
 
 
 def split_examples(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> Examples:
-    """The examples of `data.<split_key>` for the model's task (LM or span corruption)."""
+    """The examples of `data.<split_key>` for the model's task: whole documents packed with
+    segment ids (data.packing=documents, the fine-tuning formats), else LM windows of one
+    token stream or span corruption."""
+    if packs_documents(config.data.packing, config.data.format):
+        return document_split(config, tokenizer, split_key)
     if is_encoder_decoder(config):
         return span_corruption_split(config, tokenizer, split_key, partial_last)
     return packed_split(config, tokenizer, split_key, partial_last)
@@ -251,5 +257,6 @@ class DataBundle:
 def model_vocab(config, tokenizer: Tokenizer) -> int:
     """The vocabulary the model needs: span corruption's sentinels sit above the
     tokenizer's ids (T5's extra ids) unless the tokenizer has its own."""
-    extra = is_encoder_decoder(config) and tokenizer_sentinels(tokenizer) is None
+    spans = is_encoder_decoder(config) and config.data.format == "text"
+    extra = spans and tokenizer_sentinels(tokenizer) is None
     return tokenizer.vocab_size + (EXTRA_IDS if extra else 0)

@@ -14,12 +14,13 @@ Two local sources, named by `data.source`:
 - ``"jsonl:GLOB"``: JSON-lines files, one document per line, its text in the field
   `data.text_key` (default ``text``); ``"parquet:GLOB"``: Parquet files, one document per
   row of the column `data.text_key`. Files in sorted path order, records in file order;
-  blank lines and null or empty texts are skipped.
+  blank lines and null or empty texts are skipped. With a fine-tuning `data.format` a
+  record's fields make its document instead (formats.RecordFields: their JSON).
 
 A document goes to the validation split when a hash of its key (the topic name; the
 paragraph's text for files, so duplicated paragraphs never straddle the two splits) falls
 below `validation_fraction`: deterministic, independent of order and of other documents.
-For jsonl and parquet the key is the document's text.
+For jsonl and parquet the key is the document's text (its JSON for fine-tuning formats).
 """
 
 import dataclasses
@@ -30,6 +31,10 @@ import os
 import pydoc_data.topics
 import re
 from collections.abc import Iterator
+
+from jaxmoe.data.formats import RecordFields
+
+TEXT = RecordFields("text", ("text",))
 
 TRAIN = "train"
 VALIDATION = "validation"
@@ -133,10 +138,10 @@ def text_documents(pattern: str, split: str, fraction: float) -> Iterator[str]:
                 yield paragraph
 
 
-def files_fingerprint(spec: SourceSpec, fraction: float, text_key: str) -> str:
+def files_fingerprint(spec: SourceSpec, fraction: float, fields: RecordFields) -> str:
     """Hash of (path, size, mtime) of every matched file: cheap, and changes on edits."""
-    # The text key changes jsonl/parquet documents only; text files keep their old hash.
-    key = "" if spec.kind == "text" else f"|{text_key}"
+    # The fields change jsonl/parquet documents only; text files keep their old hash.
+    key = "" if spec.kind == "text" else f"|{fields.describe()}"
     h = hashlib.sha256(f"{spec.kind}|{fraction!r}{key}".encode())
     for path in matching_files(spec.arg, spec.kind):
         st = os.stat(path)
@@ -144,17 +149,9 @@ def files_fingerprint(spec: SourceSpec, fraction: float, text_key: str) -> str:
     return h.hexdigest()
 
 
-def _record_text(record, text_key: str, where: str) -> str | None:
-    if not isinstance(record, dict) or text_key not in record:
-        raise ValueError(f"{where}: no field data.text_key={text_key!r}")
-    text = record[text_key]
-    if text is not None and not isinstance(text, str):
-        raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, not text")
-    return text or None
-
-
-def jsonl_texts(path: str, text_key: str) -> Iterator[str]:
-    """The texts of a JSON-lines file, in line order (blank lines and empty texts skipped)."""
+def jsonl_texts(path: str, fields: RecordFields):
+    """The documents of a JSON-lines file, in line order (blank lines and empty texts
+    skipped)."""
     with open(path, encoding="utf-8") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
@@ -163,42 +160,45 @@ def jsonl_texts(path: str, text_key: str) -> Iterator[str]:
                 record = json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{line_no}: not JSON ({e})") from None
-            text = _record_text(record, text_key, f"{path}:{line_no}")
+            text = fields.read(record, f"{path}:{line_no}")
             if text is not None:
                 yield text
 
 
-def parquet_texts(path: str, text_key: str) -> Iterator[str]:
-    """The column `text_key` of a Parquet file, row by row (nulls and empty texts skipped)."""
+def parquet_texts(path: str, fields: RecordFields):
+    """The documents of a Parquet file's `fields` columns, row by row (nulls and empty texts
+    skipped)."""
     import pyarrow.parquet as pq
 
     try:
         file = pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError on non-parquet files
         raise ValueError(f"{path}: not a Parquet file ({e})") from None
-    if text_key not in file.schema_arrow.names:
-        raise ValueError(
-            f"{path}: no column data.text_key={text_key!r} (columns: {file.schema_arrow.names})"
-        )
-    for batch in file.iter_batches(columns=[text_key], batch_size=4096):
-        for text in batch.column(0).to_pylist():
-            if text is not None and not isinstance(text, str):
-                raise ValueError(f"{path}: column {text_key!r} holds {type(text).__name__}")
-            if text:
+    names = file.schema_arrow.names
+    for key in fields.keys:
+        if key not in names:
+            what = "data.text_key" if fields.format == "text" else "field"
+            raise ValueError(f"{path}: no column {what}={key!r} (columns: {names})")
+    row = 0
+    for batch in file.iter_batches(columns=list(fields.keys), batch_size=4096):
+        for record in batch.to_pylist():
+            row += 1
+            text = fields.read(record, f"{path}: row {row}")
+            if text is not None:
                 yield text
 
 
-def record_documents(spec: SourceSpec, split: str, fraction: float, text_key: str):
+def record_documents(spec: SourceSpec, split: str, fraction: float, fields: RecordFields):
     """Yields the documents of the jsonl / parquet files of `spec` that belong to `split`."""
     read = jsonl_texts if spec.kind == "jsonl" else parquet_texts
     for path in matching_files(spec.arg, spec.kind):
-        for text in read(path, text_key):
+        for text in read(path, fields):
             if in_validation(text, fraction) == (split == VALIDATION):
                 yield text
 
 
 def local_documents(
-    spec: SourceSpec, split: str, fraction: float, text_key: str = "text"
+    spec: SourceSpec, split: str, fraction: float, fields: RecordFields = TEXT
 ) -> Iterator[str]:
     """Yields the documents of a local source's split ("train" or "validation")."""
     if split not in LOCAL_SPLITS:
@@ -207,10 +207,10 @@ def local_documents(
         return embedded_documents(split, fraction)
     if spec.kind == "text":
         return text_documents(spec.arg, split, fraction)
-    return record_documents(spec, split, fraction, text_key)
+    return record_documents(spec, split, fraction, fields)
 
 
-def local_fingerprint(spec: SourceSpec, fraction: float, text_key: str = "text") -> str:
+def local_fingerprint(spec: SourceSpec, fraction: float, fields: RecordFields = TEXT) -> str:
     if spec.kind == "embedded":
         return embedded_fingerprint(fraction)
-    return files_fingerprint(spec, fraction, text_key)
+    return files_fingerprint(spec, fraction, fields)

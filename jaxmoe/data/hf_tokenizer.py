@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import tokenizers
 
-from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
+from jaxmoe.data.tokenizer_files import chat_template, generation_eos_ids, read_json_object
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -92,6 +92,13 @@ class HFTokenizer:
                 raise ValueError(f"data.tokenizer={path!r} says add_bos_token but has no bos_token")
         else:
             self.bos_id = prefix[0] if len(prefix) == 1 else None
+        # The special tokens' texts a chat template reads (transformers' special_tokens_map).
+        self.special_tokens = {
+            key: text
+            for key, value in config.items()
+            if key.endswith("_token") and (text := _token_text(value)) is not None
+        }
+        self.chat_template = chat_template(os.path.dirname(self.path), config, path)
         self.pad_token_id = self._special(config, "pad_token", path)  # None: it has none
         self.pad_id = self.pad_token_id or 0
         extra = generation_eos_ids(os.path.dirname(self.path), path)
@@ -143,6 +150,12 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, the [start, end) characters of `text` each id stands for), special tokens
+        written in the text included, none added (what apply_chat_template encodes)."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return encoding.ids, encoding.offsets
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encodes many texts at once, on the library's own threads."""

@@ -16,7 +16,8 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxmoe.data.mixture import source_configs
-from jaxmoe.data.sources import cache_dir, load_tokenizer, token_stream
+from jaxmoe.data.options import FORMAT_KEYS, packs_documents
+from jaxmoe.data.sources import cache_dir, document_split, load_tokenizer, token_stream
 from jaxmoe.data.tokenizer import Tokenizer, write_atomically
 
 log = logging.getLogger("jaxmoe")
@@ -31,9 +32,13 @@ def prepare(config) -> Tokenizer:
     tokenizer = load_tokenizer(config)
     # A streamed train split is tokenized as it is read, by the process that reads it.
     whole_train = not config.data.streaming and not config.data.shards
+    documents = packs_documents(config.data.packing, config.data.format)
     for source_config in source_configs(config):
         for split_key in ("train_split", "eval_split") if whole_train else ("eval_split",):
-            token_stream(source_config, tokenizer, split_key)
+            if documents:  # the example cache, and the packing's line (its share of padding)
+                document_split(source_config, tokenizer, split_key)
+            else:
+                token_stream(source_config, tokenizer, split_key)
     return tokenizer
 
 
@@ -115,6 +120,7 @@ def data_key(config) -> str:
         "vocab_size",
         "tokenizer",
         "data_dir",
+        *FORMAT_KEYS,
     )
     text = "|".join(f"{k}={data.get(k)!r}" for k in keys)
     return hashlib.sha256(text.encode()).hexdigest()[:20]

@@ -15,6 +15,25 @@ CURRICULUM_POLICIES = ("none", "paper", "magnitude")  # data.curriculum (curricu
 CURRICULUM_SOURCES = ("previous_epoch", "scoring_pass")
 # data.curriculum_reference (curriculum.py): the paper policy's reference example.
 CURRICULUM_REFERENCES = ("count", "mean")
+# data.format (formats.py): what one record of a jsonl / parquet source is.
+FORMATS = ("text", "prompt_completion", "chat", "seq2seq")
+# data.packing (document_packing.py): concat = one token stream cut into windows (documents
+# see each other); documents = whole examples per window with segment ids; auto = concat for
+# text, documents for the fine-tuning formats.
+PACKINGS = ("auto", "concat", "documents")
+# data.truncation: an example longer than its window (formats.py).
+TRUNCATIONS = ("left", "drop")
+
+
+# The keys that say how a record becomes an example (they travel with a fine-tuned model).
+FORMAT_KEYS = ("format", "text_key", "prompt_key", "completion_key", "messages_key",
+               "inputs_key", "targets_key", "chat_template", "truncation", "targets_len",
+               "packing")  # fmt: skip
+
+
+def packs_documents(packing: str, format: str) -> bool:
+    """Whether examples are packed whole, with segment ids (data.packing resolved)."""
+    return packing == "documents" or (packing == "auto" and format != "text")
 
 
 @dataclass(frozen=True)
@@ -31,6 +50,37 @@ class DataOptions:
         0.05, "local sources: share of documents held out for evaluation"
     )
     text_key: str = option("text", "tfds feature, jsonl field or parquet column holding the text")
+    format: str = option(
+        "text",
+        "a record is: text (data.text_key) | prompt_completion | chat (messages) | seq2seq "
+        "(inputs/targets, encoder-decoder)",
+        FORMATS,
+    )
+    prompt_key: str = option("prompt", "prompt_completion: field of the prompt (not scored)")
+    completion_key: str = option(
+        "completion", "prompt_completion: field of the completion (scored, then EOS)"
+    )
+    messages_key: str = option(
+        "messages", "chat: field of the [{role, content}] list (assistant turns scored)"
+    )
+    inputs_key: str = option("inputs", "seq2seq: field the encoder reads")
+    targets_key: str = option("targets", "seq2seq: field the decoder predicts (then EOS)")
+    chat_template: str = option(
+        "", 'chat: "" = the tokenizer\'s own, "chatml" = the built-in ChatML, or a .jinja file'
+    )
+    truncation: str = option(
+        "left",
+        "an example longer than train.seq_len: left = its oldest tokens (prompt) cut, "
+        "drop = left out (both counted)",
+        TRUNCATIONS,
+    )
+    targets_len: int = option(0, "seq2seq: decoder tokens per row (0 = train.seq_len)")
+    packing: str = option(
+        "auto",
+        "concat = one token stream in windows (documents see each other) | documents = whole "
+        "examples per window, masked apart | auto = concat for text, else documents",
+        PACKINGS,
+    )
     vocab_size: int = option(1024, "SentencePiece vocabulary when training one")
     tokenizer: str = option(
         "", 'SentencePiece .model, HF tokenizer.json or its folder ("" = train one)'
@@ -66,6 +116,10 @@ class DataOptions:
     )
     mean_noise_span: float = option(3.0, "encoder_decoder span corruption: mean masked span length")
 
+    @property
+    def packed_documents(self) -> bool:
+        return packs_documents(self.packing, self.format)
+
     def check(self) -> None:
         need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
         need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
@@ -81,6 +135,29 @@ class DataOptions:
                 not (self.workers and unsupported),
                 f"data.workers={self.workers} builds cached single-source batches only, "
                 f"not with {culprit} (set data.workers=0)",
+            )
+        need(self.targets_len >= 0, f"data.targets_len={self.targets_len} must be >= 0")
+        if self.format != "text":
+            # Which sources hold records is checked where they are opened (sources.py): a
+            # checkpoint's stored config names the data it was trained on, not this run's.
+            need(
+                self.packing != "concat",
+                f"data.format={self.format!r} packs whole examples (data.packing=documents), "
+                f"not data.packing=concat",
+            )
+            for culprit, unsupported in (
+                (f"data.shards={self.shards}", self.shards > 0),
+                (f"data.curriculum={self.curriculum!r}", self.curriculum != "none"),
+                (f"data.mixture={self.mixture!r}", bool(self.mixture)),
+            ):
+                need(
+                    not unsupported,
+                    f"data.format={self.format!r} is not supported with {culprit} (unset it)",
+                )
+        if self.packed_documents:
+            need(
+                self.shards == 0,
+                f"data.packing=documents is not supported with data.shards={self.shards}",
             )
         need(
             self.prepare_timeout_s > 0,

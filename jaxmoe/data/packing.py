@@ -27,42 +27,69 @@ def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
 
 
-def write_token_cache(documents: Iterable[str], tokenizer: Tokenizer, path: str) -> None:
-    """Tokenizes documents into a 1-D .npy token stream at `path`, atomically.
+class NpyWriter:
+    """A 1-D .npy of `dtype` written piece by piece and renamed into place whole by `close`:
+    values go to a raw temporary file, then the header (which needs the final length) and
+    the raw bytes make the .npy. `discard` removes what an unclosed writer left."""
 
-    Streams: tokens go to a raw temporary file chunk by chunk, then the .npy header (which
-    needs the final length) is written and the raw bytes appended, then the file is renamed.
-    """
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    dtype = token_dtype(tokenizer.vocab_size)
+    def __init__(self, path: str, dtype):
+        self.path, self.dtype, self.count = path, np.dtype(dtype), 0
+        folder = os.path.dirname(path)
+        os.makedirs(folder, exist_ok=True)
+        raw_fd, self._raw_path = tempfile.mkstemp(dir=folder, prefix=".tmp-raw-")
+        self._raw = os.fdopen(raw_fd, "wb")
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.asarray(values, self.dtype)
+        self._raw.write(values.tobytes())
+        self.count += values.size
+
+    def close(self) -> None:
+        self._raw.close()
+        header = {
+            "descr": np.lib.format.dtype_to_descr(self.dtype),
+            "fortran_order": False,
+            "shape": (self.count,),
+        }
+        npy_fd, npy_path = tempfile.mkstemp(
+            dir=os.path.dirname(self.path), prefix=".tmp-", suffix=".npy"
+        )
+        try:
+            with os.fdopen(npy_fd, "wb") as out, open(self._raw_path, "rb") as raw:
+                np.lib.format.write_array_header_1_0(out, header)
+                shutil.copyfileobj(raw, out, 1 << 24)
+            os.chmod(npy_path, 0o644)  # mkstemp makes it private; a cache may be shared
+            os.replace(npy_path, self.path)
+        finally:
+            if os.path.exists(npy_path):
+                os.remove(npy_path)
+            self.discard()
+
+    def discard(self) -> None:
+        self._raw.close()
+        if os.path.exists(self._raw_path):
+            os.remove(self._raw_path)
+
+    def __enter__(self) -> "NpyWriter":
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is None:
+            self.close()
+        else:
+            self.discard()
+
+
+def write_token_cache(documents: Iterable[str], tokenizer: Tokenizer, path: str) -> None:
+    """Tokenizes documents into a 1-D .npy token stream at `path`, atomically (NpyWriter),
+    chunk by chunk."""
     eos = [tokenizer.eos_id]
     bos = [] if tokenizer.bos_id is None else [tokenizer.bos_id]
-    raw_fd, raw_path = tempfile.mkstemp(dir=folder, prefix=".tmp-raw-")
-    npy_fd, npy_path = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".npy")
-    try:
-        num_tokens = 0
-        with os.fdopen(raw_fd, "wb") as raw:
-            docs = iter(documents)
-            while chunk := list(itertools.islice(docs, _DOCS_PER_CHUNK)):
-                encoded = [bos + ids + eos for ids in tokenizer.encode_batch(chunk) if ids]
-                flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype=dtype)
-                raw.write(flat.tobytes())
-                num_tokens += flat.size
-        header = {
-            "descr": np.lib.format.dtype_to_descr(dtype),
-            "fortran_order": False,
-            "shape": (num_tokens,),
-        }
-        with os.fdopen(npy_fd, "wb") as out, open(raw_path, "rb") as raw:
-            np.lib.format.write_array_header_1_0(out, header)
-            shutil.copyfileobj(raw, out, 1 << 24)
-        os.chmod(npy_path, 0o644)  # mkstemp makes it private; a cache may be shared
-        os.replace(npy_path, path)
-    finally:
-        for tmp in (raw_path, npy_path):
-            if os.path.exists(tmp):
-                os.remove(tmp)
+    with NpyWriter(path, token_dtype(tokenizer.vocab_size)) as writer:
+        docs = iter(documents)
+        while chunk := list(itertools.islice(docs, _DOCS_PER_CHUNK)):
+            encoded = [bos + ids + eos for ids in tokenizer.encode_batch(chunk) if ids]
+            writer.append(np.fromiter(itertools.chain.from_iterable(encoded), writer.dtype))
 
 
 def load_tokens(path: str) -> np.ndarray:

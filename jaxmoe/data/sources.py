@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxmoe.compat.optional import require
 from jaxmoe.data import corpus
+from jaxmoe.data.formats import RecordFields
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.tokenizer import Tokenizer, cached_tokenizer, open_tokenizer
 from jaxmoe.storage.mirror import Mirror
@@ -30,6 +31,7 @@ from jaxmoe.storage.paths import absolute_path, is_remote
 
 # Bump when the token stream layout changes, so old token caches are not reused.
 _PACKING_VERSION = "eos-after-doc-v1"
+_EXAMPLES_VERSION = "examples-v1"  # the same for example caches (document_packing.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,18 +91,24 @@ def open_split(config, split_key: str) -> SplitDocuments:
     from jaxmoe.data import tfds_text
 
     spec = corpus.parse_source(config.data.source)
+    if config.data.format != "text" and spec.kind not in ("jsonl", "parquet"):
+        raise ValueError(
+            f"data.format={config.data.format!r} reads records of jsonl:GLOB or parquet:GLOB "
+            f"sources, not data.source={config.data.source!r}"
+        )
     split = _split_key(config, split_key)
     text_key = config.data.text_key or "text"
+    fields = RecordFields.of(config.data)
     if spec.is_local:
         fraction = validation_fraction(config)
-        source_hash = corpus.local_fingerprint(spec, fraction, text_key)
+        source_hash = corpus.local_fingerprint(spec, fraction, fields)
         # Prepared from local files, so kept local: a remote data_dir is for TFDS datasets.
         prepared = data_dir(config)
         if is_remote(prepared):
             prepared = os.path.join(cache_dir(config), "tfds")
         local_dir = os.path.join(prepared, "local", source_hash[:20])
         documents = functools.partial(
-            corpus.local_documents, spec, fraction=fraction, text_key=text_key
+            corpus.local_documents, spec, fraction=fraction, fields=fields
         )
         try:
             tfds_text.prepare_local_dataset(documents, local_dir)
@@ -178,5 +186,49 @@ def packed_split(config, tokenizer: Tokenizer, split_key: str, partial_last: boo
         raise ValueError(
             f"train.seq_len={seq_len} is longer than the {split.split!r} split of "
             f"data.source={config.data.source!r} ({windows.num_tokens} tokens)"
+        )
+    return windows
+
+
+def example_cache(config, tokenizer, split: SplitDocuments):
+    """The split's example cache (document_packing.py), written once, for data.format: its
+    columns {name: (values, offsets)}."""
+    from jaxmoe.data import document_packing as dp
+    from jaxmoe.data.formats import ExampleEncoder
+
+    encoder = ExampleEncoder(config.data, tokenizer)
+    key = dp.cache_key(_EXAMPLES_VERSION, split.fingerprint, tokenizer.sha256, encoder.identity)
+    stem = os.path.join(cache_dir(config), "tokens", f"{split.split}_{key}.examples")
+    columns = ("inputs", "targets") if encoder.format == "seq2seq" else ("ids", "weights")
+    mirror = cache_mirror(config, "tokens")
+    names = dp.cache_files(stem, columns)
+    if not dp.cache_complete(stem) and not (mirror and all(mirror.pull(n) for n in names)):
+        dp.write_example_cache(split.documents, encoder, stem)
+        if mirror:
+            for name in names:
+                mirror.push(name)
+    return dp.load_example_cache(stem)
+
+
+def document_split(config, tokenizer, split_key: str, report=print):
+    """The split named by `data.<split_key>` as whole examples packed into windows
+    (data.packing=documents); prints how many and the share of padding."""
+    from jaxmoe.data.document_packing import PackedDocuments
+
+    split = open_split(config, split_key)
+    seq_len = int(config.train.seq_len)
+    if seq_len <= 1:
+        raise ValueError(f"train.seq_len={seq_len} must be at least 2")
+    data = config.data
+    mode = "split" if data.format == "text" else data.truncation
+    pad_id = 0 if data.format == "seq2seq" else tokenizer.pad_id
+    windows = PackedDocuments(
+        example_cache(config, tokenizer, split), seq_len, pad_id, mode, data.targets_len
+    )
+    report(f"data: {split.split} split of data.source={data.source!r}: {windows.describe()}")
+    if len(windows) == 0:
+        raise ValueError(
+            f"data.source={data.source!r}: the {split.split!r} split has no example that fits "
+            f"train.seq_len={seq_len} (data.truncation={data.truncation!r})"
         )
     return windows

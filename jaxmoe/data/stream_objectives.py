@@ -30,7 +30,9 @@ of TrainBatches, disjoint ids per step and per epoch, the same union.
 import numpy as np
 
 from jaxmoe.data import batches as core
+from jaxmoe.data.formats import ExampleEncoder
 from jaxmoe.data.mixture import Component, component_config, parse_mixture, row_sources
+from jaxmoe.data.options import packs_documents
 from jaxmoe.data.seq2seq import (
     _SEED_TAG,
     EXTRA_IDS,
@@ -44,6 +46,7 @@ from jaxmoe.data.seq2seq import (
 )
 from jaxmoe.data.sources import open_split
 from jaxmoe.data.stream import StreamBatches
+from jaxmoe.data.stream_documents import StreamPackedDocuments
 from jaxmoe.data.tokenizer import with_bos
 
 _DOCUMENT_TAG = 0xD0C  # a document example's mask, apart from a cached window's
@@ -247,9 +250,16 @@ class DocumentExamples:
 
 
 def open_stream(config, tokenizer, rows: slice, spans: SpanCorruption | None):
-    """The train split of `config.data.source` as lanes (LM or span corruption)."""
+    """The train split of `config.data.source` as lanes (LM, span corruption, or whole
+    examples with data.packing=documents)."""
     documents = open_split(config, "train_split").documents
     batch_size, seed = int(config.train.batch_size), int(config.train.seed)
+    data = config.data
+    if packs_documents(data.packing, data.format):
+        encoder = ExampleEncoder(data, tokenizer)
+        seq_len = int(config.train.seq_len)
+        return StreamPackedDocuments(documents, encoder, seq_len, batch_size, seed, rows,
+                                     data.truncation, data.targets_len)  # fmt: skip
     if spans is not None:
         return StreamSpanCorruption(documents, tokenizer, spans, batch_size, seed, rows)
     return StreamBatches(documents, tokenizer, int(config.train.seq_len), batch_size, seed, rows)
@@ -259,7 +269,9 @@ def build_stream(config, tokenizer, process_index: int, process_count: int):
     """The DataBundle of `data.streaming`: train read as it goes, eval from the cache."""
     batch_size = int(config.train.batch_size)
     rows = core._local_rows(batch_size, process_index, process_count, "train.batch_size")
-    spans = SpanCorruption(config, tokenizer) if core.is_encoder_decoder(config) else None
+    spans = None
+    if core.is_encoder_decoder(config) and config.data.format == "text":
+        spans = SpanCorruption(config, tokenizer)
     components = parse_mixture(config.data.mixture)
     if config.data.curriculum != "none":
         if components:

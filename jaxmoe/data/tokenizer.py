@@ -19,7 +19,7 @@ import numpy as np
 import sentencepiece as spm
 from etils import epath
 
-from jaxmoe.data.tokenizer_files import generation_eos_ids, read_json_object
+from jaxmoe.data.tokenizer_files import chat_template, generation_eos_ids, read_json_object
 from jaxmoe.storage.paths import is_remote
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
@@ -55,10 +55,13 @@ class Tokenizer:
             self._read_hf_configs(os.path.dirname(self.path), path)
 
     def _read_hf_configs(self, folder: str, culprit: str) -> None:
-        """BOS and extra stop ids from Hugging Face files beside the model, if any."""
+        """BOS, extra stop ids and the chat template from Hugging Face files beside the
+        model, if any."""
         config_path = os.path.join(folder, "tokenizer_config.json")
+        config = read_json_object(config_path, culprit) if os.path.isfile(config_path) else {}
+        self.chat_template = chat_template(folder, config, culprit)
         wants_bos = os.path.isfile(config_path) and self._sp.bos_id() >= 0
-        if wants_bos and read_json_object(config_path, culprit).get("add_bos_token", False):
+        if wants_bos and config.get("add_bos_token", False):
             self.bos_id = self._sp.bos_id()
             # The id stream depends on BOS too: cached streams must not be reused.
             self.sha256 = hashlib.sha256(f"{self.sha256}|bos".encode()).hexdigest()
@@ -90,6 +93,24 @@ class Tokenizer:
 
     def encode(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """(ids, the [start, end) characters of `text` each id stands for)."""
+        pieces = self._sp.encode(text, out_type="proto").pieces
+        # SentencePiece counts UTF-8 bytes: map byte offsets back to characters.
+        char_at_byte = np.cumsum([0] + [len(c.encode()) for c in text])
+        to_char = {int(b): i for i, b in enumerate(char_at_byte)}
+        return [p.id for p in pieces], [(to_char[p.begin], to_char[p.end]) for p in pieces]
+
+    @property
+    def special_tokens(self) -> dict[str, str]:
+        """The special tokens' texts a chat template reads (bos_token, eos_token, ...)."""
+        sp = self._sp
+        ids = {"bos_token": sp.bos_id(), "eos_token": sp.eos_id(), "unk_token": sp.unk_id(),
+               "pad_token": sp.pad_id()}  # fmt: skip
+        return {key: sp.id_to_piece(i) for key, i in ids.items() if i >= 0}
+
+    chat_template = None  # a SentencePiece model holds none (one beside it: _read_hf_configs)
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encodes many texts at once, on several threads."""

@@ -27,3 +27,23 @@ def generation_eos_ids(folder: str, culprit: str) -> list[int]:
     if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
         raise ValueError(f"data.tokenizer={culprit!r}: {path}: eos_token_id={value!r}")
     return ids
+
+
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers >= 4.43 saves the template
+
+
+def chat_template(folder: str, config: dict, culprit: str) -> str | None:
+    """The tokenizer's chat template, as transformers finds it: chat_template.jinja beside it,
+    else tokenizer_config.json's `chat_template` (`config`: a string, or a list of named
+    templates of which "default" is used); None without one."""
+    path = os.path.join(folder, CHAT_TEMPLATE_FILE)
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    value = config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"data.tokenizer={culprit!r}: chat_template is not a template string")
+    return value or None

@@ -3,6 +3,9 @@
 Scoring follows T5X and Hugging Face so numbers compare 1:1: a decoder-only `targets` list
 of n ids is one sequence with n-1 predictions (no BOS added); an encoder-decoder reads
 `inputs` in the encoder and predicts every target id from `targets` shifted right with 0.
+A checkpoint trained on a fine-tuning format (its stored `data.format`) reads `jsonl:FILE`
+records of that format and scores what training scored: the completion and its EOS, the
+assistant turns, the seq2seq targets (`--per_example`: each example's mean over them).
 """
 
 import copy
@@ -30,6 +33,8 @@ log = logging.getLogger(__name__)
 class Example:
     targets: list[int]
     inputs: list[int] | None = None
+    # Decoder-only: loss weight of each token as a target (its first is never one); None = 1.
+    weights: list[float] | None = None
 
 
 def _ids(value, tokenizer, what: str, where: str, add_eos: bool, vocab_size: int) -> list[int]:
@@ -80,6 +85,33 @@ def jsonl_records(path: str):
             yield line_no, json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{line_no}: not JSON ({error.msg})") from None
+
+
+def read_format_jsonl(path: str, data, tokenizer) -> list[Example]:
+    """Examples of a fine-tuning `data.format` (the checkpoint's, data/formats.py), scored
+    as training scored them: the completion, the assistant turns, the seq2seq targets."""
+    from jaxmoe.data.formats import ExampleEncoder, RecordFields
+
+    if tokenizer is None:
+        raise ValueError(f"data.format={data.format!r} reads text: the checkpoint has no tokenizer")
+    fields, encoder = RecordFields.of(data), ExampleEncoder(data, tokenizer)
+    examples = []
+    for line_no, record in jsonl_records(path):
+        document = fields.read(record, f"{path}:{line_no}")
+        example = None if document is None else encoder.encode(document)
+        if example is None:
+            raise ValueError(f"{path}:{line_no}: the example has no tokens")
+        if data.format == "seq2seq":
+            examples.append(Example(targets=[int(i) for i in example[1]],
+                                    inputs=[int(i) for i in example[0]]))  # fmt: skip
+            continue
+        ids, weights = example
+        if len(ids) < 2 or not weights[1:].any():
+            raise ValueError(f"{path}:{line_no}: nothing to score (no completion / assistant turn)")
+        examples.append(Example(targets=[int(i) for i in ids], weights=[float(w) for w in weights]))
+    if not examples:
+        raise ValueError(f"--data jsonl:{path}: no examples")
+    return examples
 
 
 def read_jsonl(path: str, tokenizer, encoder_decoder: bool, vocab_size: int) -> list[Example]:
@@ -139,7 +171,17 @@ def fit_examples(examples: list[Example], max_len: int, truncate: bool) -> list[
                 f"--truncate scores its first {max_len}"
             )
         cut += 1
-        if e.inputs is None:
+        if e.weights is not None:  # a fine-tuning format: its oldest tokens go (formats.py)
+            from jaxmoe.data.formats import fit_decoder_example
+
+            fitted = fit_decoder_example(np.array(e.targets), np.array(e.weights), max_len, "left")
+            if fitted is None:
+                raise ValueError(
+                    f"example {i}: its last scored part does not fit the model's context of "
+                    f"{max_len} tokens, even with --truncate"
+                )
+            out.append(Example(targets=fitted[0].tolist(), weights=fitted[1].tolist()))
+        elif e.inputs is None:
             out.append(Example(targets=e.targets[: max_len + 1]))
         else:
             out.append(Example(targets=e.targets[:max_len], inputs=e.inputs[:max_len]))
@@ -178,7 +220,7 @@ def batch_examples(examples: list[Example], batch_size: int, encoder_decoder: bo
                 n = len(t) - 1
                 inputs[row, :n] = t[:-1]
                 targets[row, :n] = t[1:]
-            weights[row, :n] = 1.0
+            weights[row, :n] = 1.0 if example.weights is None else example.weights[1:]
         batch = {"inputs": inputs, "targets": targets, "weights": weights}
         if encoder_decoder:
             batch["encoder_inputs"] = encoder
@@ -220,11 +262,11 @@ def evaluate(
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict, which
     names the checkpoint step it scored. Sequences longer than the model's context are
     refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
-    # Token-id data needs no tokenizer; text does (refused in one line without one).
-    text = not data_spec.startswith("jsonl:")
-
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
+    # Token-id data needs no tokenizer; text does (refused in one line without one), and so
+    # does a fine-tuning format (the checkpoint's data.format: read as training read it).
+    text = not data_spec.startswith("jsonl:") or config.data.format != "text"
     # Several processes: each scores every N-th batch on its own devices (across_processes).
     mesh = across_processes.process_mesh(config.mesh)
     model = TrainedModel.open(
@@ -234,7 +276,12 @@ def evaluate(
     encoder_decoder = model.encoder_decoder
     dp = data_parallel_size(mesh)
     batch_size = _round_up(config.train.batch_size, dp)
-    if data_spec.startswith("jsonl:"):
+    if data_spec.startswith("jsonl:") and config.data.format != "text":
+        examples = read_format_jsonl(data_spec.removeprefix("jsonl:"), config.data, tokenizer)
+        examples = fit_examples(examples, config.model.max_len, truncate)
+        batches = batch_examples(examples, batch_size, encoder_decoder)
+        num_examples = len(examples)
+    elif data_spec.startswith("jsonl:"):
         examples = read_jsonl(
             data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
         )

@@ -149,6 +149,12 @@ def apply_rope(x_BLNd, cos_BLh, sin_BLh):
     return rotated.astype(x_BLNd.dtype)
 
 
+def same_segment(query_segments_BL, key_segments_BS):
+    """bool [B, L, S]: whether query i and key j lie in the same document of a packed row
+    (segment ids, batch_fields.py; padding, segment 0, sees only padding)."""
+    return query_segments_BL[:, :, None] == key_segments_BS[:, None, :]
+
+
 def resolve_causal_block(setting: int, length: int) -> int:
     """Query block size of blocked causal attention for a sequence of `length`; 0 = dense.
 
@@ -396,11 +402,23 @@ class Attention(nnx.Module):
         """The per-head sink logits [H] f32, or None without sinks."""
         return self.sinks[...].astype(jnp.float32) if hasattr(self, "sinks") else None
 
-    def __call__(self, x_BLD, *, mask=None, bias=None, positions_BL=None, kv_BSD=None, train=False):
+    def __call__(
+        self,
+        x_BLD,
+        *,
+        mask=None,
+        bias=None,
+        positions_BL=None,
+        kv_BSD=None,
+        train=False,
+        segment_ids_BL=None,
+    ):
         """Self-attention over x, or cross-attention to `kv_BSD` when given.
 
         With `causal_block` set (causal self-attention only) `mask` must be causal.
         `train`: probability dropout on (cached decoding never comes here).
+        `segment_ids_BL` (self-attention of packed rows): the documents `mask` already keeps
+        apart, for the fused kernels, whose causal mode does not read the mask.
         """
         if positions_BL is None and self.rope_theta:
             positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
@@ -419,7 +437,7 @@ class Attention(nnx.Module):
         keep = dropout_multiplier(self.probs_dropout, keep_shape, v.dtype, train)
         if sinks is None and keep is None and bias is None:
             causal = self.causal and kv_BSD is None
-            o = self._kernel(q, k, v, mask, causal)
+            o = self._kernel(q, k, v, mask, causal, segment_ids_BL if kv_BSD is None else None)
             if o is not None:
                 return self.project_out(o)
         if block:
@@ -428,19 +446,27 @@ class Attention(nnx.Module):
             o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep, sinks)
         return self.project_out(o)
 
-    def _kernel(self, q, k, v, mask, causal):
+    def _kernel(self, q, k, v, mask, causal, segment_ids_BL=None):
         """The output through `model.attention_kernel`'s kernel, or None for the XLA path."""
         platform = mesh_platform()
         if resolve_attention_kernel(self.kernel, platform) == XLA:
             return None
         window = self.window if causal else 0
         if resolve_attention_kernel(self.kernel, platform) == SPLASH:
-            return self._splash(q, k, v, causal, window)
+            return self._splash(q, k, v, causal, window, segment_ids_BL)
         return kernel_attention(
-            q, k, v, mask=mask, causal=causal, window=window, scale=self.scale, platform=platform
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=causal,
+            window=window,
+            scale=self.scale,
+            platform=platform,
+            segment_ids_BL=segment_ids_BL,
         )
 
-    def _splash(self, q, k, v, causal, window):
+    def _splash(self, q, k, v, causal, window, segment_ids_BL=None):
         """Splash attention (TPU) for causal self-attention, else None (the XLA path)."""
         from jaxmoe.models.splash_attention import splash_attention, splash_refusal
 
@@ -448,7 +474,9 @@ class Attention(nnx.Module):
         if reason:
             log_once(f"splash attention refuses {reason}")
             return None
-        return splash_attention(q, k, v, scale=self.scale, window=window)
+        return splash_attention(
+            q, k, v, scale=self.scale, window=window, segment_ids_BL=segment_ids_BL
+        )
 
 
 QUERY_CHUNK = 256  # queries per rematerialised piece of the dense path

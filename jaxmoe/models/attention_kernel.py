@@ -90,18 +90,24 @@ def log_once(reason: str) -> None:
         log.warning("attention: %s; this attention keeps the XLA path", reason)
 
 
-def kernel_attention(q_BLHd, k_BSKd, v_BSKd, *, mask, causal, window, scale, platform):
+def kernel_attention(
+    q_BLHd, k_BSKd, v_BSKd, *, mask, causal, window, scale, platform, segment_ids_BL=None
+):
     """softmax(q k^T * scale, masked) v through `jax.nn.dot_product_attention`, or None
     where cuDNN refuses these operands (the caller then runs the XLA path; logged once).
 
     q [B, L, H, d], k/v [B, S, K, d], K dividing H. causal: self-attention whose mask is
     the causal one (then `mask` is not read: the kernel's causal mode replaces it), and
-    `window` > 0 narrows it to keys q - window < k <= q. Otherwise `mask` (bool
+    `window` > 0 narrows it to keys q - window < k <= q; `segment_ids_BL` (packed rows)
+    then keeps documents apart: jax's API takes no segment ids, so they go in as a mask
+    [B, 1, L, L] beside the causal mode (cuDNN adds it as a bias). Otherwise `mask` (bool
     broadcastable to [B, L, S], or None) says which keys each query may see.
     Returns [B, L, H, d].
     """
     impl = implementation(platform)
     dpa_mask = None if causal or mask is None else jnp.asarray(mask)[:, None]
+    if causal and segment_ids_BL is not None:
+        dpa_mask = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
     if impl == "cudnn":
         masked = dpa_mask is not None
         reason = cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, masked=masked, head_dim_max=_head_dim_max())

@@ -250,13 +250,29 @@ def attend_with_cache(
 
 
 def self_attention(
-    attn: Attention, x_BLD, *, mask, positions_BL=None, bias=None, slot=None, train=False
+    attn: Attention,
+    x_BLD,
+    *,
+    mask,
+    positions_BL=None,
+    bias=None,
+    slot=None,
+    train=False,
+    segment_ids_BL=None,
 ):
-    """(output, updated LayerCache or None): plain self-attention, or with `slot` the new
-    tokens' keys/values written to the cache and attended over it. `train`: probability
-    dropout (never with a cache)."""
+    """(output, updated LayerCache or None): plain self-attention (of packed rows with
+    `segment_ids_BL`), or with `slot` the new tokens' keys/values written to the cache and
+    attended over it. `train`: probability dropout (never with a cache)."""
     if slot is None:
-        return attn(x_BLD, mask=mask, bias=bias, positions_BL=positions_BL, train=train), None
+        out = attn(
+            x_BLD,
+            mask=mask,
+            bias=bias,
+            positions_BL=positions_BL,
+            train=train,
+            segment_ids_BL=segment_ids_BL,
+        )
+        return out, None
     return attend_with_cache(attn, x_BLD, slot, mask, positions_BL, bias)
 
 

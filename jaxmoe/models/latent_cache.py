@@ -69,10 +69,18 @@ def latent_attend_with_cache(attn: LatentAttention, x_BLD, slot: CacheSlot, mask
 
 
 def latent_self_attention(
-    attn: LatentAttention, x_BLD, *, mask, positions_BL=None, slot=None, train=False
+    attn: LatentAttention,
+    x_BLD,
+    *,
+    mask,
+    positions_BL=None,
+    slot=None,
+    train=False,
+    segment_ids_BL=None,
 ):
-    """kv_cache.self_attention for MLA: (output, updated cache or None)."""
-    del train  # MLA has no attention dropout
+    """kv_cache.self_attention for MLA: (output, updated cache or None). MLA runs the XLA
+    kernels, whose `mask` keeps packed documents apart already."""
+    del train, segment_ids_BL  # MLA has no attention dropout
     if slot is None:
         return attn(x_BLD, mask=mask, positions_BL=positions_BL), None
     return latent_attend_with_cache(attn, x_BLD, slot, mask, positions_BL)

@@ -73,8 +73,10 @@ def attend_with_ring(attn: Attention, x_BLD, slot: CacheSlot, positions_BL=None)
     return attn.project_out(o_BLHd), cache
 
 
-def ring_self_attention(attn: Attention, x_BLD, *, mask, positions_BL=None, slot, train=False):
+def ring_self_attention(
+    attn: Attention, x_BLD, *, mask, positions_BL=None, slot, train=False, segment_ids_BL=None
+):
     """kv_cache.self_attention's signature for a sliding-window layer decoding with `slot`
     (its ring masks itself: `mask`, built for the full-length caches, is not used)."""
-    del mask, train  # decoding: no dropout
+    del mask, train, segment_ids_BL  # decoding: no dropout, one sequence per row
     return attend_with_ring(attn, x_BLD, slot, positions_BL)

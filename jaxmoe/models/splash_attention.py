@@ -6,7 +6,8 @@ those before it) are skipped, not masked, and no [L, S] scores exist outside VME
 or backward (its own VJP kernels). GQA groups read their K/V head inside the kernel.
 
 It takes causal self-attention of one sequence length (the decoder's training and scoring
-path), with `window` > 0 narrowing it to the keys q - window < k <= q. Inputs are split
+path), with `window` > 0 narrowing it to the keys q - window < k <= q, and the segment ids of
+packed rows (the kernel's SegmentIds: documents never see each other). Inputs are split
 over the mesh as the trainer lays out activations: batch over ("data", "fsdp", "expert"),
 heads over "tensor" (each by the axes that divide it), one kernel per device under
 `jax.shard_map`, vmapped over the local batch.
@@ -65,18 +66,23 @@ def _make_kernel(length: int, heads: int, window: int, interpret: bool):
     )
 
 
-def _local_splash(q_BHLd, k_BKLd, v_BKLd, *, window: int):
-    """One device's causal attention, [B, H, L, d] -> [B, H, L, d]."""
+def _local_splash(q_BHLd, k_BKLd, v_BKLd, segments_BL=None, *, window: int):
+    """One device's causal attention, [B, H, L, d] -> [B, H, L, d]; `segments_BL` (packed
+    rows) keeps documents apart (the kernel's SegmentIds, and-ed with its causal mask)."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
     heads, length = q_BHLd.shape[1:3]
 
-    def run(interpret, q, k, v):
+    def run(interpret, q, k, v, *segments):
         kernel = _make_kernel(length, heads, window, interpret)
-        return jax.vmap(kernel)(q, k, v)
+        if not segments:
+            return jax.vmap(kernel)(q, k, v)
+        ids = splash.SegmentIds(q=segments[0], kv=segments[0])
+        return jax.vmap(kernel)(q, k, v, segment_ids=ids)
 
+    operands = (q_BHLd, k_BKLd, v_BKLd) + (() if segments_BL is None else (segments_BL,))
     return jax.lax.platform_dependent(
-        q_BHLd,
-        k_BKLd,
-        v_BKLd,
+        *operands,
         cpu=functools.partial(run, True),
         default=functools.partial(run, False),
     )
@@ -96,8 +102,9 @@ def _specs(mesh, batch: int, kv_heads: int) -> P:
     return P(tuple(axes) or None, heads)
 
 
-def splash_attention(q_BLHd, k_BLKd, v_BLKd, *, scale=None, window: int = 0):
-    """Causal softmax(q k^T * scale) v, [B, L, H, d] with k/v [B, L, K, d], K dividing H;
+def splash_attention(q_BLHd, k_BLKd, v_BLKd, *, scale=None, window: int = 0, segment_ids_BL=None):
+    """Causal softmax(q k^T * scale) v, [B, L, H, d] with k/v [B, L, K, d], K dividing H,
+    within each document of `segment_ids_BL` [B, L] (packed rows; None = one per row);
     None when the length does not suit the kernel (splash_refusal)."""
     batch, length = q_BLHd.shape[:2]
     if splash_refusal(length):
@@ -106,11 +113,12 @@ def splash_attention(q_BLHd, k_BLKd, v_BLKd, *, scale=None, window: int = 0):
         q_BLHd = q_BLHd * jnp.asarray(scale, q_BLHd.dtype)
     q, k, v = (a.transpose(0, 2, 1, 3) for a in (q_BLHd, k_BLKd, v_BLKd))
     attend = functools.partial(_local_splash, window=int(window))
+    operands = (q, k, v) + (() if segment_ids_BL is None else (segment_ids_BL,))
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
         spec = _specs(mesh, batch, k.shape[1])
+        segment_spec = P(spec[0])  # [B, L]: the batch split as q's
+        specs = (spec,) * 3 + (() if segment_ids_BL is None else (segment_spec,))
         # The kernel's custom VJP carries no varying-axis annotations (as the MoE's).
-        attend = jax.shard_map(
-            attend, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False
-        )
-    return attend(q, k, v).transpose(0, 2, 1, 3)
+        attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
+    return attend(*operands).transpose(0, 2, 1, 3)

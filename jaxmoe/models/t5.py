@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxmoe.models.attention import Attention
+from jaxmoe.models.attention import Attention, same_segment
 from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import (
     CacheSlot,
@@ -208,11 +208,14 @@ class EncoderDecoderLM(nnx.Module):
         self.dropout = make_dropout(cfg, rngs)
         self.encoder_out_dropout = make_dropout(cfg, rngs, share_along_length=False)
 
-    def encode(self, encoder_tokens_BS, *, train: bool = False):
-        """(encoded [B, S, D], aux) for the encoder input tokens."""
+    def encode(self, encoder_tokens_BS, *, train: bool = False, segment_ids_BS=None):
+        """(encoded [B, S, D], aux) for the encoder input tokens; `segment_ids_BS` (packed
+        rows) keeps their documents apart."""
         s = encoder_tokens_BS.shape[1]
         valid_BS = encoder_tokens_BS != 0
         mask = valid_BS[:, None, :] & valid_BS[:, :, None]
+        if segment_ids_BS is not None:
+            mask = mask & same_segment(segment_ids_BS, segment_ids_BS)
         bias = self.encoder_relpos(s, s)
         x = self.token_embed(encoder_tokens_BS, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
@@ -236,15 +239,21 @@ class EncoderDecoderLM(nnx.Module):
         token_mask_BL=None,
         cache: DecodeCache | None = None,
         head: bool = True,
+        segment_ids_BL=None,
+        encoder_segment_ids_BS=None,
     ):
         """(logits [B, L, V] f32, aux) given the encoder output (`head=False`, training: the
         output layer's input [B, L, D] instead, for the chunked loss); `token_mask_BL` (bool, None =
         all) marks the real decoder positions for the MoE losses and statistics. With `cache`
         (holding the cross-attention K/V, `encoded_BSD` unused) the tokens are the next L at
-        slots cache.index.. and the call returns (logits, aux, the advanced cache)."""
+        slots cache.index.. and the call returns (logits, aux, the advanced cache). Packed
+        rows: `segment_ids_BL` and `encoder_segment_ids_BS` number the documents of both
+        sides alike; a decoder token sees only its own document's tokens on either side."""
         b, l = decoder_tokens_BL.shape
         if cache is None:
             self_mask = jnp.tril(jnp.ones((l, l), bool))[None]
+            if segment_ids_BL is not None:
+                self_mask = self_mask & same_segment(segment_ids_BL, segment_ids_BL)
             bias = self.decoder_relpos(l, l)
             states = None
         else:
@@ -255,6 +264,8 @@ class EncoderDecoderLM(nnx.Module):
         cross_mask = jnp.broadcast_to(
             encoder_valid_BS[:, None, :], (b, l, encoder_valid_BS.shape[1])
         )
+        if segment_ids_BL is not None:
+            cross_mask = cross_mask & same_segment(segment_ids_BL, encoder_segment_ids_BS)
         x = self.token_embed(decoder_tokens_BL, compute_dtype(self.cfg))
         x = constrain_batch(dropout(self.dropout, x, train))
 
@@ -318,9 +329,14 @@ class EncoderDecoderLM(nnx.Module):
         token_mask_BL=None,
         cache: DecodeCache | None = None,
         head: bool = True,
+        segment_ids_BL=None,
+        encoder_segment_ids_BS=None,
     ):
         """Encoder padding (token 0) is known; `token_mask_BL` marks the decoder's real
-        positions (e.g. loss weights > 0) for the MoE losses, None = all.
+        positions (e.g. loss weights > 0) for the MoE losses, None = all. Packed rows (T5X's
+        `*_segment_ids`): `encoder_segment_ids_BS` / `segment_ids_BL` number the documents
+        of each side; relative positions need no per-document positions (T5's bias depends
+        only on the distance between two tokens of one document).
 
         With `cache` (kv_cache.init_cache) the decoder tokens are the next L at slots
         cache.index.. and the call returns (logits, aux, the advanced cache). A cache
@@ -342,7 +358,9 @@ class EncoderDecoderLM(nnx.Module):
                 cache=cache,
             )
             return logits, enc_aux | dec_aux, cache
-        encoded, enc_aux = self.encode(encoder_tokens_BS, train=train)
+        encoded, enc_aux = self.encode(
+            encoder_tokens_BS, train=train, segment_ids_BS=encoder_segment_ids_BS
+        )
         logits, dec_aux = self.decode(
             decoder_tokens_BL,
             encoded,
@@ -350,5 +368,7 @@ class EncoderDecoderLM(nnx.Module):
             train=train,
             token_mask_BL=token_mask_BL,
             head=head,
+            segment_ids_BL=segment_ids_BL,
+            encoder_segment_ids_BS=encoder_segment_ids_BS,
         )
         return logits, enc_aux | dec_aux

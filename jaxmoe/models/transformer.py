@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmoe.models.attention import Attention, RopeScaling
+from jaxmoe.models.attention import Attention, RopeScaling, same_segment
 from jaxmoe.models.attention_window import layer_window
 from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import (
@@ -60,10 +60,22 @@ class DecoderBlock(nnx.Module):
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
 
-    def __call__(self, x_BLD, *, mask, positions_BL, train: bool, slot=None, token_mask_BL=None):
+    def __call__(
+        self,
+        x_BLD,
+        *,
+        mask,
+        positions_BL,
+        train: bool,
+        slot=None,
+        token_mask_BL=None,
+        segment_ids_BL=None,
+    ):
         """(x, aux, cache). With `slot` (kv_cache.CacheSlot, decoding) the self-attention
         reads and writes the layer's KV cache and `cache` is the updated one (else None).
-        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics."""
+        `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics;
+        `segment_ids_BL` the documents of packed rows (`mask` already keeps them apart; a
+        fused kernel reads them instead of the mask)."""
         latent = isinstance(self.attn, LatentAttention)
         attend = latent_self_attention if latent else self_attention
         if slot is not None and not latent and self.attn.window:
@@ -75,6 +87,7 @@ class DecoderBlock(nnx.Module):
             positions_BL=positions_BL,
             slot=slot,
             train=train,
+            segment_ids_BL=segment_ids_BL,
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)
@@ -109,10 +122,16 @@ class DecoderLM(nnx.Module):
         cache: DecodeCache | None = None,
         last_only: bool = False,
         head: bool = True,
+        segment_ids_BL=None,
     ):
         """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
         `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
         MoE balance / z losses and routing statistics.
+
+        Packed rows (training and scoring): `segment_ids_BL` int [B, L] numbers the documents
+        of each row (0 = padding) and `positions_BL` counts from each document's start; a
+        token attends only to the earlier tokens of its own document, in every attention
+        kernel, so each document gives the logits it gives alone.
 
         With `cache` (kv_cache.init_cache) the tokens are the next L of each sequence: they
         attend to the cache and to each other, their keys/values are written at slots
@@ -128,6 +147,8 @@ class DecoderLM(nnx.Module):
         b, l = tokens_BL.shape
         if cache is None:
             mask = jnp.tril(jnp.ones((l, l), bool))[None]
+            if segment_ids_BL is not None:
+                mask = mask & same_segment(segment_ids_BL, segment_ids_BL)
             if positions_BL is None:
                 positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
             states = None
@@ -150,6 +171,7 @@ class DecoderLM(nnx.Module):
                 train=train,
                 slot=slot,
                 token_mask_BL=token_mask_BL,
+                segment_ids_BL=segment_ids_BL,
             )
             return constrain_batch(x_BLD), aux, layer_cache
 

@@ -14,6 +14,8 @@ _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 
 # Config keys holding one path each ("" keeps the key's default).
 PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
+# Config keys holding a path or one of these names (data.chat_template: chat_template.py).
+PATH_OR_NAME_KEYS = {"data.chat_template": ("chatml",)}
 # Data specs `KIND:PATH` whose argument is a local path or glob (tfds:NAME is not).
 PATH_SPEC_KINDS = ("jsonl", "text", "parquet")
 
@@ -55,6 +57,11 @@ def absolute_config_paths(config) -> None:
         for key in PATH_KEYS:
             section, leaf = key.split(".")
             if section in config and leaf in config[section]:
+                config[section][leaf] = absolute_path(config[section][leaf])
+        for key, names in PATH_OR_NAME_KEYS.items():
+            section, leaf = key.split(".")
+            present = section in config and leaf in config[section]
+            if present and config[section][leaf] not in names:
                 config[section][leaf] = absolute_path(config[section][leaf])
         if "data" in config and "source" in config.data:
             config.data.source = absolute_data_spec(config.data.source)

@@ -204,6 +204,7 @@ def _train(
             f"train.batch_size={config.train.batch_size} is not divisible by the "
             f"data-parallel size {dp} (mesh {dict(mesh.shape)})"
         )
+    from jaxmoe.data.batch_fields import check_batch
     from jaxmoe.data.pipeline import build_data
     from jaxmoe.parallel.distributed import barrier
     from jaxmoe.training.curriculum_hooks import make_curriculum
@@ -219,6 +220,7 @@ def _train(
     optimizer, schedule = make_optimizer(config.optimizer, total_steps)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     check_step_fits(config, mesh, abstract_state, shardings)
+    check_batch(data.eval_batches[0])
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
         for key, value in data.eval_batches[0].items()
@@ -227,7 +229,10 @@ def _train(
     curriculum = make_curriculum(config, str(workdir_path), data.train, batch_shardings)
 
     checkpoints = TrainCheckpoints(
-        str(workdir_path), config.train.max_to_keep, tokenizer=data.tokenizer
+        str(workdir_path),
+        config.train.max_to_keep,
+        tokenizer=data.tokenizer,
+        chat_template=config.data.chat_template,
     )
     closers.append(checkpoints.close)
     restored = checkpoints.restore_latest(abstract_state)
@@ -305,7 +310,10 @@ def _train(
             with goodput.phase("data"):
                 if curriculum:
                     curriculum.before_batch(state["params"])  # orders the next epoch
-                batch = to_global(next(data.train), batch_shardings)
+                host_batch = next(data.train)
+                if compiled is None:  # the fields every data path must give (batch_fields.py)
+                    check_batch(host_batch)
+                batch = to_global(host_batch, batch_shardings)
             if compiled is None:
                 with goodput.phase("compile"):
                     compiled = step_fn.lower(state, batch).compile()

@@ -94,7 +94,9 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
 
     Positions of loss weight 0 (padding; a decoder-only window's last real token, whose
     prediction is padding too) count in no MoE loss or routing statistic (the complexity
-    vectors): with causal attention nothing they route reaches a weighted prediction.
+    vectors): with causal attention nothing they route reaches a weighted prediction. Packed
+    rows (segment ids) count every token of a document instead: a prompt's tokens are not
+    scored but route like any other.
     """
     return _call(merge_model(graphdef, params, rest, rng), batch, train=train, head=True)
 
@@ -107,8 +109,18 @@ def forward_hidden(graphdef, params, batch, *, train: bool, rest=None, rng=None)
     return hidden_BLD, model.output_weights(), aux
 
 
+def real_positions_BL(batch):
+    """bool [B, L]: the decoder positions that hold tokens (for the MoE statistics): those
+    of a document in packed rows, else those with loss weight > 0; None = all."""
+    if "segment_ids" in batch:
+        return batch["segment_ids"] > 0
+    return batch["weights"] > 0 if "weights" in batch else None
+
+
 def _call(model, batch, *, train: bool, head: bool):
-    token_mask = batch["weights"] > 0 if "weights" in batch else None
+    """The model on a batch's fields (data/batch_fields.py)."""
+    token_mask = real_positions_BL(batch)
+    segments = batch.get("segment_ids")
     if "encoder_inputs" in batch:
         return model(
             batch["encoder_inputs"],
@@ -116,8 +128,17 @@ def _call(model, batch, *, train: bool, head: bool):
             train=train,
             token_mask_BL=token_mask,
             head=head,
+            segment_ids_BL=segments,
+            encoder_segment_ids_BS=batch.get("encoder_segment_ids"),
         )
-    return model(batch["inputs"], train=train, token_mask_BL=token_mask, head=head)
+    return model(
+        batch["inputs"],
+        train=train,
+        token_mask_BL=token_mask,
+        head=head,
+        segment_ids_BL=segments,
+        positions_BL=batch.get("positions"),
+    )
 
 
 def real_tokens_BM(batch, layers) -> jax.Array:
@@ -127,8 +148,9 @@ def real_tokens_BM(batch, layers) -> jax.Array:
     give the curriculum its top-2 token counts."""
     b, length = batch["inputs"].shape
     decoder_B = jnp.full((b,), length, jnp.float32)
-    if "weights" in batch:
-        decoder_B = jnp.sum(batch["weights"] > 0, axis=1).astype(jnp.float32)
+    real_BL = real_positions_BL(batch)
+    if real_BL is not None:
+        decoder_B = jnp.sum(real_BL, axis=1).astype(jnp.float32)
     columns = [decoder_B] * len(layers)
     if "encoder_inputs" in batch:
         encoder_B = jnp.sum(batch["encoder_inputs"] != 0, axis=1).astype(jnp.float32)

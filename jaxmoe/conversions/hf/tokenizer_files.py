@@ -34,6 +34,7 @@ TOKENIZER_FILES = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "tokenizer.model",
+    "chat_template.jinja",
 )
 GENERATION_CONFIG = "generation_config.json"
 KEPT_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
