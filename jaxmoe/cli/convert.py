@@ -175,13 +175,22 @@ def _add_surgery(subparsers) -> None:
     gqa.add_argument("--seed", type=int, default=0, help="for --method=random")
     gqa.set_defaults(run=run_gqa)
 
-    upcycle = subparsers.add_parser("upcycle", help="dense -> MoE: FFN copies + fresh routers")
+    upcycle = subparsers.add_parser(
+        "upcycle", help="dense -> MoE: FFN copies (or random experts) + fresh routers"
+    )
     upcycle.add_argument("src", type=absolute_path, help="dense jaxmoe checkpoint")
     upcycle.add_argument("dst", type=absolute_path, help="new checkpoint directory")
     upcycle.add_argument("--num_experts", type=int, required=True)
     upcycle.add_argument("--every", type=int, default=1, help="MoE in every K-th layer")
     upcycle.add_argument("--gating", default=None, help="model.moe.gating of the MoE model")
-    upcycle.add_argument("--seed", type=int, default=0, help="router initialisation")
+    upcycle.add_argument("--seed", type=int, default=0, help="router (and --init random) draws")
+    upcycle.add_argument(
+        "--init",
+        default="copy",
+        choices=("copy", "random"),
+        help="experts: copies of the dense FFN, or randomly initialised (the adaptive-gating "
+        "paper's MoE models from dense ones)",
+    )
     upcycle.set_defaults(run=run_upcycle)
 
 
@@ -223,7 +232,7 @@ def run_upcycle(args) -> int:
     start = time.perf_counter()
     with interrupts_in_one_line(args.dst):
         config = convert_upcycle(
-            args.src, args.dst, args.num_experts, args.every, args.gating, args.seed
+            args.src, args.dst, args.num_experts, args.every, args.gating, args.seed, args.init
         )
     _summary(args.dst, config, start)
     return 0

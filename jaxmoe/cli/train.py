@@ -1,14 +1,23 @@
-"""`jaxmoe train --config C --workdir W`: train, or resume from W's latest checkpoint."""
+"""`jaxmoe train --config C --workdir W`: train, or resume from W's latest checkpoint.
+
+Fine-tuning: `--config.train.init_from=CKPT` without --config takes the model, tokenizer
+and data format from CKPT (training/init_from.py); with --config the file's model keys must
+agree with CKPT's."""
 
 import json
 
 from jaxmoe.cli.flags import add_distributed_flags, add_override_flag, initialize_from_flags
 
+DEFAULT_CONFIG = "configs/default.py"
+
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train or resume a model")
     parser.add_argument(
-        "--config", default="configs/default.py", help="config file, optionally with :variant"
+        "--config",
+        default=None,
+        help="config file, optionally with :variant (default: configs/default.py, or with "
+        "--config.train.init_from=CKPT and no --config, CKPT's own config)",
     )
     add_override_flag(parser)
     parser.add_argument(
@@ -25,9 +34,18 @@ def run(args) -> int:
     import jax
 
     from jaxmoe.config.loading import load_config
+    from jaxmoe.training.init_from import (
+        adopt_checkpoint_model,
+        config_from_checkpoint,
+        overridden_keys,
+    )
     from jaxmoe.training.loop import train
 
-    config = load_config(args.config, args.overrides)
+    if args.config is None and "train.init_from" in overridden_keys(args.overrides):
+        config = config_from_checkpoint(args.overrides)
+    else:
+        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
+        adopt_checkpoint_model(config, overridden_keys(args.overrides))
     initialize_from_flags(args)
     summary = train(config, args.workdir, progress=not args.no_progress)
     if jax.process_index() == 0:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 # The mesh conversions run on: every device along fsdp, so no device holds a full copy.
 _CONVERT_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
 _EXPERT_KERNELS = ("wi_0", "wi_1", "wi", "wo")
+UPCYCLE_INITS = ("copy", "random")  # convert upcycle --init
 
 
 # --- GQA: pooling key/value heads ------------------------------------------------------
@@ -188,12 +189,18 @@ def upcycle_config(
     return config
 
 
-def upcycle_params(params: dict, abstract_moe_params: dict, seed: int = 0) -> dict:
-    """MoE parameters from dense ones: expert kernels tiled E times, fresh routers.
+def upcycle_params(
+    params: dict, abstract_moe_params: dict, seed: int = 0, init: str = "copy"
+) -> dict:
+    """MoE parameters from dense ones: expert kernels tiled E times (`init="copy"`), or
+    drawn as a fresh MoE layer draws them (`init="random"`: the adaptive-gating paper's MoE
+    models from dense ones), and fresh routers.
 
     abstract_moe_params: the upcycled model's parameter shapes (leaves with .shape). Every
     other parameter must exist in `params` with the same shape.
     """
+    if init not in UPCYCLE_INITS:
+        raise ValueError(f"--init={init!r} is not one of {' | '.join(UPCYCLE_INITS)}")
     dense = flatten(params)
     base_key = jax.random.key(seed)
     out, used = {}, set()
@@ -209,7 +216,11 @@ def upcycle_params(params: dict, abstract_moe_params: dict, seed: int = 0) -> di
                     f"{name}: dense FFN kernel of shape {source_shape} cannot become experts "
                     f"of shape {shape}"
                 )
-            out[path] = jnp.broadcast_to(dense[path], shape)
+            if init == "random":  # the initialiser of MoE layer experts (models/moe/layer.py)
+                key = jax.random.fold_in(base_key, index)
+                out[path] = fan_in_init((1,))(key, shape, dense[path].dtype)
+            else:
+                out[path] = jnp.broadcast_to(dense[path], shape)
         elif path[-1] == "router":
             # The initialiser of a fresh MoE router (unit-variance logits for unit-RMS x):
             # with combine weights summing to one it does not change the function.
@@ -313,14 +324,21 @@ def convert_gqa(
 
 
 def convert_upcycle(
-    src: str, dst: str, num_experts: int, every: int = 1, gating: str | None = None, seed: int = 0
+    src: str,
+    dst: str,
+    num_experts: int,
+    every: int = 1,
+    gating: str | None = None,
+    seed: int = 0,
+    init: str = "copy",
 ) -> ConfigDict:
-    """Write DST: dense SRC with every `every`-th FFN made `num_experts` experts."""
+    """Write DST: dense SRC with every `every`-th FFN made `num_experts` experts (copies of
+    it, or random with `init="random"`)."""
     _check_dst(src, dst)
     new_config = upcycle_config(read_config(src), num_experts, every, gating)
     _check_fits_host(new_config, num_experts)
     _, params, mesh = _restore(src)
     moe_spec = model_spec(unrolled_config(new_config.model), mesh)
-    new_params = upcycle_params(params, moe_spec.abstract_params, seed)
+    new_params = upcycle_params(params, moe_spec.abstract_params, seed, init)
     _write(src, dst, new_params, new_config, mesh)
     return new_config

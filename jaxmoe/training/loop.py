@@ -34,6 +34,7 @@ from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.storage.paths import absolute_path
+from jaxmoe.training.freezing import frozen_tree, with_frozen
 from jaxmoe.training.goodput import Goodput
 from jaxmoe.training.metrics import MetricsWriter, wandb_options
 from jaxmoe.training.optimizer import make_optimizer
@@ -218,6 +219,8 @@ def _train(
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps
     optimizer, schedule = make_optimizer(config.optimizer, total_steps)
+    frozen = frozen_tree(spec.abstract_params, config.train.freeze, config.train.trainable)
+    optimizer = with_frozen(optimizer, frozen)  # train.freeze: no state, no update
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     check_step_fits(config, mesh, abstract_state, shardings)
     check_batch(data.eval_batches[0])
@@ -254,7 +257,7 @@ def _train(
                     opt_state = init(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
-    fns = step_fns(config, spec, optimizer, schedule)
+    fns = step_fns(config, spec, optimizer, schedule, frozen)
     step_fn = jit_train_step(fns, shardings, batch_shardings)
     eval_batches = data.eval_batches
     # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.

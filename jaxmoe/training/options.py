@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
+from jaxmoe.training.freezing import parse_groups
 from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
 from jaxmoe.training.profiling import parse_profile_steps
 
@@ -44,6 +45,12 @@ class TrainOptions:
     logits_z_loss: float = option(
         0.0, "output z-loss: coef * mean(logsumexp(logits)^2) over targets"
     )
+    freeze: str = option(
+        "",
+        "parameter groups kept fixed, a comma list of router | experts | shared_experts | "
+        "dense_ffn | attention | norms | embeddings | head (training/freezing.py)",
+    )
+    trainable: str = option("", 'the only groups trained, the rest frozen ("" = all)')
     loss_chunk: int = option(
         0,
         "training loss: apply the output layer to this many positions of every sequence at "
@@ -74,6 +81,15 @@ class TrainOptions:
             parse_profile_steps(self.profile_steps)
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        try:
+            parse_groups(self.freeze, "train.freeze")
+            parse_groups(self.trainable, "train.trainable")
+        except ValueError as error:
+            raise ConfigError(str(error)) from None
+        need(
+            not (self.freeze and self.trainable),
+            f"train.freeze={self.freeze!r} and train.trainable={self.trainable!r}: set one",
+        )
         need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
         need(self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be >= 0")
         need(

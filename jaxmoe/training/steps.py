@@ -20,6 +20,7 @@ from jaxmoe.models.moe import balancing
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import head_of, period_of
 from jaxmoe.training.chunked_loss import chunked_output_losses
+from jaxmoe.training.freezing import mask_gradients
 
 SCALAR_MOE_KEYS = (
     "top2_fraction",
@@ -62,13 +63,18 @@ class StepFns:
     moe_layer_ids: tuple = ()
     period: int = 1
     scan_head: int = 0  # layers a scanned stack unrolls before its periods (stack.head_of)
+    # train.freeze / train.trainable (freezing.py): per parameter leaf, in tree order, whether
+    # it is frozen (its gradient dropped where it is computed); None: all train.
+    frozen_leaves: tuple[bool, ...] | None = None
 
 
-def step_fns(config, spec, optimizer, schedule) -> StepFns:
-    """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer."""
+def step_fns(config, spec, optimizer, schedule, frozen=None) -> StepFns:
+    """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer;
+    `frozen`: freezing.frozen_tree of the parameters (None: all train)."""
     m = config.model
     moe = m.moe
     return StepFns(
+        frozen_leaves=None if frozen is None else tuple(jax.tree.leaves(frozen)),
         graphdef=spec.graphdef,
         optimizer=optimizer,
         schedule=schedule,
@@ -231,7 +237,14 @@ def train_step(state, batch, fns: StepFns):
     """One optimizer step (with `grad_accum` micro-batches scanned in sequence)."""
     params = state["params"]
     total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
-    grad_fn = jax.value_and_grad(_loss, has_aux=True)
+    frozen = None
+    if fns.frozen_leaves is not None:
+        frozen = jax.tree.unflatten(jax.tree.structure(params), fns.frozen_leaves)
+
+    def grad_fn(*args):
+        (loss, extra), grads = jax.value_and_grad(_loss, has_aux=True)(*args)
+        return (loss, extra), mask_gradients(grads, frozen)
+
     rng = jax.random.fold_in(jax.random.key(fns.seed), state["step"])
     if fns.grad_accum == 1:
         (_, extra), grads = grad_fn(params, batch, total_weight, rng, fns)

@@ -1,0 +1,111 @@
+"""Fine-tuning from a checkpoint (`train.init_from`): the model comes from the checkpoint.
+
+`jaxmoe train --workdir RUN --config.train.init_from=CKPT` with no `--config` starts from
+CKPT's stored config: its model section, its tokenizer and its data format keys
+(INHERITED_DATA_KEYS: how its examples were read, so a fine-tuned checkpoint fine-tunes on
+the same kind of data), with the train, optimizer and mesh sections at their defaults; the
+command line overrides any of them. With a `--config` file the file's train, data and
+optimizer keys apply, and its model section must agree with the checkpoint: a model key the
+file or the command line sets to another value than CKPT's is refused in one line, except
+the keys a run may choose for itself (RUN_MODEL_KEYS: how the model computes, routes and is
+regularised, never what its parameters are). A model key left at its default takes CKPT's.
+"""
+
+from collections.abc import Collection
+
+from ml_collections import ConfigDict
+
+from jaxmoe.checkpoints.manager import read_config
+from jaxmoe.config.defaults import base_config
+from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.schema import leaf_fields
+from jaxmoe.config.validation import get, validate
+from jaxmoe.data.options import FORMAT_KEYS
+from jaxmoe.errors import ConfigError
+
+INHERITED_DATA_KEYS = ("tokenizer", "eos_token", *FORMAT_KEYS)
+# Model keys a fine-tuning run may set apart from its checkpoint (the adaptive-gating paper
+# fine-tunes a top-2 checkpoint with another gate): none changes a parameter.
+RUN_MODEL_KEYS = frozenset(
+    f"model.{key}"
+    for key in (
+        "dtype", "attention_block", "attention_kernel", "remat", "scan_layers", "dropout_rate",
+        "max_len", "moe.gating", "moe.threshold", "moe.top_k", "moe.top_p", "moe.max_k",
+        "moe.eval_gating", "moe.gap_normalization", "moe.renormalize", "moe.single_weight",
+        "moe.capacity_factor", "moe.balance_loss_weight", "moe.balance_fractions",
+        "moe.z_loss_weight", "moe.expert_dropout_rate", "moe.jitter", "moe.block_size",
+        "moe.dispatch", "moe.ep_exchange", "moe.ep_buffer_factor", "moe.bias_update_rate",
+        "moe.sequence_balance_weight",
+    )
+)  # fmt: skip
+
+
+def _key(override: str) -> str:
+    return override.removeprefix("--").removeprefix("config.").partition("=")[0]
+
+
+def overridden_keys(overrides) -> set[str]:
+    """The keys `--config.KEY=VALUE` overrides set."""
+    return {_key(item) for item in overrides}
+
+
+def config_from_checkpoint(overrides) -> ConfigDict:
+    """The config of `jaxmoe train` without --config: train.init_from's checkpoint's model,
+    tokenizer and data format (see the module doc), defaults elsewhere, then `overrides`."""
+    config = base_config()
+    apply_overrides(config, overrides)  # paths made absolute, types checked
+    stored = _stored(config.train.init_from)
+    explicit = overridden_keys(overrides)
+    with config.unlocked():
+        config.model = ConfigDict(stored.model.to_dict())
+        for key in INHERITED_DATA_KEYS:
+            if f"data.{key}" not in explicit:
+                config.data[key] = stored.data[key]
+    # The model keys the command line sets, again on the checkpoint's model: a run may
+    # change RUN_MODEL_KEYS; any other is refused by adopt_checkpoint_model.
+    apply_overrides(config, [o for o in overrides if _key(o).startswith("model.")])
+    adopt_checkpoint_model(config, explicit, stored)
+    return config
+
+
+def adopt_checkpoint_model(config, explicit: Collection[str] = (), stored=None) -> None:
+    """config.model made the checkpoint's (train.init_from), in place: keys that agree or
+    are left at their defaults take the checkpoint's values; RUN_MODEL_KEYS the config sets
+    (in `explicit`, or to a value other than the default) keep the config's; any other
+    disagreement is a one-line ConfigError naming the key and both values."""
+    if not config.train.init_from:
+        return
+    stored = stored if stored is not None else _stored(config.train.init_from)
+    defaults = base_config()
+    fields = leaf_fields()
+    with config.unlocked():
+        for key in (k for k in fields if k.startswith("model.")):
+            mine, theirs = get(config, key), get(stored, key)
+            if mine == theirs:
+                continue
+            chosen = key in explicit or mine != get(defaults, key)
+            if not chosen:
+                _set(config, key, theirs)
+            elif key not in RUN_MODEL_KEYS:
+                raise ConfigError(
+                    f"{key}={mine!r} disagrees with train.init_from's checkpoint ({theirs!r}): "
+                    f"a fine-tuning run takes its model from the checkpoint (leave {key} out, "
+                    f"or leave out --config to take the checkpoint's config)"
+                )
+    validate(config)
+
+
+def _stored(init_from: str) -> ConfigDict:
+    try:
+        return read_config(init_from)
+    except Exception as error:  # a missing or unreadable checkpoint: one line naming it
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"train.init_from={init_from!r}: {first}") from None
+
+
+def _set(config, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node[part]
+    node[leaf] = value
