@@ -18,7 +18,7 @@ VARIANTS = ("dense", "top1", "top2", "adaptive", "top_p")
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
-    c = base_config()  # every key: `python -m jaxmoe.config` (docs/configs.md)
+    c = base_config()  # every key: `jaxmoe config` (docs/configs.md)
     if variant:
         _apply_variant(c, variant)
     return c

@@ -14,6 +14,7 @@ import warnings
 
 from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepare, train
 from jaxmoe.cli import compile as compile_command  # not the builtins
+from jaxmoe.cli import config as config_command
 from jaxmoe.cli import eval as eval_command
 from jaxmoe.cli.flags import CommandParser
 from jaxmoe.errors import ConfigError
@@ -43,6 +44,7 @@ COMMANDS = (
     decode,
     compile_command,
     analyze_routing,
+    config_command,
 )
 
 

@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.conversions.choices import METHODS
+from jaxmoe.cli.flags import add_override_flag
+from jaxmoe.conversions.choices import HF_FAMILIES, METHODS
+from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import absolute_path
 
 # Each run_* imports its converter: `jaxmoe convert --help` must not start JAX.
@@ -44,6 +46,7 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
         "src", type=absolute_path, help="T5X checkpoint_<step> directory (or its msgpack file)"
     )
     parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
+    add_override_flag(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.add_argument(
         "--num_heads", type=int, default=None, help="check against the relpos table"
@@ -139,9 +142,9 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         help="Hugging Face safetensors checkpoint -> jaxmoe checkpoint",
         description=(
             "Convert a Hugging Face checkpoint directory (config.json + model.safetensors or "
-            "an index of shards) of a Llama, Mistral, Mixtral, Qwen2, Qwen2-MoE, Qwen3-MoE, "
-            "OLMoE, GPT-OSS or T5 v1.1 model (or a "
-            "jaxmoe_moe export); its tokenizer files are kept in DST/tokenizer. "
+            "an index of shards) of one of these families (config.json's model_type): "
+            + ", ".join(f"{name} ({key})" for key, name in HF_FAMILIES.items())
+            + ". Its tokenizer files are kept in DST/tokenizer. "
             "--config.KEY=VALUE overrides are stored in DST's config."
         ),
     )
@@ -149,6 +152,7 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         "src", type=absolute_path, help="HF checkpoint directory (what save_pretrained writes)"
     )
     parser.add_argument("dst", type=absolute_path, help="new jaxmoe checkpoint directory")
+    add_override_flag(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.set_defaults(run=run_hf)
     return parser
@@ -212,7 +216,17 @@ def _summary(dst: str, config, start: float) -> None:
     )
 
 
+def _no_overrides(args, command: str) -> None:
+    """Surgery keeps SRC's config but for the keys it changes: an override would be lost."""
+    if args.overrides:
+        raise ConfigError(
+            f"convert {command} takes no --config overrides (got {args.overrides[0]!r}): "
+            f"it keeps SRC's config; set keys when you train from DST"
+        )
+
+
 def run_gqa(args) -> int:
+    _no_overrides(args, "gqa")
     from jaxmoe.checkpoints.staging import interrupts_in_one_line
     from jaxmoe.conversions.surgery import convert_gqa
 
@@ -226,6 +240,7 @@ def run_gqa(args) -> int:
 
 
 def run_upcycle(args) -> int:
+    _no_overrides(args, "upcycle")
     from jaxmoe.checkpoints.staging import interrupts_in_one_line
     from jaxmoe.conversions.surgery import convert_upcycle
 

@@ -97,7 +97,8 @@ def add_override_flag(parser: argparse.ArgumentParser) -> None:
         dest="_override_help",
         default=argparse.SUPPRESS,
         help="set any config key, repeatable (e.g. --config.train.steps=100 "
-        "--config.model.dtype=bfloat16)",
+        "--config.model.dtype=bfloat16); `jaxmoe config [SECTION]` lists every key with "
+        "its type, default and one-line doc",
     )
 
 

@@ -3,7 +3,7 @@ with data.shards, `--process_id I --num_processes N` prepares what process I of 
 
 import time
 
-from jaxmoe.cli.flags import non_negative_int, positive_int
+from jaxmoe.cli.flags import add_override_flag, non_negative_int, positive_int
 
 
 def add_parser(subparsers) -> None:
@@ -13,6 +13,7 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--config", default="configs/default.py", help="config file, optionally with :variant"
     )
+    add_override_flag(parser)
     shards = "with data.shards: prepare only the train shards that process of a run reads"
     parser.add_argument("--process_id", type=non_negative_int, default=0, help=shards)
     parser.add_argument(
