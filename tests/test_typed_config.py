@@ -83,11 +83,12 @@ def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
     # rope_truncate) and GPT-OSS (sliding_window, layer_types, attention_sinks, out_bias,
     # swiglu_alpha, swiglu_limit, moe.expert_bias), and issue 29's model.attention_kernel and
     # issue 32's data.workers and data.shards, and issue 44's fine-tuning keys: data.format, its
-    # five field keys, chat_template, truncation, targets_len, packing; train.freeze/trainable.
-    assert len(_leaves(config)) == 159
+    # five field keys, chat_template, truncation, targets_len, packing; train.freeze/trainable;
+    # issue 50's model.quantization and model.quantization_scaling.
+    assert len(_leaves(config)) == 161
     assert set(config.keys()) == {"model", "train", "optimizer", "mesh", "data"}
     lines = describe()
-    assert len(lines) == 159 and all("\n" not in line and "): " in line for line in lines)
+    assert len(lines) == 161 and all("\n" not in line and "): " in line for line in lines)
     arch = "model.arch (str, 'decoder'): the architecture ['decoder' | 'encoder_decoder']"
     assert lines[0] == arch
     view = typed(config)

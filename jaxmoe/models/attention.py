@@ -30,13 +30,13 @@ from jaxmoe.models.attention_window import (
 )
 from jaxmoe.models.layers import (
     RMSNorm,
-    cast_weight,
     dropout_module,
     dropout_multiplier,
     fan_in_init,
     make_param,
-    matmul_2d,
+    project,
 )
+from jaxmoe.models.quantization import NONE, Quantization
 from jaxmoe.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
 
 NEG_INF = -1e30  # finite: a fully masked row must give zeros, not NaNs
@@ -306,10 +306,12 @@ class Attention(nnx.Module):
         out_bias: bool = False,
         kernel: str = XLA,
         causal: bool = False,
+        quant: Quantization = NONE,
         rngs: nnx.Rngs,
     ):
         resolve_attention_kernel(kernel, "cpu")  # an unknown name fails here, by its key
         self.kernel, self.causal = kernel, causal
+        self.quant = quant  # the q/k/v/out projections' products (quantization.py)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
@@ -372,7 +374,7 @@ class Attention(nnx.Module):
         return norm(x_BLNd.reshape(*x_BLNd.shape[:2], -1)).reshape(x_BLNd.shape)
 
     def project_q(self, x_BLD, positions_BL=None):
-        q = matmul_2d(x_BLD, cast_weight(self.query[...], x_BLD.dtype))
+        q = project(x_BLD, self.query[...], self.quant)
         if self.qkv_bias:
             q = q + self.query_bias[...].astype(q.dtype)
         q = self._normed(getattr(self, "q_norm", None), q)
@@ -382,8 +384,8 @@ class Attention(nnx.Module):
 
     def project_kv(self, x_BSD, positions_BS=None):
         dtype = x_BSD.dtype
-        k = matmul_2d(x_BSD, cast_weight(self.key[...], dtype))
-        v = matmul_2d(x_BSD, cast_weight(self.value[...], dtype))
+        k = project(x_BSD, self.key[...], self.quant)
+        v = project(x_BSD, self.value[...], self.quant)
         if self.qkv_bias:
             k = k + self.key_bias[...].astype(dtype)
             v = v + self.value_bias[...].astype(dtype)
@@ -393,7 +395,7 @@ class Attention(nnx.Module):
         return k, v
 
     def project_out(self, o_BLHd):
-        out = matmul_2d(o_BLHd, cast_weight(self.out[...], o_BLHd.dtype), contract=2)
+        out = project(o_BLHd, self.out[...], self.quant, contract=2)
         if hasattr(self, "out_bias"):
             out = out + self.out_bias[...].astype(out.dtype)
         return out

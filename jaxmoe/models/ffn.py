@@ -8,6 +8,7 @@ so which layers are MoE is decided here once.
 from flax import nnx
 
 from jaxmoe.models.layers import MLP, GatedMLP
+from jaxmoe.models.quantization import Quantization
 
 
 def dense_layer_ids(spec: str, num_layers: int | None = None) -> frozenset[int]:
@@ -51,4 +52,11 @@ def build_ffn(cfg, layer_index: int, rngs: nnx.Rngs):
 
         return MoE(cfg, rngs=rngs)
     mlp = GatedMLP if cfg.ffn_gated else MLP
-    return mlp(cfg.d_model, cfg.ffn_dim, cfg.activation, dropout_rate=cfg.dropout_rate, rngs=rngs)
+    return mlp(
+        cfg.d_model,
+        cfg.ffn_dim,
+        cfg.activation,
+        dropout_rate=cfg.dropout_rate,
+        quant=Quantization.from_config(cfg),
+        rngs=rngs,
+    )

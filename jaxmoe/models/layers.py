@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxmoe.models.quantization import NONE, Quantization, quantized_matmul
+
 Initializer = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 
 
@@ -185,6 +187,18 @@ def matmul_2d(x, w, contract: int = 1):
     return y.reshape(*lead, *w.shape[contract:])
 
 
+def project(x, w, quant: Quantization = NONE, contract: int = 1):
+    """x times the weight w (f32 parameter) in x's dtype, as `matmul_2d`: the projections'
+    product, in int8 or fp8 when `quant` (model.quantization) is enabled (quantization.py)."""
+    w = cast_weight(w, x.dtype)
+    if not quant.enabled:
+        return matmul_2d(x, w, contract)
+    lead = x.shape[: x.ndim - contract]
+    inner = math.prod(w.shape[:contract])
+    y = quantized_matmul(x.reshape(-1, inner), w.reshape(inner, -1), quant)
+    return y.reshape(*lead, *w.shape[contract:])
+
+
 def head_logits(h_BLD, w_DV, scale: float = 1.0):
     """The output layer: logits [B, L, V] f32 of the final-normed hidden states and the head
     matrix (tied: the embedding table transposed), the product in the hidden states' dtype.
@@ -207,9 +221,11 @@ class MLP(nnx.Module):
         activation: str,
         *,
         dropout_rate: float = 0.0,
+        quant: Quantization = NONE,
         rngs: nnx.Rngs,
     ):
         self.act = activation_fn(activation)
+        self.quant = quant
         self.wi = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
         self.hidden_dropout = dropout_module(dropout_rate, rngs)
@@ -217,10 +233,9 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
         """Returns (y_BLD, {}), like GatedMLP."""
         del token_mask_BL
-        dtype = x_BLD.dtype
-        hidden_BLF = self.act(matmul_2d(x_BLD, cast_weight(self.wi[...], dtype)))
+        hidden_BLF = self.act(project(x_BLD, self.wi[...], self.quant))
         hidden_BLF = dropout(self.hidden_dropout, hidden_BLF, train)
-        return matmul_2d(hidden_BLF, cast_weight(self.wo[...], dtype)), {}
+        return project(hidden_BLF, self.wo[...], self.quant), {}
 
 
 class GatedMLP(nnx.Module):
@@ -235,9 +250,11 @@ class GatedMLP(nnx.Module):
         activation: str,
         *,
         dropout_rate: float = 0.0,
+        quant: Quantization = NONE,
         rngs: nnx.Rngs,
     ):
         self.act = activation_fn(activation)
+        self.quant = quant
         self.wi_0 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wi_1 = make_param(rngs, fan_in_init((0,)), (d_model, ffn_dim), ("embed", "mlp"))
         self.wo = make_param(rngs, fan_in_init((0,)), (ffn_dim, d_model), ("mlp", "embed"))
@@ -247,11 +264,10 @@ class GatedMLP(nnx.Module):
         """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it; the
         token mask only matters to its routing statistics)."""
         del token_mask_BL
-        dtype = x_BLD.dtype
-        gate_BLF = self.act(matmul_2d(x_BLD, cast_weight(self.wi_0[...], dtype)))
-        up_BLF = matmul_2d(x_BLD, cast_weight(self.wi_1[...], dtype))
+        gate_BLF = self.act(project(x_BLD, self.wi_0[...], self.quant))
+        up_BLF = project(x_BLD, self.wi_1[...], self.quant)
         hidden_BLF = dropout(self.hidden_dropout, gate_BLF * up_BLF, train)
-        return matmul_2d(hidden_BLF, cast_weight(self.wo[...], dtype)), {}
+        return project(hidden_BLF, self.wo[...], self.quant), {}
 
 
 def compute_dtype(cfg):

@@ -31,7 +31,8 @@ from jaxmoe.models.attention import (
     query_chunked_attention,
     resolve_causal_block,
 )
-from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, matmul_2d
+from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, project
+from jaxmoe.models.quantization import Quantization
 
 ATTENTION_KINDS = ("gqa", "mla")
 LATENT_AXIS = "latent"
@@ -148,6 +149,7 @@ class LatentAttention(nnx.Module):
         self.rope_theta = float(cfg.rope_theta)
         self.rope_scaling = rope_scaling_of(cfg)
         self.causal_block = cfg.attention_block
+        self.quant = Quantization.from_config(cfg)  # the projections' products
         qk = self.nope + self.rope
         score_factor = self.rope_scaling.score_factor() if self.rope_scaling_is_yarn else 1.0
         self.scale = qk**-0.5 * score_factor
@@ -186,17 +188,16 @@ class LatentAttention(nnx.Module):
 
     def project_q(self, x_BLD, positions_BL):
         """(q_nope [B, L, H, dn], rotated q_rope [B, L, H, dr])."""
-        dtype = x_BLD.dtype
         if self.q_rank:
-            low = self.q_norm(matmul_2d(x_BLD, cast_weight(self.q_down[...], dtype)))
-            q = matmul_2d(low, cast_weight(self.q_up[...], dtype))
+            low = self.q_norm(project(x_BLD, self.q_down[...], self.quant))
+            q = project(low, self.q_up[...], self.quant)
         else:
-            q = matmul_2d(x_BLD, cast_weight(self.query[...], dtype))
+            q = project(x_BLD, self.query[...], self.quant)
         return q[..., : self.nope], self._rotate(q[..., self.nope :], positions_BL)
 
     def project_latent(self, x_BSD, positions_BS):
         """(normed latent [B, S, r], rotated shared key [B, S, dr]): what the cache holds."""
-        both = matmul_2d(x_BSD, cast_weight(self.kv_down[...], x_BSD.dtype))
+        both = project(x_BSD, self.kv_down[...], self.quant)
         latent = self.kv_norm(both[..., : self.rank])
         rope_key = self._rotate(both[..., None, self.rank :], positions_BS)[:, :, 0]
         return latent, rope_key
@@ -210,7 +211,7 @@ class LatentAttention(nnx.Module):
         return cast_weight(self.kv_up[...], dtype)[..., self.nope :]
 
     def project_out(self, o_BLHv):
-        return matmul_2d(o_BLHv, cast_weight(self.out[...], o_BLHv.dtype), contract=2)
+        return project(o_BLHv, self.out[...], self.quant, contract=2)
 
     def __call__(self, x_BLD, *, mask=None, positions_BL=None, train=False):
         """Training / eval: keys and values expanded per head, the GQA kernels with K = H."""
@@ -220,7 +221,7 @@ class LatentAttention(nnx.Module):
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
         q_nope, q_rope = self.project_q(x_BLD, positions_BL)
         latent, rope_key = self.project_latent(x_BLD, positions_BL)
-        kv = matmul_2d(latent, cast_weight(self.kv_up[...], x_BLD.dtype))
+        kv = project(latent, self.kv_up[...], self.quant)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         h = self.num_heads
         q = jnp.concatenate([q_nope, q_rope], axis=-1)

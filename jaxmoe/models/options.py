@@ -25,6 +25,7 @@ from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES
 from jaxmoe.models.moe.glu import CLAMPED_SWIGLU
 from jaxmoe.models.moe.layer import check_moe_config
 from jaxmoe.models.moe.router import SCORINGS
+from jaxmoe.models.quantization import QUANTIZATIONS, SCALINGS
 from jaxmoe.models.stack import REMAT_POLICIES
 
 
@@ -196,6 +197,18 @@ class ModelOptions:
         ATTENTION_KERNELS,
     )
     remat: str = option("none", "backward-pass recompute policy", tuple(REMAT_POLICIES))
+    quantization: str = option(
+        "none",
+        "projections' and experts' products in int8 (TPU v5) or fp8 (H100/B200, TPU v7), "
+        "straight-through gradients, f32 master weights; docs/quantization.md",
+        QUANTIZATIONS,
+    )
+    quantization_scaling: str = option(
+        "channel",
+        "quantization scales: channel (one per token row / weight column) | tensor (one per "
+        "matrix); current scaling from each step's own max",
+        SCALINGS,
+    )
     scan_layers: bool = option(
         False, "run the blocks under one scan (compile time independent of depth)"
     )
@@ -274,6 +287,7 @@ class ModelOptions:
         if self.arch == "encoder_decoder" and self.num_encoder_layers:
             depths["model.num_encoder_layers"] = self.num_encoder_layers
         self.moe.check(depths)
+        self._check_quantization()
         self._check_today()
         need(
             0.0 <= self.dropout_rate < 1.0,
@@ -287,6 +301,22 @@ class ModelOptions:
             for key in ("relpos_buckets", "relpos_max_distance"):
                 value = getattr(self, key)
                 need(value > 0, f"model.{key}={value} must be positive")
+
+    def _check_quantization(self) -> None:
+        """model.quantization: decoder models, and an MoE dispatch with quantized products."""
+        if self.quantization == "none":
+            return
+        need(
+            self.arch == "decoder",
+            f"model.quantization={self.quantization!r} is implemented for decoder models only",
+        )
+        if self.moe.num_experts:
+            from jaxmoe.models.moe.dispatch import resolve_dispatch
+
+            try:
+                resolve_dispatch(self.moe.dispatch, self.moe.capacity_factor, "cpu", quantized=True)
+            except ValueError as error:
+                raise ConfigError(str(error)) from None
 
     def _check_today(self) -> None:
         """qk_norm and the MoE options of today's designs that depend on the model."""

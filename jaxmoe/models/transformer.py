@@ -26,6 +26,7 @@ from jaxmoe.models.layers import (
     make_param,
 )
 from jaxmoe.models.mla import LatentAttention
+from jaxmoe.models.quantization import Quantization
 from jaxmoe.models.ring_cache import ring_self_attention
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
@@ -54,6 +55,7 @@ class DecoderBlock(nnx.Module):
                 out_bias=cfg.out_bias,
                 kernel=cfg.attention_kernel,
                 causal=True,  # DecoderLM's self-attention mask is the causal one
+                quant=Quantization.from_config(cfg),
                 rngs=rngs,
             )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)

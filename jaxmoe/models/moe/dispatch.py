@@ -32,20 +32,36 @@ from jaxmoe.models.moe.glu import gated_hidden
 from jaxmoe.models.moe.grouped_ffn import expert_ranks, grouped_ffn_blocks
 from jaxmoe.models.moe.grouping import group_rows
 from jaxmoe.models.platform import mesh_platform
+from jaxmoe.models.quantization import NONE, Quantization, batched_matmul, ragged_dot
 
 Activation = Callable[[jax.Array], jax.Array]
 Experts = tuple[jax.Array, jax.Array, jax.Array]  # wi_0 [E, D, F], wi_1 [E, D, F], wo [E, F, D]
 DISPATCHES = ("auto", "blocks", "ragged", "megablox", "dense", "capacity")
 
 
-def resolve_dispatch(name: str, capacity_factor: float, backend: str | None = None) -> str:
-    """The implementation to run: `name`, or for "auto" the best measured for the backend."""
+# The dispatches whose expert products model.quantization quantizes (quantization.py): the
+# grouped matmul (ragged_dot) and the capacity buffers' batched products.
+QUANTIZED_DISPATCHES = ("ragged", "capacity")
+
+
+def resolve_dispatch(
+    name: str, capacity_factor: float, backend: str | None = None, *, quantized: bool = False
+) -> str:
+    """The implementation to run: `name`, or for "auto" the best measured for the backend
+    (with quantized experts: the grouped matmul, or the capacity buffers)."""
     if name not in DISPATCHES:
         raise ValueError(f"model.moe.dispatch: got {name!r}, expected {' | '.join(DISPATCHES)}")
     if name == "capacity" and capacity_factor <= 0:
         raise ValueError("model.moe.dispatch='capacity' needs model.moe.capacity_factor > 0")
+    if quantized and name not in ("auto", *QUANTIZED_DISPATCHES):
+        raise ValueError(
+            f"model.moe.dispatch={name!r} has no quantized expert products: with "
+            "model.quantization use auto | " + " | ".join(QUANTIZED_DISPATCHES)
+        )
     if name != "auto":
         return name
+    if quantized:
+        return "capacity" if capacity_factor > 0 else "ragged"
     on_cpu = (backend or jax.default_backend()) == "cpu"
     if on_cpu:
         return "blocks"  # with a capacity, blocks skip dropped assignments for free
@@ -77,16 +93,18 @@ def capacity_keep(indices_BLK, mask_BLK, num_experts: int, capacity: int) -> jax
     return mask_BLK & (slot_ranks(indices_BLK, mask_BLK, num_experts) < capacity)
 
 
-def expert_ffn_ERD(x_ERD: jax.Array, experts: Experts, act: Activation) -> jax.Array:
+def expert_ffn_ERD(
+    x_ERD: jax.Array, experts: Experts, act: Activation, quant: Quantization = NONE
+) -> jax.Array:
     """Each expert on its own rows: x [E, R, D] -> [E, R, D] (one batched matmul each).
 
     Expert-major on purpose: with the expert dim first XLA runs plain batched matmuls;
     a [B, E, C, D] layout measured 2x slower on CPU (transposes around every product).
     """
     wi_0, wi_1, wo = experts
-    gate = jnp.einsum("erd,edf->erf", x_ERD, wi_0)
-    up = jnp.einsum("erd,edf->erf", x_ERD, wi_1)
-    return jnp.einsum("erf,efd->erd", gated_hidden(act, gate, up), wo)
+    gate = batched_matmul(x_ERD, wi_0, quant)
+    up = batched_matmul(x_ERD, wi_1, quant)
+    return batched_matmul(gated_hidden(act, gate, up), wo, quant)
 
 
 def dense_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
@@ -149,19 +167,21 @@ def ffn_chunks(rows: int, ffn: int, itemsize: int) -> int:
     return valid[-1] if valid else 1
 
 
-def _ragged_chunk(x_RD, wi_0, wi_1, wo, counts_E, act):
+def _ragged_chunk(x_RD, wi_0, wi_1, wo, counts_E, act, quant):
     """One slice of the expert width: act(x wi_0) * (x wi_1) wo, per group, [R, D].
 
     In the compute dtype: f32 [R, D] partial sums would cost more memory than the hidden
     slice saved.
     """
     hidden_RF = gated_hidden(
-        act, jax.lax.ragged_dot(x_RD, wi_0, counts_E), jax.lax.ragged_dot(x_RD, wi_1, counts_E)
+        act, ragged_dot(x_RD, wi_0, counts_E, quant), ragged_dot(x_RD, wi_1, counts_E, quant)
     )
-    return jax.lax.ragged_dot(hidden_RF, wo, counts_E)
+    return ragged_dot(hidden_RF, wo, counts_E, quant)
 
 
-def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act):
+def ragged_ffn(
+    x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act, quant: Quantization = NONE
+):
     """Assignments sorted by expert (one-hot cumsum ranks) through `jax.lax.ragged_dot`.
 
     The expert width F runs in `ffn_chunks` slices, each under `jax.checkpoint`: the
@@ -185,7 +205,7 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
     ffn = wi_0.shape[-1]
     chunks = ffn_chunks(rows, ffn, x_ND.dtype.itemsize)
     width = ffn // chunks
-    chunk = _ragged_chunk if chunks == 1 else jax.checkpoint(_ragged_chunk, static_argnums=5)
+    chunk = _ragged_chunk if chunks == 1 else jax.checkpoint(_ragged_chunk, static_argnums=(5, 6))
     out_RD = sum(
         chunk(
             x_RD,
@@ -194,6 +214,7 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
             wo[:, c * width : (c + 1) * width],
             counts_E,
             act,
+            quant,
         )
         for c in range(chunks)
     )
@@ -206,16 +227,28 @@ def ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, ac
 
 
 def grouped_ffn(
-    x_ND, src_A, expert_A, weight_A, valid_A, experts: Experts, *, act, impl, block_size
+    x_ND,
+    src_A,
+    expert_A,
+    weight_A,
+    valid_A,
+    experts: Experts,
+    *,
+    act,
+    impl,
+    block_size,
+    quant: Quantization = NONE,
 ):
     """Dispatches to the "blocks", "ragged", "megablox" or "dense" implementation (same
-    result)."""
+    result; `quant` enabled: "ragged" only, resolve_dispatch's choice)."""
+    if quant.enabled and impl != "ragged":
+        raise ValueError(f"model.moe.dispatch={impl!r} has no quantized expert products")
     if impl == "blocks":
         return grouped_ffn_blocks(
             x_ND, src_A, expert_A, weight_A, valid_A, *experts, act=act, block_size=block_size
         )
     if impl == "ragged":
-        return ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act)
+        return ragged_ffn(x_ND, src_A, expert_A, weight_A, valid_A, experts, act=act, quant=quant)
     if impl == "megablox":
         from jaxmoe.models.moe.megablox import megablox_ffn
 
@@ -253,22 +286,41 @@ def capacity_combine(out_ERD, slot_BLK, weights_BLK) -> jax.Array:
     return jnp.einsum("blkd,blk->bld", out_BLKD, weights_BLK.astype(jnp.float32))
 
 
-def capacity_ffn(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts: Experts, *, act, capacity):
+def capacity_ffn(
+    x_BLD, indices_BLK, weights_BLK, keep_BLK, experts: Experts, *, act, capacity, quant=NONE
+):
     """GShard-style fixed-capacity layer on one device."""
     num_experts = experts[0].shape[0]
     x_ERD, slot_BLK = capacity_buffers(x_BLD, indices_BLK, keep_BLK, num_experts, capacity)
-    out_ERD = expert_ffn_ERD(x_ERD, experts, act)
+    out_ERD = expert_ffn_ERD(x_ERD, experts, act, quant)
     return capacity_combine(out_ERD, slot_BLK, weights_BLK).astype(x_BLD.dtype)
 
 
 def local_moe_ffn(
-    x_BLD, indices_BLK, weights_BLK, keep_BLK, experts: Experts, *, act, impl, block_size, capacity
+    x_BLD,
+    indices_BLK,
+    weights_BLK,
+    keep_BLK,
+    experts: Experts,
+    *,
+    act,
+    impl,
+    block_size,
+    capacity,
+    quant: Quantization = NONE,
 ):
     """The MoE FFN on tokens and experts that are all on this device: y_BLD."""
     x_BLD = jnp.asarray(x_BLD)
     if impl == "capacity":
         return capacity_ffn(
-            x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, act=act, capacity=capacity
+            x_BLD,
+            indices_BLK,
+            weights_BLK,
+            keep_BLK,
+            experts,
+            act=act,
+            capacity=capacity,
+            quant=quant,
         )
     batch, length, dim = x_BLD.shape
     slots = indices_BLK.shape[-1]
@@ -283,5 +335,6 @@ def local_moe_ffn(
         act=act,
         impl=impl,
         block_size=block_size,
+        quant=quant,
     )
     return y_TD.reshape(batch, length, dim)

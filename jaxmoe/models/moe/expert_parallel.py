@@ -36,6 +36,7 @@ from jaxmoe.models.moe.dispatch import (
 )
 from jaxmoe.models.moe.grouped_ffn import expert_ranks
 from jaxmoe.models.moe.ragged_exchange import ragged_ep
+from jaxmoe.models.quantization import NONE, Quantization
 
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
@@ -84,7 +85,7 @@ def _exchange(x, axis_name):
     return jax.lax.all_to_all(x, axis_name, 0, 0, tiled=False)
 
 
-def _dropless_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act, impl, bs):
+def _dropless_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act, impl, bs, quant):
     """Dropless dispatch with experts spread over the expert axis (runs per device)."""
     batch, length, dim = x_BLD.shape
     slots = indices_BLK.shape[-1]
@@ -121,6 +122,7 @@ def _dropless_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act,
         act=act,
         impl=impl,
         block_size=bs,
+        quant=quant,
     )
     back_RD = _exchange(out_ND.reshape(ep, rows, dim), EXPERT_AXIS).reshape(ep * rows, dim)
     out_AD = back_RD.at[send_A].get(mode="fill", fill_value=0).astype(jnp.float32)
@@ -129,7 +131,7 @@ def _dropless_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act,
     return y_TD.reshape(batch, length, dim).astype(x_BLD.dtype)
 
 
-def _capacity_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act, capacity):
+def _capacity_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act, capacity, quant):
     """GShard: the fixed expert buffers travel to the expert devices and back."""
     local_experts = experts[0].shape[0]
     x_ERD, slot_BLK = capacity_buffers(x_BLD, indices_BLK, keep_BLK, ep * local_experts, capacity)
@@ -138,7 +140,7 @@ def _capacity_ep(x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, act,
     recv = _exchange(x_ERD.reshape(ep, local_experts, rows, dim), EXPERT_AXIS)
     # Received [source, E_local, R, D] -> one batch of rows per local expert.
     x_local = recv.swapaxes(0, 1).reshape(local_experts, ep * rows, dim)
-    out = expert_ffn_ERD(x_local, experts, act).reshape(local_experts, ep, rows, dim)
+    out = expert_ffn_ERD(x_local, experts, act, quant).reshape(local_experts, ep, rows, dim)
     back = _exchange(out.swapaxes(0, 1), EXPERT_AXIS).reshape(x_ERD.shape)
     return capacity_combine(back, slot_BLK, weights_BLK).astype(x_BLD.dtype)
 
@@ -155,6 +157,7 @@ def sharded_moe_ffn(
     impl: str,
     block_size: int,
     capacity: int,
+    quant: Quantization = NONE,
     exchange: str = "auto",
     buffer_factor: float = 2.0,
 ):
@@ -172,16 +175,17 @@ def sharded_moe_ffn(
         args = (x_BLD, indices_BLK, weights_BLK, keep_BLK, experts)
         none_BLK = jnp.zeros(keep_BLK.shape, bool)
         if ep == 1:
-            y = local_moe_ffn(*args, act=act, impl=impl, block_size=block_size, capacity=capacity)
-            return y, none_BLK
+            options = dict(act=act, impl=impl, block_size=block_size, capacity=capacity)
+            return local_moe_ffn(*args, **options, quant=quant), none_BLK
         if impl == "capacity":
-            return _capacity_ep(*args, ep=ep, act=act, capacity=capacity), none_BLK
+            return _capacity_ep(*args, ep=ep, act=act, capacity=capacity, quant=quant), none_BLK
 
         def padded(*args):
-            return _dropless_ep(*args, ep=ep, act=act, impl=impl, bs=block_size), none_BLK
+            options = dict(act=act, impl=impl, bs=block_size, quant=quant)
+            return _dropless_ep(*args, ep=ep, **options), none_BLK
 
         def ragged(*args):
-            options = dict(act=act, impl=impl, bs=block_size, factor=buffer_factor)
+            options = dict(act=act, impl=impl, bs=block_size, factor=buffer_factor, quant=quant)
             return ragged_ep(*args, ep=ep, axis=EXPERT_AXIS, dropless=capacity == 0, **options)
 
         if exchange == "auto":

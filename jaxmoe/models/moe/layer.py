@@ -50,6 +50,7 @@ from jaxmoe.models.layers import (
 )
 from jaxmoe.models.moe import dispatch, expert_bias, expert_parallel, gates, router
 from jaxmoe.models.moe.glu import expert_activation
+from jaxmoe.models.quantization import Quantization
 
 
 def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
@@ -175,7 +176,10 @@ class MoE(nnx.Module):
         self.train_gate = gate_config(moe, moe.gating)
         self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
         self.capacity_factor = float(moe.capacity_factor)
-        self.impl = dispatch.resolve_dispatch(moe.dispatch, self.capacity_factor)
+        self.quant = Quantization.from_config(cfg)  # the experts' products (quantization.py)
+        self.impl = dispatch.resolve_dispatch(
+            moe.dispatch, self.capacity_factor, quantized=self.quant.enabled
+        )
         self.block_size = int(moe.block_size)
         self.jitter = float(moe.jitter)
         self.balance_fractions = str(moe.balance_fractions)
@@ -211,7 +215,12 @@ class MoE(nnx.Module):
             width = num_shared * (int(moe.shared_ffn_dim) or ffn)
             mlp = GatedMLP if self.gated else MLP
             self.shared = mlp(
-                dim, width, cfg.activation, dropout_rate=float(cfg.dropout_rate), rngs=rngs
+                dim,
+                width,
+                cfg.activation,
+                dropout_rate=float(cfg.dropout_rate),
+                quant=self.quant,
+                rngs=rngs,
             )
             if moe.shared_expert_gate:
                 self.shared_gate = SharedGate(dim, rngs=rngs)
@@ -277,7 +286,13 @@ class MoE(nnx.Module):
         keep_EF1 = dropout_multiplier(self.expert_dropout, (*experts[2].shape[:2], 1), dtype, train)
         if keep_EF1 is not None:
             experts = (*experts[:2], experts[2] * keep_EF1)
-        options = dict(act=self.act, impl=self.impl, block_size=self.block_size, capacity=capacity)
+        options = dict(
+            act=self.act,
+            impl=self.impl,
+            block_size=self.block_size,
+            capacity=capacity,
+            quant=self.quant,
+        )
         x_in = x_BLD
         if hasattr(self, "wo_bias"):
             biases = (self.wi_0_bias[...].astype(dtype), self.wi_1_bias[...].astype(dtype))

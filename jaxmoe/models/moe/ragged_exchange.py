@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from jaxmoe.models.moe.dispatch import grouped_ffn
 from jaxmoe.models.moe.grouped_ffn import expert_ranks
+from jaxmoe.models.quantization import NONE
 
 
 def reference(operand, output, input_offsets, send_sizes, output_offsets, recv_sizes, *, axis):
@@ -98,7 +99,7 @@ def _window(offset, count, first: jax.Array, rows: int):
     return start, jnp.clip(first + rows - offset, 0, count) - start
 
 
-def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs):
+def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs, quant):
     """One exchange of receive-stream rows [first, first + rows): acc_AD [A, D] with the
     expert outputs of those rows written at their send-buffer rows (others unchanged)."""
     send_start_J, send_size_J = _window(c["out_offset"], c["send_count"], first, rows)
@@ -128,6 +129,7 @@ def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs):
         act=act,
         impl=impl,
         block_size=bs,
+        quant=quant,
     ).astype(send_x.dtype)
     return ragged_all_to_all(
         out_RD,
@@ -140,8 +142,8 @@ def _round(acc_AD, send_x, c, experts, first, *, rows, axis, act, impl, bs):
     )
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _round_if(rows, axis, act, impl, bs, quant, acc_AD, send_x, experts, c, first, longest):
     """`_round` when first < longest, else acc_AD unchanged (a round past every stream).
 
     Its own VJP so that the backward pass recomputes the round inside the same condition:
@@ -150,7 +152,7 @@ def _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, long
     cond, which a scan over rounds stacks and keeps from the forward to the backward pass:
     more HBM than the padded exchange (issue 17).
     """
-    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs, quant=quant)
     return jax.lax.cond(
         first < longest,
         lambda a: _round(a, send_x, c, experts, first, **options),
@@ -159,14 +161,15 @@ def _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, long
     )
 
 
-def _round_if_fwd(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest):
-    out = _round_if(rows, axis, act, impl, bs, acc_AD, send_x, experts, c, first, longest)
+def _round_if_fwd(rows, axis, act, impl, bs, quant, acc_AD, send_x, experts, c, first, longest):
+    args = (acc_AD, send_x, experts, c, first, longest)
+    out = _round_if(rows, axis, act, impl, bs, quant, *args)
     return out, (send_x, experts, c, first, longest)
 
 
-def _round_if_bwd(rows, axis, act, impl, bs, residuals, ct_AD):
+def _round_if_bwd(rows, axis, act, impl, bs, quant, residuals, ct_AD):
     send_x, experts, c, first, longest = residuals
-    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs, quant=quant)
 
     def recompute(ct_AD):
         # The round is linear in acc_AD, so its VJP does not depend on acc_AD's value.
@@ -187,7 +190,20 @@ _round_if.defvjp(_round_if_fwd, _round_if_bwd)
 
 
 def ragged_ep(
-    x_BLD, indices_BLK, weights_BLK, keep_BLK, experts, *, ep, axis, act, impl, bs, factor, dropless
+    x_BLD,
+    indices_BLK,
+    weights_BLK,
+    keep_BLK,
+    experts,
+    *,
+    ep,
+    axis,
+    act,
+    impl,
+    bs,
+    factor,
+    dropless,
+    quant=NONE,
 ):
     """(y_BLD, overflow_BLK): the MoE FFN with a routing-sized exchange (runs per device).
 
@@ -217,7 +233,7 @@ def ragged_ep(
     dest_A = expert_A // local
     stream_A = c["out_offset"][dest_A] + pos_A - c["send_offset"][dest_A]
     overflow_A = valid_A & (stream_A >= rows)
-    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs)
+    options = dict(rows=rows, axis=axis, act=act, impl=impl, bs=bs, quant=quant)
     acc_AD = jnp.zeros_like(send_x)
     if not dropless or rows == worst:
         back_AD = _round(acc_AD, send_x, c, experts, jnp.int32(0), **options)
@@ -229,7 +245,7 @@ def ragged_ep(
 
         def step(acc_AD, first):
             args = (acc_AD, send_x, experts, c, first, longest)
-            return _round_if(rows, axis, act, impl, bs, *args), None
+            return _round_if(rows, axis, act, impl, bs, quant, *args), None
 
         starts = jnp.arange(0, worst, rows, dtype=jnp.int32)
         back_AD, _ = jax.lax.scan(step, acc_AD, starts)
