@@ -128,3 +128,8 @@ def test_upcycle_random_init_draws_experts_like_a_fresh_moe_layer(dense):  # noq
             assert not np.allclose(value[0], dense_kernel)
         else:  # attention, norms, embeddings, routers: as with copies
             np.testing.assert_array_equal(value, flatten(copied)[path])
+    # Copies combine with weights summing to one (the dense function kept); random experts
+    # keep the config's rule, router probabilities the router learns through.
+    random_moe = upcycle_config(config, 4, init="random").model.moe
+    assert (random_moe.renormalize, random_moe.single_weight) == (False, "prob")
+    assert moe_config.model.moe.single_weight == "one"

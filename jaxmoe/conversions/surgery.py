@@ -157,9 +157,15 @@ def gqa_config(config: ConfigDict, num_kv_heads: int, include_encoder: bool) -> 
 
 
 def upcycle_config(
-    config: ConfigDict, num_experts: int, every: int = 1, gating: str | None = None
+    config: ConfigDict,
+    num_experts: int,
+    every: int = 1,
+    gating: str | None = None,
+    init: str = "copy",
 ) -> ConfigDict:
-    """The MoE config of an upcycled dense model; one-line errors for impossible requests."""
+    """The MoE config of an upcycled dense model; one-line errors for impossible requests.
+    Copies (`init="copy"`) combine with weights summing to one; random experts keep the
+    config's combine rule (weights the router's probabilities, which it learns through)."""
     m = config.model
     if m.moe.num_experts:
         raise ValueError(
@@ -176,11 +182,13 @@ def upcycle_config(
     moe.num_experts, moe.every, moe.ffn_dim = num_experts, every, m.ffn_dim
     if gating:
         moe.gating = gating
-    # Combine weights that sum to one for every gate: identical experts then add up to the
-    # dense FFN exactly (renormalize covers multi-expert tokens, single_weight the others).
-    moe.renormalize, moe.single_weight = True, "one"
+    if init == "copy":
+        # Combine weights that sum to one for every gate: identical experts then add up to
+        # the dense FFN exactly (renormalize covers multi-expert tokens, single_weight the
+        # others). Random experts have no function to keep.
+        moe.renormalize, moe.single_weight = True, "one"
     moe.top_k, moe.max_k = min(moe.top_k, num_experts), min(moe.max_k, num_experts)
-    if moe.capacity_factor > 0:
+    if moe.capacity_factor > 0 and init == "copy":
         log.warning(
             "model.moe.capacity_factor=%s drops tokens: the upcycled model matches the dense "
             "one only where no expert overflows",
@@ -335,7 +343,7 @@ def convert_upcycle(
     """Write DST: dense SRC with every `every`-th FFN made `num_experts` experts (copies of
     it, or random with `init="random"`)."""
     _check_dst(src, dst)
-    new_config = upcycle_config(read_config(src), num_experts, every, gating)
+    new_config = upcycle_config(read_config(src), num_experts, every, gating, init)
     _check_fits_host(new_config, num_experts)
     _, params, mesh = _restore(src)
     moe_spec = model_spec(unrolled_config(new_config.model), mesh)

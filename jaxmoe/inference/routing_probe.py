@@ -63,10 +63,22 @@ def routing_masks(params, batch, graphdef, gate: str, rest=None) -> dict:
 
     model = merge_model(graphdef, params, rest)
     attach_probes(model, gate)
+    segments = batch.get("segment_ids")  # packed rows route as training routed them
     if "encoder_inputs" in batch:
-        _, aux = model(batch["encoder_inputs"], batch["inputs"], train=False)
+        _, aux = model(
+            batch["encoder_inputs"],
+            batch["inputs"],
+            train=False,
+            segment_ids_BL=segments,
+            encoder_segment_ids_BS=batch.get("encoder_segment_ids"),
+        )
     else:
-        _, aux = model(batch["inputs"], train=False)
+        _, aux = model(
+            batch["inputs"],
+            train=False,
+            segment_ids_BL=segments,
+            positions_BL=batch.get("positions"),
+        )
     # The logits are unused: XLA drops the output layer from this program.
     return {layer_name(key)[0]: value["top2_mask_BL"] for key, value in aux.items()}
 
