@@ -29,7 +29,8 @@ INHERITED_DATA_KEYS = ("tokenizer", "eos_token", *FORMAT_KEYS)
 RUN_MODEL_KEYS = frozenset(
     f"model.{key}"
     for key in (
-        "dtype", "attention_block", "attention_kernel", "remat", "scan_layers", "dropout_rate",
+        "dtype", "quantization", "quantization_scaling", "attention_block", "attention_kernel",
+        "remat", "scan_layers", "dropout_rate",
         "max_len", "moe.gating", "moe.threshold", "moe.top_k", "moe.top_p", "moe.max_k",
         "moe.eval_gating", "moe.gap_normalization", "moe.renormalize", "moe.single_weight",
         "moe.capacity_factor", "moe.balance_loss_weight", "moe.balance_fractions",
