@@ -360,15 +360,17 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_conversion_and_use(
     config.data.tokenizer = str(big)
     with pytest.raises(ConfigError) as refused:
         write_config(tmp_path / "converted", config)
+    last = open_tokenizer(str(big)).token_of_id(1023)
     assert str(refused.value) == (
-        f"data.tokenizer={big} ({big}) has 1024 ids, more than the model's vocabulary of 512 "
-        f"(model.vocab_size): its ids past 511 have no embedding"
+        f"data.tokenizer={big} ({big}) has ids up to 1023 (token {last!r}), past the model's "
+        f"vocabulary of 512 (model.vocab_size): its ids past 511 have no embedding"
     )
     line = one_line_error(capsys, "eval", "--checkpoint", str(bare), "--data", "embedded",
                           f"--config.data.tokenizer={big}")  # fmt: skip
     assert line == (
-        f"jaxmoe eval: error: --config.data.tokenizer ({big}) has 1024 ids, more than the "
-        f"model's vocabulary of 512 (model.vocab_size): its ids past 511 have no embedding"
+        f"jaxmoe eval: error: --config.data.tokenizer ({big}) has ids up to 1023 (token "
+        f"{last!r}), past the model's vocabulary of 512 (model.vocab_size): its ids past 511 "
+        f"have no embedding"
     )
 
 

@@ -34,6 +34,7 @@ from jaxmoe.data.chat_template import BUILT_IN
 from jaxmoe.data.tokenizer_files import CHAT_TEMPLATE_FILE
 from jaxmoe.errors import CheckpointError, ConfigError
 from jaxmoe.storage.paths import absolute_path, finished_steps, is_remote
+from jaxmoe.storage.received import read_text
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,10 @@ class TrainCheckpoints:
         self.manager.close()
 
 
+# Orbax writes a step (and each item) under `<name>.orbax-checkpoint-tmp...` until complete.
+ORBAX_TMP = ".orbax-checkpoint-tmp"
+
+
 def _item_dir(path: epath.Path, item: str) -> epath.Path | None:
     candidate = path / item
     return candidate if candidate.exists() else None
@@ -215,7 +220,17 @@ def resolve_checkpoint(path: str) -> epath.Path:
     root = epath.Path(absolute_path(path))
     if not root.exists():
         raise CheckpointError(f"checkpoint {path!r} does not exist")
+    if not root.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path!r} is a file, not a directory (a checkpoint is a step "
+            f"directory or a training workdir)"
+        )
     step_dir = root if _item_dir(root, "params") else _newest_step(root, path)
+    if any(ORBAX_TMP in part for part in step_dir.parts):
+        raise CheckpointError(
+            f"checkpoint {str(step_dir)!r} is an unfinished save (Orbax writes a step under "
+            f"a temporary name until it is complete): name a finished step"
+        )
     if not is_remote(step_dir):
         try:
             check_no_symlink_out(step_dir)
@@ -263,7 +278,8 @@ def read_config(path: str, *, tokenizer: bool = True) -> ConfigDict:
         candidate = step_dir / name
         if candidate.exists():
             try:
-                stored = json.loads(candidate.read_text())
+                local = not is_remote(candidate)
+                stored = json.loads(read_text(candidate, name) if local else candidate.read_text())
             except ValueError as error:
                 raise CheckpointError(f"{candidate}: damaged config ({error})") from error
             if not isinstance(stored, dict):

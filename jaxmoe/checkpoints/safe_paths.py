@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from jaxmoe.storage.paths import is_remote
+from jaxmoe.storage.received import not_regular
 
 # A URL scheme ("gs://", "file:", "http:") or a Windows drive ("C:") is never a relative path.
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
@@ -20,9 +21,10 @@ def resolve_inside(root: str | os.PathLike, relative: str | os.PathLike) -> Path
     """Returns `root/relative`, fully resolved, after checking that it stays inside `root`.
 
     Refused (ValueError): empty names, NUL bytes, absolute paths, URLs and drive letters,
-    backslashes, `..` components (even ones that would come back inside), and names
-    whose resolution through symlinks lands outside `root`. Symlinks that stay inside
-    `root` are allowed. The target need not exist.
+    backslashes, `..` components (even ones that would come back inside), names whose
+    resolution through symlinks lands outside `root`, and targets that are neither a file
+    nor a folder (a FIFO, a device: storage/received.py). Symlinks that stay inside `root`
+    are allowed. The target need not exist.
     """
     text = os.fspath(relative)
     if not isinstance(text, str):
@@ -34,6 +36,12 @@ def resolve_inside(root: str | os.PathLike, relative: str | os.PathLike) -> Path
     target = (root_resolved / text).resolve()
     if not target.is_relative_to(root_resolved):
         raise ValueError(f"path {text!r} resolves to {target}, outside {root_resolved}")
+    try:
+        kind = not_regular(target.stat().st_mode)
+    except OSError:
+        kind = None  # absent (or unreadable): the reader says so
+    if kind and kind != "a directory":
+        raise ValueError(f"path {text!r} is {kind}, not a file (never read)")
     return target
 
 
@@ -65,8 +73,10 @@ def _lexical_problem(text: str) -> str | None:
 
 def check_no_symlink_out(directory: str | os.PathLike, within: str | os.PathLike | None = None):
     """ValueError naming the first symlink in the tree under `directory` (or `directory`
-    itself) that leads outside `within` (default: `directory`). Readers such as Orbax and
-    TensorStore follow symlinks, so a received checkpoint is checked before any is read."""
+    itself) that leads outside `within` (default: `directory`), or the first entry that is
+    neither a file nor a folder (a FIFO blocks its reader forever, a device never ends:
+    storage/received.py). Readers such as Orbax and TensorStore follow symlinks, so a
+    received checkpoint is checked before any is read."""
     top = Path(directory)
     root = Path(within if within is not None else directory).resolve()
     entries = [top] if top.is_symlink() else []
@@ -78,3 +88,6 @@ def check_no_symlink_out(directory: str | os.PathLike, within: str | os.PathLike
                 f"{entry.name!r} is a symlink to {entry.resolve()}, outside {root} "
                 f"(a checkpoint is read only inside its own directory)"
             )
+        kind = not_regular(entry.lstat().st_mode) if not entry.is_symlink() else None
+        if kind and kind != "a directory":
+            raise ValueError(f"{str(entry)!r} is {kind}, not a file (never read)")

@@ -20,6 +20,7 @@ from etils import epath
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import is_remote
+from jaxmoe.storage.received import JSON_LIMIT, TOKENIZER_LIMIT, read_file
 
 TOKENIZER_DIR = "tokenizer"
 SIDE_FILES = (
@@ -35,12 +36,13 @@ def tokenizer_files(tokenizer) -> dict[str, bytes]:
     HFTokenizer): its model file under the conventional name, plus the side files beside it."""
     source = epath.Path(tokenizer.path)
     main = "tokenizer.json" if source.name.endswith(".json") else "tokenizer.model"
-    files = {main: source.read_bytes()}
-    if not is_remote(tokenizer.path):  # side files are only read locally (tokenizer.py)
-        for name in SIDE_FILES:
-            side = source.parent / name
-            if side.is_file():
-                files[name] = side.read_bytes()
+    if is_remote(tokenizer.path):
+        return {main: source.read_bytes()}  # side files are only read locally (tokenizer.py)
+    files = {main: read_file(source, main, TOKENIZER_LIMIT)}
+    for name in SIDE_FILES:
+        side = source.parent / name
+        if side.is_file():
+            files[name] = read_file(side, name, JSON_LIMIT)
     return files
 
 
@@ -63,12 +65,14 @@ def copy_tokenizer_dir(src_checkpoint, dst_checkpoint) -> bool:
     source = epath.Path(src_checkpoint) / TOKENIZER_DIR
     if not source.is_dir():
         return False
-    local = not is_remote(source)
-    files = {
-        child.name: child.read_bytes()
-        for child in source.iterdir()
-        if not local or (child.is_file() and not os.path.islink(child))
-    }
+    if is_remote(source):
+        files = {child.name: child.read_bytes() for child in source.iterdir()}
+    else:
+        files = {
+            child.name: read_file(child, f"tokenizer file {child.name}", TOKENIZER_LIMIT)
+            for child in source.iterdir()
+            if child.is_file() and not os.path.islink(child)
+        }
     write_tokenizer_files(epath.Path(dst_checkpoint) / TOKENIZER_DIR, files)
     return True
 
@@ -76,9 +80,12 @@ def copy_tokenizer_dir(src_checkpoint, dst_checkpoint) -> bool:
 def check_tokenizer_fits(tokenizer, model_vocab: int, where: str) -> None:
     """ConfigError when `tokenizer` has ids the model's `model_vocab` rows cannot embed."""
     if model_vocab and tokenizer.vocab_size > model_vocab:
+        largest = tokenizer.vocab_size - 1  # ids run over [0, vocab_size)
+        token = tokenizer.token_of_id(largest)
+        named = f" (token {token!r})" if token is not None else ""
         raise ConfigError(
-            f"{where} ({tokenizer.path}) has {tokenizer.vocab_size} ids, more than the "
-            f"model's vocabulary of {model_vocab} (model.vocab_size): its ids past "
+            f"{where} ({tokenizer.path}) has ids up to {largest}{named}, past the model's "
+            f"vocabulary of {model_vocab} (model.vocab_size): its ids past "
             f"{model_vocab - 1} have no embedding"
         )
 

@@ -14,6 +14,7 @@ at EOS and at the further ids of a `generation_config.json` next to the tokenize
 (`eos_token_id`, one id or a list: Llama 3 Instruct's `<|eot_id|>`...).
 """
 
+import functools
 import hashlib
 import os
 from collections.abc import Sequence
@@ -21,6 +22,7 @@ from collections.abc import Sequence
 import tokenizers
 
 from jaxmoe.data.tokenizer_files import chat_template, generation_eos_ids, read_json_object
+from jaxmoe.storage.received import TOKENIZER_LIMIT, read_file
 
 TOKENIZER_FILE = "tokenizer.json"
 _CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json")
@@ -69,11 +71,14 @@ class HFTokenizer:
     def __init__(self, path: str, eos_token: str = ""):
         """`eos_token` (data.eos_token): the EOS token, over what the files say ("" = theirs)."""
         file = tokenizer_file(path)
-        if not os.path.isfile(file):
+        if not os.path.exists(file):
             where = f"has no {TOKENIZER_FILE}" if os.path.isdir(path) else "does not exist"
             raise ValueError(f"data.tokenizer={path!r} {where}")
-        with open(file, "rb") as f:
-            raw = f.read()
+        try:  # a received file: a regular one of a tokenizer's size (received.py)
+            raw = read_file(file, TOKENIZER_FILE, TOKENIZER_LIMIT)
+        except (OSError, ValueError) as error:
+            problem = str(error).removeprefix(f"{file}: ")
+            raise ValueError(f"data.tokenizer={path!r}: {file}: {problem}") from None
         try:
             self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
@@ -142,7 +147,17 @@ class HFTokenizer:
 
     @property
     def vocab_size(self) -> int:
-        return self._tok.get_vocab_size(with_added_tokens=True)
+        """Ids run over [0, vocab_size): the largest id + 1, the rows an embedding table needs
+        to hold every id (a tokenizer.json may leave gaps: counting its tokens is not it)."""
+        return self._largest_id + 1
+
+    @functools.cached_property
+    def _largest_id(self) -> int:
+        return max(self._tok.get_vocab(with_added_tokens=True).values(), default=-1)
+
+    def token_of_id(self, token_id: int) -> str | None:
+        """The token with id `token_id`, or None."""
+        return self._tok.id_to_token(token_id)
 
     def token_id(self, token: str) -> int | None:
         """The id of a token of the vocabulary, or None if it has no such token."""

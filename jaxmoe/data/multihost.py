@@ -18,7 +18,9 @@ import numpy as np
 from jaxmoe.data.mixture import source_configs
 from jaxmoe.data.options import FORMAT_KEYS, packs_documents
 from jaxmoe.data.sources import cache_dir, document_split, load_tokenizer, token_stream
-from jaxmoe.data.tokenizer import Tokenizer, write_atomically
+from jaxmoe.data.tokenizer import Tokenizer
+from jaxmoe.errors import ConfigError
+from jaxmoe.storage.temporaries import write_atomically
 
 log = logging.getLogger("jaxmoe")
 

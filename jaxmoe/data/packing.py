@@ -12,12 +12,12 @@ padded with weight 0.
 import itertools
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 
 import numpy as np
 
 from jaxmoe.data.tokenizer import Tokenizer
+from jaxmoe.storage.temporaries import make_temporary, remove_dead_temporaries
 
 _DOCS_PER_CHUNK = 512
 
@@ -36,7 +36,8 @@ class NpyWriter:
         self.path, self.dtype, self.count = path, np.dtype(dtype), 0
         folder = os.path.dirname(path)
         os.makedirs(folder, exist_ok=True)
-        raw_fd, self._raw_path = tempfile.mkstemp(dir=folder, prefix=".tmp-raw-")
+        remove_dead_temporaries(folder)  # a killed run's (SIGKILL: nothing else removes them)
+        raw_fd, self._raw_path = make_temporary(folder, suffix=".raw")
         self._raw = os.fdopen(raw_fd, "wb")
 
     def append(self, values: np.ndarray) -> None:
@@ -51,9 +52,7 @@ class NpyWriter:
             "fortran_order": False,
             "shape": (self.count,),
         }
-        npy_fd, npy_path = tempfile.mkstemp(
-            dir=os.path.dirname(self.path), prefix=".tmp-", suffix=".npy"
-        )
+        npy_fd, npy_path = make_temporary(os.path.dirname(self.path), suffix=".npy")
         try:
             with os.fdopen(npy_fd, "wb") as out, open(self._raw_path, "rb") as raw:
                 np.lib.format.write_array_header_1_0(out, header)

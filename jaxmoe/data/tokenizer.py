@@ -12,7 +12,6 @@ elsewhere (a converted Llama 2's `tokenizer.model`) starts texts with its BOS wh
 import hashlib
 import io
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -21,6 +20,8 @@ from etils import epath
 
 from jaxmoe.data.tokenizer_files import chat_template, generation_eos_ids, read_json_object
 from jaxmoe.storage.paths import is_remote
+from jaxmoe.storage.received import TOKENIZER_LIMIT, read_file
+from jaxmoe.storage.temporaries import write_atomically
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2
 # Changing any training option below must change this, so stale cached models are not used.
@@ -38,9 +39,18 @@ class Tokenizer:
 
     def __init__(self, path: str):
         file = epath.Path(path)  # a local path or a remote URI (gs://...)
-        if not file.is_file():
-            raise ValueError(f"data.tokenizer={path!r} does not exist")
-        model_bytes = file.read_bytes()
+        if is_remote(path):
+            if not file.is_file():
+                raise ValueError(f"data.tokenizer={path!r} does not exist")
+            model_bytes = file.read_bytes()
+        else:  # a received file: a regular one of a tokenizer's size (received.py)
+            try:
+                model_bytes = read_file(path, "tokenizer model", TOKENIZER_LIMIT)
+            except FileNotFoundError:
+                raise ValueError(f"data.tokenizer={path!r} does not exist") from None
+            except (OSError, ValueError) as error:
+                problem = str(error).removeprefix(f"{path}: ")
+                raise ValueError(f"data.tokenizer={path!r}: {problem}") from None
         self._sp = spm.SentencePieceProcessor()
         try:
             self._sp.LoadFromSerializedProto(model_bytes)
@@ -71,6 +81,10 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._sp.get_piece_size()
+
+    def token_of_id(self, token_id: int) -> str | None:
+        """The piece with id `token_id`, or None."""
+        return self._sp.id_to_piece(token_id) if 0 <= token_id < self.vocab_size else None
 
     @property
     def eos_id(self) -> int:
@@ -186,24 +200,6 @@ def train_sentencepiece(lines: Iterator[str], vocab_size: int) -> bytes:
         reason = str(e).strip().splitlines()[-1] if str(e).strip() else "training failed"
         raise ValueError(f"data.vocab_size={vocab_size}: sentencepiece: {reason}") from None
     return model.getvalue()
-
-
-def write_atomically(path: str, data: bytes) -> None:
-    """Writes a file so that readers see either nothing or all of it, even with racing
-    writers: a private temporary file in the same folder, then an atomic rename.
-    """
-    folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; a cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def cached_tokenizer(

@@ -4,12 +4,13 @@ generation_config.json), read for both tokenizer kinds (tokenizer.py, hf_tokeniz
 import json
 import os
 
+from jaxmoe.storage.received import read_text
+
 
 def read_json_object(path: str, culprit: str) -> dict:
     """A tokenizer's JSON side file; a one-line ValueError naming data.tokenizer if bad."""
     try:
-        with open(path, encoding="utf-8") as f:
-            values = json.load(f)
+        values = json.loads(read_text(path, os.path.basename(path)))
     except (OSError, ValueError) as e:
         raise ValueError(f"data.tokenizer={culprit!r}: cannot read {path}: {e}") from None
     if not isinstance(values, dict):

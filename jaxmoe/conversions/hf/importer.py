@@ -14,6 +14,7 @@ index pass `safe_paths.resolve_inside`: reading never leaves SRC.
 """
 
 import json
+import logging
 import math
 import os
 import struct
@@ -43,6 +44,9 @@ from jaxmoe.conversions.hf.tokenizer_files import keep_tokenizer_files, kept_tok
 from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
+from jaxmoe.storage.received import JSON_LIMIT, check_file, read_text
+
+log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -74,9 +78,17 @@ class SafetensorsFolder:
                 raise CheckpointError(f"{INDEX_FILE}: tensor {name} is not in {file_name}")
 
     def _files(self) -> tuple[list[Path], dict[str, str]]:
-        """(files to read, the index's name -> file map or {} without an index)."""
+        """(files to read, the index's name -> file map or {} without an index). Where both
+        a model.safetensors and an index are present, transformers loads the single file:
+        so does this, saying so (the index's shards may hold other weights)."""
         index = self.root / INDEX_FILE
-        if index.is_file():
+        if os.path.lexists(index) and os.path.lexists(self.root / SINGLE_FILE):
+            log.warning(
+                "%s: both %s and %s; reading %s, as transformers does (the index and its "
+                "shards are not read)", self.root, SINGLE_FILE, INDEX_FILE, SINGLE_FILE
+            )  # fmt: skip
+            return [self._inside(SINGLE_FILE)], {}
+        if os.path.lexists(index):
             weight_map = _read_index(index)
             files = []
             for name in sorted(set(weight_map.values())):
@@ -84,11 +96,11 @@ class SafetensorsFolder:
                     file = resolve_inside(self.root, name)
                 except ValueError as error:
                     raise CheckpointError(f"{index}: shard {error}") from None
-                if not file.is_file():
+                if not file.exists():
                     raise CheckpointError(f"{index}: shard file {name!r} is missing")
                 files.append(file)
             return files, weight_map
-        if (self.root / SINGLE_FILE).is_file():
+        if os.path.lexists(self.root / SINGLE_FILE):  # a FIFO or a folder: _open says so
             return [self._inside(SINGLE_FILE)], {}
         found = sorted(self.root.glob("*.safetensors"))
         if len(found) == 1:
@@ -115,6 +127,7 @@ class SafetensorsFolder:
             raise CheckpointError(f"{self.root}: {error}") from None
 
     def _open(self, file: Path) -> None:
+        _check_safetensors_size(file)
         # safe_open validates the file: header, dtypes, and offsets that tile the data
         # section exactly (a truncated file fails here).
         try:
@@ -164,9 +177,34 @@ class SafetensorsFolder:
         return view.reshape(shape).astype(np.float32, copy=False)
 
 
+def _check_safetensors_size(file: Path) -> None:
+    """CheckpointError unless safetensors `file` is a regular file exactly as long as its
+    header says: safe_open maps the whole file into memory first, so a FIFO would block it
+    and a valid file followed by 20 GB of sparse zeros fill the memory."""
+    try:
+        size = check_file(file, "safetensors file")
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
+    try:
+        with open(file, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            if header_size > min(size, JSON_LIMIT):
+                return  # safe_open refuses such a header itself, naming the problem
+            header = json.loads(f.read(header_size))
+        end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+        expected = 8 + header_size + int(end)
+    except (OSError, ValueError, KeyError, IndexError, TypeError, AttributeError, struct.error):
+        return  # likewise a header that is not one
+    if size != expected:
+        raise CheckpointError(
+            f"{file}: {size:,} bytes, but its header describes {expected:,} (a file "
+            f"truncated, or with data past its tensors)"
+        )
+
+
 def _read_index(path: Path) -> dict[str, str]:
     try:
-        weight_map = json.loads(path.read_text())["weight_map"]
+        weight_map = json.loads(read_text(path, INDEX_FILE))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path}: not a safetensors index ({error})") from None
     except RecursionError:
@@ -185,7 +223,7 @@ def read_hf_config(root: Path) -> dict:
     except ValueError as error:
         raise CheckpointError(f"{root}: {error}") from None
     try:
-        config = json.loads(path.read_text())
+        config = json.loads(read_text(path, "config.json"))
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing (an HF checkpoint carries its config)") from None
     except (OSError, ValueError) as error:

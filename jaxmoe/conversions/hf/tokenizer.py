@@ -16,12 +16,14 @@ from pathlib import Path
 
 from sentencepiece import sentencepiece_model_pb2
 
+from jaxmoe.storage.received import TOKENIZER_LIMIT, read_file
+
 SPACE = "\u2581"  # SentencePiece's visible space
 
 
 def _load(sp_model_path: str):
     proto = sentencepiece_model_pb2.ModelProto()
-    proto.ParseFromString(Path(sp_model_path).read_bytes())
+    proto.ParseFromString(read_file(sp_model_path, "tokenizer model", TOKENIZER_LIMIT))
     norm, trainer = proto.normalizer_spec, proto.trainer_spec
     problems = []
     if trainer.model_type != sentencepiece_model_pb2.TrainerSpec.UNIGRAM:

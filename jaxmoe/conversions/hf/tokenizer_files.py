@@ -26,6 +26,7 @@ from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR
 from jaxmoe.conversions.hf.tokenizer import write_hf_tokenizer
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID, open_tokenizer
+from jaxmoe.storage.received import TOKENIZER_LIMIT, read_file
 
 log = logging.getLogger(__name__)
 
@@ -43,15 +44,32 @@ KEPT_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG)
 def kept_tokenizer(src: Path) -> str:
     """What `data.tokenizer` of a checkpoint converted from `src` names, relative to that
     checkpoint (stored_tokenizer.py): its copy of the tokenizer files, or "" when `src`
-    has none."""
+    has none. CheckpointError when that file leads out of `src` or is no file (it is
+    opened before it is copied)."""
     for name, target in (("tokenizer.json", ""), ("tokenizer.model", "/tokenizer.model")):
-        if (src / name).is_file():
+        if os.path.lexists(src / name):
+            try:
+                resolve_inside(src, name)
+            except ValueError as error:
+                raise CheckpointError(f"{src}: {error}") from None
             return TOKENIZER_DIR + target
     return ""
 
 
 def _present(folder: Path) -> list[str]:
-    return [name for name in KEPT_FILES if (folder / name).is_file()]
+    """The KEPT_FILES in `folder`: any entry by that name (a FIFO or a link to a device is
+    refused when read, never skipped in silence)."""
+    return [name for name in KEPT_FILES if os.path.lexists(folder / name)]
+
+
+def _read_kept(folder: Path, name: str) -> bytes:
+    """`folder/name` read as a received file (storage/received.py): resolved inside
+    `folder` (a symlink out of it is refused, as for the tensors), a regular file of a
+    tokenizer file's size."""
+    try:
+        return read_file(resolve_inside(folder, name), name, TOKENIZER_LIMIT)
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{folder}: {name}: {error}") from None
 
 
 def keep_tokenizer_files(src: Path, checkpoint: Path) -> None:
@@ -62,11 +80,7 @@ def keep_tokenizer_files(src: Path, checkpoint: Path) -> None:
         return
     (checkpoint / TOKENIZER_DIR).mkdir(parents=True)
     for name in names:
-        try:
-            source = resolve_inside(src, name)
-        except ValueError as error:
-            raise CheckpointError(f"{src}: {error}") from None
-        shutil.copyfile(source, checkpoint / TOKENIZER_DIR / name)
+        (checkpoint / TOKENIZER_DIR / name).write_bytes(_read_kept(src, name))
 
 
 def _special_ids(tokenizer) -> dict:
@@ -85,7 +99,7 @@ def _copy_hf_tokenizer(path: str, dst: Path) -> None:
     SentencePiece model with HF files beside it) copied into `dst`."""
     folder = Path(path) if os.path.isdir(path) else Path(path).parent
     for name in _present(folder):
-        shutil.copyfile(folder / name, dst / name)
+        (dst / name).write_bytes(_read_kept(folder, name))
     if path.endswith(".json") and not os.path.isdir(path):  # any name: tokenizer.json here
         shutil.copyfile(path, dst / "tokenizer.json")
     elif path.endswith(".model"):
