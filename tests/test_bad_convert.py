@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,6 +151,49 @@ def test_convert_hf_refuses_nan(hf_src, tmp_path):
         f"tensor model.layers.1.mlp.up_proj.weight in model.safetensors {NAN}",
     )
     assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_writer_threads_do_not_repeat_the_one_line(hf_src, tmp_path, cli, caplog):
+    """The NaN is found on Orbax's writer thread (tensors are produced while it writes):
+    the CLI's line is the only report; the threads' tracebacks (110 lines) are dropped."""
+    src = tmp_path / "src"
+    shutil.copytree(hf_src, src)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.norm.weight"][0] = -np.inf
+    save_file(tensors, str(src / "model.safetensors"))
+    line = cli("convert", "hf", src, tmp_path / "out")
+    assert line == f"jaxmoe convert: error: tensor model.norm.weight in model.safetensors {NAN}"
+    for thread in threading.enumerate():  # Orbax's metadata thread may report after
+        if thread.name in ("jaxmoe_leafwise", "write_metadata_after_commits"):
+            thread.join(timeout=30)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert sorted(os.listdir(tmp_path)) == ["src"]
+
+
+def test_aftermath_of_an_abandoned_output_is_dropped(tmp_path, caplog):
+    """Writers that find their files removed under them (an interrupted conversion) report
+    nothing more; another thread's error still prints."""
+    from jaxmoe.storage.background_errors import abandon, quiet_background_errors
+
+    abandoned = tmp_path / ".out.converting-1"
+    errors = {
+        "aftermath": ValueError(f'NOT_FOUND: Error writing "w/0" in {abandoned}/params'),
+        "other": ValueError("NOT_FOUND: Error writing somewhere else"),
+    }
+
+    def report(error):
+        try:
+            raise error
+        except ValueError:
+            logging.getLogger("absl").exception("_SignalingThread.run() raised: %s", error)
+
+    with quiet_background_errors():
+        abandon(abandoned)
+        for error in errors.values():
+            thread = threading.Thread(target=report, args=(error,))
+            thread.start()
+            thread.join()
+    assert [r.exc_info[1] for r in caplog.records] == [errors["other"]]
 
 
 @needs_t5x

@@ -20,20 +20,15 @@ import fcntl
 import logging
 import os
 import shutil
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.storage.background_errors import abandon, quiet_background_errors
+from jaxmoe.storage.interrupts import signal_name, signals_held, terminate_as_interrupt
 
 log = logging.getLogger(__name__)
-
-
-class Interrupted(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt so that the same cleanup runs;
-    args[0] is the signal's name."""
 
 
 def check_writable(path: str | os.PathLike) -> Path:
@@ -84,14 +79,19 @@ def staged_directory(dst: str | os.PathLike) -> Iterator[Path]:
     made = not dst.parent.exists()
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with terminate_as_interrupt(), _claimed(dst):
+        with terminate_as_interrupt(), _claimed(dst), quiet_background_errors():
             try:
                 yield staging
                 if dst.exists():
                     dst.rmdir()  # only an empty directory may be replaced: never a checkpoint
                 staging.rename(dst)
+            except BaseException:
+                # Orbax's writers may still have files in flight: what they meet in the
+                # folder removed under them is not news (the error is reported once).
+                abandon(staging)
+                raise
             finally:
-                with _signals_held():  # a second Ctrl-C must not stop the cleanup half way
+                with signals_held():  # a second Ctrl-C must not stop the cleanup half way
                     _remove_while_writers_finish(staging)
     except BaseException:
         if made:  # e.g. export t5x's OUT: not left behind, empty, by a failed export
@@ -111,24 +111,6 @@ def _remove_while_writers_finish(staging: Path, settle_s: float = 0.2, limit_s: 
 
 
 @contextlib.contextmanager
-def terminate_as_interrupt() -> Iterator[None]:
-    """Within the block SIGTERM raises `Interrupted` (in the main thread; elsewhere Python
-    cannot take signals and the block runs as it is)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum, frame):
-        raise Interrupted(signal.Signals(signum).name)
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
-
-
-@contextlib.contextmanager
 def interrupts_in_one_line(dst: str | os.PathLike) -> Iterator[None]:
     """For the CLI: SIGTERM and Ctrl-C end the block with a RuntimeError (the one-line
     error the CLI prints, exit 2) once staged_directory has removed its staging folder."""
@@ -136,24 +118,10 @@ def interrupts_in_one_line(dst: str | os.PathLike) -> Iterator[None]:
         try:
             yield
         except KeyboardInterrupt as error:
-            name = error.args[0] if isinstance(error, Interrupted) else "SIGINT"
             raise RuntimeError(
-                f"interrupted by {name}; no partial checkpoint left at {Path(dst).absolute()}"
+                f"interrupted by {signal_name(error)}; no partial checkpoint left at "
+                f"{Path(dst).absolute()}"
             ) from None
-
-
-@contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM wait until the block ends (then raise as usual)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {signal.SIGINT, signal.SIGTERM}
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
-    try:
-        yield
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 @contextlib.contextmanager

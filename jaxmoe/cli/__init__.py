@@ -9,6 +9,7 @@ modules); each `run` imports the library it calls, so `--help` never starts JAX.
 import argparse
 import logging
 import os
+import signal
 import sys
 import warnings
 
@@ -18,9 +19,12 @@ from jaxmoe.cli import config as config_command
 from jaxmoe.cli import eval as eval_command
 from jaxmoe.cli.flags import CommandParser
 from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.environment import check_environment
 from jaxmoe.parallel.host_memory import retain_freed_host_memory
 from jaxmoe.parallel.platforms import skip_absent_tpu
+from jaxmoe.storage.background_errors import quiet_background_errors
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
+from jaxmoe.storage.interrupts import signal_name, terminate_as_interrupt
 
 
 def _split_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
@@ -70,13 +74,25 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     if args.command == "lm-eval" and lm_eval.wants_help(args):
         return lm_eval.print_help()  # lm-eval's own help: no backend, so no JAX
+    try:  # compile builds TPU devices from a topology alone: no platform needed
+        check_environment(platforms=args.command != "compile")
+    except ConfigError as error:
+        print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
+        return 2
     skip_absent_tpu()  # before any backend starts: libtpu's probe would print to stderr
     if args.command in COMPUTING:
         retain_freed_host_memory()  # before any backend starts its threads
     try:
-        with quiet_disk_full():
+        with quiet_disk_full(), quiet_background_errors(), terminate_as_interrupt():
             args.overrides = overrides
             return args.run(args)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: `finally` blocks cleaned up
+        if os.environ.get("JAXMOE_TRACEBACK"):
+            raise
+        _silence_abandoned_reads()
+        name = signal_name(interrupt)
+        print(f"jaxmoe {args.command}: interrupted by {name}", file=sys.stderr)
+        return 128 + getattr(signal, name)
     except Exception as error:
         # One line for the user; JAX internals are not their problem.
         if os.environ.get("JAXMOE_TRACEBACK"):

@@ -135,8 +135,16 @@ class TracedBatches:
 
     def __init__(self, batches, folder: str, process_index: int):
         self._batches = batches
-        os.makedirs(folder, exist_ok=True)
         self._path = os.path.join(folder, f"rows_{process_index}.jsonl")
+        try:  # before training starts: not a traceback at the first batch
+            os.makedirs(folder, exist_ok=True)
+            with open(self._path, "a"):
+                pass
+        except OSError as error:
+            raise ConfigError(
+                f"JAXMOE_DATA_TRACE={folder!r}: cannot write {self._path} ({error.strerror}); "
+                f"unset it or name a writable folder"
+            ) from None
 
     def __getattr__(self, name):
         return getattr(self._batches, name)

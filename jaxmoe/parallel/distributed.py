@@ -12,13 +12,14 @@ import jax
 
 from jaxmoe.compat.private_apis import wait_at_barrier
 from jaxmoe.errors import ConfigError
+from jaxmoe.parallel.environment import env_int
 
 DEFAULT_TIMEOUT_S = 300
 
 
 def cluster_detected() -> bool:
     """True on a multi-host TPU slice or a multi-task SLURM job."""
-    if "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+    if "SLURM_JOB_ID" in os.environ and env_int("SLURM_NTASKS", 1) > 1:
         return True
     hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
     return len([h for h in hosts.split(",") if h.strip()]) > 1
@@ -30,7 +31,7 @@ def initialize(
     """Join the run's processes; a coordinator that never answers fails within timeout_s."""
     if jax.distributed.is_initialized():
         return
-    timeout_s = int(timeout_s or os.environ.get("JAXMOE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
+    timeout_s = int(timeout_s or env_int("JAXMOE_INIT_TIMEOUT", DEFAULT_TIMEOUT_S))
     if coordinator_address:
         if num_processes is None or process_id is None:
             raise ConfigError(

@@ -14,6 +14,8 @@ import logging
 import sys
 import threading
 
+from jaxmoe.storage.background_errors import hook_without
+
 _seen = False  # a no-space error was seen in this process: its aftermath may be dropped
 
 
@@ -59,19 +61,8 @@ class _DropNoSpace(logging.Filter):
         return not (no_space_left(error) or no_space_left(Exception(message)) or _aftermath(error))
 
 
-def _drop(hook, error_of):
-    """`hook` (sys.unraisablehook or threading.excepthook) minus disk-full reports."""
-    if getattr(hook, "drops_disk_full", False):
-        return hook
-
-    def filtered(arg):
-        error = error_of(arg)
-        if no_space_left(error) or _aftermath(error):
-            return
-        hook(arg)
-
-    filtered.drops_disk_full = True
-    return filtered
+def _dropped(error: BaseException | None) -> bool:
+    return no_space_left(error) or _aftermath(error)
 
 
 _LOG_FILTER = _DropNoSpace()
@@ -84,6 +75,9 @@ def quiet_disk_full():
     abandoned callbacks report after the failed call has returned (seen under load)."""
     for name in ("absl", "asyncio"):
         logging.getLogger(name).addFilter(_LOG_FILTER)  # once: addFilter skips a repeat
-    sys.unraisablehook = _drop(sys.unraisablehook, lambda u: u.exc_value)
-    threading.excepthook = _drop(threading.excepthook, lambda a: a.exc_value)
+    marker = "drops_disk_full"
+    sys.unraisablehook = hook_without(sys.unraisablehook, lambda u: u.exc_value, _dropped, marker)
+    threading.excepthook = hook_without(
+        threading.excepthook, lambda a: a.exc_value, _dropped, marker
+    )
     yield
