@@ -1,11 +1,14 @@
 """Training that goes wrong says so in one line: non-finite steps (stop, skip, parameters
-overflowed by an update), a torn metrics.jsonl on resume, temp files of data preparation,
-and a bare tokenizer.json's EOS."""
+overflowed by an update), a torn metrics.jsonl on resume, a resume with another optimizer
+or sequence length (refused, nothing lost), temp files of data preparation (interrupted or
+killed), and a bare tokenizer.json's EOS."""
 
 import json
 import logging
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,9 +16,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.data.hf_tokenizer import HFTokenizer
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.data.tokenizer import open_tokenizer
+from jaxmoe.errors import ConfigError
 from jaxmoe.training.loop import describe_nonfinite, train
 from jaxmoe.training.metrics import MetricsWriter
 from tests.fixtures_data import copy_data_cache
@@ -214,3 +219,113 @@ def test_tokenizer_json_without_any_eos_names_the_key(tmp_path):
     )
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         HFTokenizer(str(path))
+
+
+# ------------------------------------------------------------ resuming with another setup
+
+
+@pytest.fixture(scope="module")
+def saved_run(cache, tmp_path_factory) -> Path:
+    """A finished AdamW run (checkpoints at steps 1 and 2) that the tests below copy."""
+    workdir = tmp_path_factory.mktemp("saved") / "run"
+    train(config(cache, "train.steps=2", "train.checkpoint_every=1"), str(workdir), progress=False)
+    return workdir
+
+
+def resumed(saved_run: Path, tmp_path: Path) -> tuple[Path, dict]:
+    """A copy of `saved_run` and the bytes of every file in it, to see nothing changed."""
+    workdir = Path(shutil.copytree(saved_run, tmp_path / "run"))
+    files = {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+    return workdir, files
+
+
+@pytest.mark.parametrize("optimizer", ["adafactor", "t5x_adafactor"])
+def test_resume_with_another_optimizer_is_refused_losing_nothing(
+    cache, saved_run, tmp_path, caplog, optimizer
+):
+    """Another optimizer's state is not damage: both intact checkpoints stay where they
+    are (never renamed N.damaged), training never restarts from step 0, and the line says
+    which optimizer saved them."""
+    workdir, before = resumed(saved_run, tmp_path)
+    cfg = config(cache, "train.steps=4", "train.checkpoint_every=1", f"optimizer.name={optimizer}")
+    with pytest.raises(CheckpointError) as refused:
+        train(cfg, str(workdir), progress=False)
+    step = workdir / "checkpoints" / "2"
+    assert str(refused.value).startswith(
+        f"checkpoint {str(step)!r} holds the state of another optimizer than optimizer.* of "
+        f"this run (saved with optimizer.name=adamw; state "
+    )
+    assert str(refused.value).endswith(
+        "resume with the config this run was started with, or start a new --workdir "
+        "(train.init_from=<checkpoint> loads its weights, with a fresh optimizer state)"
+    )
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    after = {p: p.read_bytes() for p in sorted(workdir.rglob("*")) if p.is_file()}
+    assert after.keys() == before.keys() and all(after[p] == before[p] for p in before)
+
+
+def test_resume_with_another_seq_len_names_it(cache, saved_run, tmp_path):
+    workdir, _ = resumed(saved_run, tmp_path)
+    cfg = config(cache, "train.steps=4", "train.checkpoint_every=1", "train.seq_len=32")
+    with pytest.raises(ConfigError) as refused:
+        train(cfg, str(workdir), progress=False)
+    assert "; changed since checkpoint 2: train.seq_len 16 -> 32; resume with the values it " in (
+        str(refused.value)
+    )
+    assert checkpoint_steps(workdir) == [1, 2]
+
+
+# ------------------------------------------------------- interrupts and killed preparers
+
+
+def test_interrupted_command_is_one_line(capsys, monkeypatch):
+    """Ctrl-C, or SIGTERM (raised as Interrupted), anywhere in a command: one line and the
+    signal's exit status, no traceback; `finally` blocks have run on the way out."""
+    from jaxmoe.cli import main
+    from jaxmoe.cli import prepare as prepare_command
+    from jaxmoe.storage.interrupts import Interrupted
+
+    for raised, name, status in ((KeyboardInterrupt(), "SIGINT", 130),
+                                 (Interrupted("SIGTERM"), "SIGTERM", 143)):  # fmt: skip
+
+        def stop(args, raised=raised):
+            raise raised
+
+        monkeypatch.setattr(prepare_command, "run", stop)
+        assert main(["prepare", "--config", "configs/default.py"]) == status
+        assert capsys.readouterr().err == f"jaxmoe prepare: interrupted by {name}\n"
+
+
+def test_interrupted_token_cache_leaves_no_temporary_file(tmp_path):
+    from jaxmoe.data.packing import write_token_cache
+
+    tokenizer = bare_tokenizer_json(tmp_path / "tok", ["</s>"])
+
+    def documents():
+        yield "hello world"
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_token_cache(documents(), open_tokenizer(str(tokenizer)), str(tmp_path / "c/t.npy"))
+    assert os.listdir(tmp_path / "c") == []
+
+
+def test_temporaries_of_killed_writers_are_removed_by_the_next(tmp_path, caplog):
+    """SIGKILL leaves a writer's temporary files; the next writer in the folder removes
+    those of dead processes of this host, never a live one's."""
+    from jaxmoe.storage.temporaries import make_temporary, write_atomically
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True).stdout.strip()  # fmt: skip
+    host = socket.gethostname()
+    killed = tmp_path / f".tmp-{host}.{dead}-abc.raw"
+    killed.write_bytes(b"half")
+    elsewhere = tmp_path / f".tmp-otherhost.{dead}-abc.raw"  # a live writer, maybe
+    elsewhere.write_bytes(b"half")
+    fd, live = make_temporary(str(tmp_path), suffix=".npy")  # this process: alive
+    os.close(fd)
+    write_atomically(str(tmp_path / "t.npy"), b"whole")
+    assert sorted(os.listdir(tmp_path)) == sorted([elsewhere.name, Path(live).name, "t.npy"])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        f"removed {killed}, left by a killed process (pid {dead})"
+    ]

@@ -112,6 +112,7 @@ class TrainCheckpoints:
                     f"checkpoint: move it away to resume from an earlier one)"
                 )
         check_params_match(step_dir, abstract_state["params"])  # the config changed since?
+        check_opt_state_match(step_dir, abstract_state["opt_state"])
         restored = self.manager.restore(
             step,
             args=ocp.args.Composite(
@@ -146,7 +147,8 @@ class TrainCheckpoints:
             except CheckpointMismatch as error:
                 raise CheckpointMismatch(
                     f"{error}; resume with the config this run was started with, or start "
-                    f"a new --workdir (train.init_from=<checkpoint> loads its weights)"
+                    f"a new --workdir (train.init_from=<checkpoint> loads its weights, with a "
+                    f"fresh optimizer state)"
                 ) from None
             except Exception as error:  # any reader failure means this step is unusable
                 log.warning(
@@ -373,7 +375,8 @@ def _leaves(tree):
 
 
 def _dotted(path) -> str:
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+    """'a.0.mu': dict keys, sequence indices and attribute names (optax's state tuples)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def check_params_match(step_dir: epath.Path, abstract_params) -> None:
@@ -408,6 +411,31 @@ def check_params_match(step_dir: epath.Path, abstract_params) -> None:
         raise CheckpointMismatch(
             f"{where}: " + "; ".join(parts) + " (a checkpoint of another architecture?)"
         )
+
+
+def check_opt_state_match(step_dir: epath.Path, abstract_opt_state) -> None:
+    """CheckpointMismatch when the optimizer state stored in `step_dir` is not the state of
+    this run's optimizer (optimizer.name or a setting that shapes its state changed):
+    checked on metadata, so an intact checkpoint is never mistaken for a damaged one."""
+    stored = _stored_shapes(step_dir / "opt_state")
+    expected = {_dotted(path): tuple(leaf.shape) for path, leaf in _leaves(abstract_opt_state)}
+    if stored == expected:
+        return
+    differ = sorted(stored.keys() ^ expected.keys()) or sorted(
+        name for name in stored if stored[name] != expected[name]
+    )
+    name = differ[0]
+    have = f"{stored[name]} in the checkpoint" if name in stored else "not in the checkpoint"
+    want = f"{expected[name]} in this run" if name in expected else "not in this run"
+    try:
+        saved_with = read_config(str(step_dir), tokenizer=False).optimizer.name
+        was = f"saved with optimizer.name={saved_with}; "
+    except (CheckpointError, ValueError, KeyError, AttributeError):
+        was = ""
+    raise CheckpointMismatch(
+        f"checkpoint {str(step_dir)!r} holds the state of another optimizer than "
+        f"optimizer.* of this run ({was}state {name}: {have}, {want})"
+    )
 
 
 def restore_params(path: str, abstract_params, layouts=()) -> dict:

@@ -195,6 +195,30 @@ def nonfinite_params(step: int, state: dict) -> str | None:
     )
 
 
+# What decides the examples and their order: a change makes a saved data position void.
+_DATA_KEYS = ("train.seq_len", "train.batch_size", "train.seed")
+_DATA_IGNORED = ("tokenizer", "cache_dir", "data_dir", "prefetch", "workers")
+
+
+def _data_keys_changed(step_dir, config) -> list[str]:
+    """'train.seq_len 32 -> 64' for each key shaping the data that differs from the config
+    saved in `step_dir` (where the data is stored and how fast it is read aside)."""
+    from jaxmoe.checkpoints.manager import read_config
+
+    try:
+        saved = read_config(str(step_dir), tokenizer=False)
+    except ValueError:
+        return []
+    keys = [*_DATA_KEYS, *(f"data.{k}" for k in config.data if k not in _DATA_IGNORED)]
+    changed = []
+    for key in keys:
+        section, leaf = key.split(".")
+        before, now = saved[section].get(leaf), config[section].get(leaf)
+        if before != now:
+            changed.append(f"{key} {before!r} -> {now!r}")
+    return changed
+
+
 def _train(
     config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool, closers: list
 ) -> dict:
@@ -242,7 +266,16 @@ def _train(
     if restored is not None:
         start, state, meta = restored
         checkpoints.check_same_tokenizer(start)  # resumed on the ids it was trained with
-        data.train.set_state(meta["data"])
+        try:
+            data.train.set_state(meta["data"])
+        except ValueError as error:  # name the keys that changed, not only the symptom
+            changed = _data_keys_changed(checkpoints.directory / str(start), config)
+            if not changed:
+                raise
+            raise ConfigError(
+                f"{error}; changed since checkpoint {start}: {', '.join(changed)}; resume "
+                f"with the values it was saved with, or start a new --workdir"
+            ) from None
     else:
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)

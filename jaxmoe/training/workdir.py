@@ -4,10 +4,15 @@ Two trainers on one workdir would interleave their metrics and race on checkpoin
 so process 0 of a run holds `WORKDIR/.lock` (JSON: host, pid, process start, run start,
 heartbeat) for as long as it trains. A lock left by a killed run is taken over: on the same
 host when its process is gone, elsewhere when its heartbeat is older than `stale_after_s`.
+A lock file that no jaxmoe run wrote (not a JSON object with those fields, of their types,
+times finite) is a dead run's torn write or someone's edit: taken over with a warning that
+says why. A heartbeat in the future (a host whose clock runs ahead) is never stale: the
+refusal says so, and that removing the lock file frees the workdir.
 """
 
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -16,12 +21,38 @@ from etils import epath
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import is_remote
+from jaxmoe.storage.received import read_text
 
 log = logging.getLogger("jaxmoe")
 
 LOCK_NAME = ".lock"
 HEARTBEAT_EVERY_S = 60.0
 STALE_AFTER_S = 600.0  # another host's lock without a heartbeat for this long is dead
+CLOCK_SLACK_S = 60.0  # a heartbeat further ahead than this comes from a clock that runs ahead
+
+
+def parse_lock(text: str) -> tuple[dict | None, str]:
+    """(record, "") of a lock file's text as a jaxmoe run writes it, or (None, why not)."""
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None, "not JSON (a torn write?)"
+    if not isinstance(record, dict):
+        return None, f"not a JSON object: {text.strip()[:40]!r}"
+    if not isinstance(record.get("host"), str):
+        return None, f"host={record.get('host')!r} is not a host name"
+    pid = record.get("pid")
+    if isinstance(pid, bool) or not isinstance(pid, int) or pid < 1:
+        return None, f"pid={pid!r} is not a process id"
+    for key in ("started", "heartbeat"):
+        value = record.get(key)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int | float)
+            or not math.isfinite(value)
+        ):
+            return None, f"{key}={value!r} is not a time"
+    return record, ""
 
 
 def check_workdir(workdir: str) -> epath.Path:
@@ -74,23 +105,39 @@ class WorkdirLock:
         self._last_beat = 0.0
 
     def _describe(self, record: dict) -> str:
-        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record.get("started", 0)))
-        return f"host {record.get('host')}, pid {record.get('pid')}, started {started}"
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(record["started"]))
+        ahead = record["heartbeat"] - time.time()
+        future = (
+            f"; its heartbeat is {ahead:.0f} s in the future: that host's clock runs ahead"
+            if ahead > CLOCK_SLACK_S
+            else ""
+        )
+        return f"host {record['host']}, pid {record['pid']}, started {started}{future}"
 
-    def _read(self) -> dict | None:
+    def _read(self) -> tuple[dict | None, str]:
+        """(record, "") of the lock file; (None, "") when there is none; (None, why) when
+        it holds something no live run wrote, which is then taken over."""
+        if self.path.is_dir():
+            raise ConfigError(
+                f"{self.path} is a directory, not the lock file jaxmoe keeps there: remove it "
+                f"to use workdir {str(self.path.parent)!r}"
+            )
         try:
-            return json.loads(self.path.read_text())
+            if is_remote(str(self.path)):
+                text = self.path.read_text()
+            else:  # a FIFO or a device there would block or never end
+                text = read_text(str(self.path), "lock file", limit=1 << 20)
         except FileNotFoundError:
-            return None
-        except (OSError, ValueError):
-            return {}  # a torn write: the run that wrote it died mid-write
+            return None, ""
+        except (OSError, ValueError) as error:
+            return None, f"unreadable ({error})"
+        return parse_lock(text)
 
     def _is_stale(self, record: dict) -> bool:
-        if not record:
-            return True
-        if record.get("host") == socket.gethostname():
-            return not _alive(int(record.get("pid", -1)), record.get("pid_start"))
-        return time.time() - float(record.get("heartbeat", 0)) > self.stale_after_s
+        if record["host"] == socket.gethostname():
+            start_ticks = record.get("pid_start")
+            return not _alive(record["pid"], start_ticks if isinstance(start_ticks, int) else None)
+        return time.time() - record["heartbeat"] > self.stale_after_s
 
     def _write_new(self, exclusive: bool) -> None:
         text = json.dumps(self._record)
@@ -115,31 +162,33 @@ class WorkdirLock:
             "started": now,
             "heartbeat": now,
         }
-        existing = self._read()
-        if existing is None:
+        existing, garbage = self._read()
+        if existing is None and not garbage:
             try:
                 self._write_new(exclusive=True)
             except FileExistsError:
-                existing = self._read()
-        if existing is not None:
-            if not self._is_stale(existing):
+                existing, garbage = self._read()
+        if existing is not None or garbage:
+            if existing is not None and not self._is_stale(existing):
                 raise WorkdirInUse(
                     f"workdir {str(self.path.parent)!r} is in use by another jaxmoe train "
                     f"({self._describe(existing)}); wait for it, stop it, or pick another "
-                    f"--workdir"
+                    f"--workdir (if no run uses it, remove {self.path})"
                 )
             log.warning(
                 "workdir %s: taking over the lock of a run that is gone (%s)",
                 self.path.parent,
-                self._describe(existing) if existing else "unreadable lock file",
+                self._describe(existing) if existing else f"{self.path}: {garbage}",
             )
             self._write_new(exclusive=False)
         # Two runs taking over one stale lock together: the last rename wins; the loser
         # sees someone else's record here and stops before touching anything.
-        if self._read() != self._record:
+        current, _ = self._read()
+        if current != self._record:
+            holder = self._describe(current) if current else "unknown"
             raise WorkdirInUse(
                 f"workdir {str(self.path.parent)!r} was taken by another jaxmoe train "
-                f"({self._describe(self._read() or {})}) while this one started"
+                f"({holder}) while this one started"
             )
         self._last_beat = now
 
@@ -160,7 +209,7 @@ class WorkdirLock:
     def release(self) -> None:
         if not self.enabled or self._record is None:
             return
-        if self._read() == self._record:
+        if self._read()[0] == self._record:
             self.path.unlink(missing_ok=True)
         self._record = None
 
