@@ -83,6 +83,60 @@ def refused(capsys, *argv: str) -> str:
             ["train", "--workdir", "/tmp/w", "--num_processes", "0"],
             "jaxmoe train: error: argument --num_processes: expected a positive integer, got 0",
         ),
+        # float() takes "nan" and "inf": no temperature, penalty or time is either.
+        (
+            ["decode", *CKPT, "--prompt", "a", "--temperature", "nan"],
+            "jaxmoe decode: error: argument --temperature: expected a finite number, got 'nan'",
+        ),
+        (
+            ["decode", *CKPT, "--prompt", "a", "--top_p", "nan"],
+            "jaxmoe decode: error: argument --top_p: expected a finite number, got 'nan'",
+        ),
+        (
+            ["eval", *CKPT, *DATA, "--task", "generate", "--temperature", "inf"],
+            "jaxmoe eval: error: argument --temperature: expected a finite number, got 'inf'",
+        ),
+        (
+            ["eval", *CKPT, *DATA, "--task", "generate", "--temperature", "-0.5"],
+            "jaxmoe eval: error: argument --temperature: expected a number >= 0, got -0.5",
+        ),
+        (
+            ["eval", *CKPT, *DATA, "--num_beams", "2", "--length_penalty", "nan"],
+            "jaxmoe eval: error: argument --length_penalty: expected a finite number, got 'nan'",
+        ),
+        (
+            ["eval", *CKPT, *DATA, "--top_p", "1.5"],
+            "jaxmoe eval: error: argument --top_p: expected a number in (0, 1], got 1.5",
+        ),
+        (
+            ["compile", "--config", "c.py", "--topology", "v5p-8", "--step_time", "-1"],
+            "jaxmoe compile: error: argument --step_time: expected a number > 0, got -1",
+        ),
+        (
+            ["compile", "--config", "c.py", "--topology", "v5p-8", "--step_time", "nan"],
+            "jaxmoe compile: error: argument --step_time: expected a finite number, got 'nan'",
+        ),
+        (
+            ["compile", "--config", "c.py", "--topology", "v5p-8", "--num_slices", "0"],
+            "jaxmoe compile: error: argument --num_slices: expected a positive integer, got 0",
+        ),
+        (
+            ["export", "t5x", "/c", "/out", "--step", "-5"],
+            "jaxmoe export t5x: error: argument --step: expected an integer >= 0, got -5",
+        ),
+        (
+            ["convert", "gqa", "/c", "/out", "--num_kv_heads", "2", "--seed", "-1"],
+            "jaxmoe convert gqa: error: argument --seed: expected an integer >= 0, got -1",
+        ),
+        (
+            ["convert", "gqa", "/c", "/out", "--num_kv_heads", "0"],
+            "jaxmoe convert gqa: error: argument --num_kv_heads: expected a positive integer, "
+            "got 0",
+        ),
+        (
+            ["convert", "upcycle", "/c", "/out", "--num_experts", "8", "--seed", "-2"],
+            "jaxmoe convert upcycle: error: argument --seed: expected an integer >= 0, got -2",
+        ),
     ],
     ids=lambda v: " ".join(v[:1] + v[-2:]) if isinstance(v, list) else None,
 )
@@ -109,6 +163,12 @@ def test_nonsense_flag_is_one_line(capsys, argv, line):
         ("optimizer.min_lr_ratio=2.0", "optimizer.min_lr_ratio=2.0 not in [0, 1]"),
         ("data.prefetch=-1", "data.prefetch=-1 must be >= 0 (0 = off)"),
         ("data.prepare_timeout_s=0", "data.prepare_timeout_s=0 must be positive"),
+        # An expert never takes more than every token of a group: 1e9 overflowed int32.
+        (
+            "model.moe.capacity_factor=1e9",
+            "model.moe.capacity_factor: expected a number in [0, model.moe.num_experts=8], "
+            "got 1000000000.0 (0 = dropless)",
+        ),
     ],
 )
 def test_nonsense_config_number_names_the_key(override, line):
@@ -117,6 +177,25 @@ def test_nonsense_config_number_names_the_key(override, line):
     with pytest.raises(ConfigError) as error:
         validate(config)
     assert str(error.value) == line
+
+
+def test_library_refuses_nan_sampling_and_penalty():
+    """The Python API checks what the flags check: NaN passes a `< 0` test."""
+    from jaxmoe.inference.beam_search import beam_search
+    from jaxmoe.inference.decode import Sampling
+
+    with pytest.raises(ValueError, match=r"^--temperature=nan must be a finite number >= 0"):
+        Sampling(temperature=float("nan"))
+    with pytest.raises(ValueError, match=r"^--length_penalty=nan must be a finite number >= 0"):
+        beam_search(None, [[1]], 4, 2, alpha=float("nan"))
+
+
+def test_topology_with_a_zero_dim_names_it():
+    from jaxmoe.aot.topologies import parse_topology
+
+    with pytest.raises(ValueError) as refused:
+        parse_topology("v5p:0x4x4")
+    assert str(refused.value) == "--topology 'v5p:0x4x4': every dim must be at least 1 chip"
 
 
 def test_encoder_decoder_relative_positions_must_be_positive():

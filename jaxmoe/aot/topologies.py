@@ -91,8 +91,10 @@ def parse_topology(name: str, num_slices: int = 1) -> Topology:
             shape = tuple(int(d) for d in dims.split("x"))
         except ValueError:
             raise ValueError(f"--topology {name!r}: expected a shape like 4x4x4") from None
-        if len(shape) != chip.ndim or min(shape) < 1:
+        if len(shape) != chip.ndim:
             raise ValueError(f"--topology {name!r}: {chip.generation} needs {chip.ndim} dims")
+        if min(shape) < 1:
+            raise ValueError(f"--topology {name!r}: every dim must be at least 1 chip")
         label = f"{chip.generation}-{math.prod(shape) * chip.cores_per_chip}"
         return Topology(label, chip, shape, num_slices)
     generation, sep, count = text.rpartition("-")

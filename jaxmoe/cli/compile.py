@@ -5,7 +5,7 @@ import json
 import sys
 
 from jaxmoe.aot.exit_codes import EXIT_FAILS, EXIT_FITS
-from jaxmoe.cli.flags import add_override_flag, module_docstring
+from jaxmoe.cli.flags import add_override_flag, module_docstring, positive_float, positive_int
 from jaxmoe.errors import ConfigError
 
 
@@ -21,9 +21,9 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--topology", required=True, help="TPU slice, e.g. v5p-128, v6e-256, or v5p:4x4x8"
     )
-    parser.add_argument("--num_slices", type=int, default=1, help="slices joined over DCN")
+    parser.add_argument("--num_slices", type=positive_int, default=1, help="slices joined over DCN")
     parser.add_argument(
-        "--step_time", type=float, default=None, help="seconds per step, to report MFU"
+        "--step_time", type=positive_float, default=None, help="seconds per step, to report MFU"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.set_defaults(run=run)

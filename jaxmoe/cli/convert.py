@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
-from jaxmoe.cli.flags import add_override_flag
+from jaxmoe.cli.flags import add_override_flag, non_negative_int, positive_int
 from jaxmoe.conversions.choices import HF_FAMILIES, METHODS
 from jaxmoe.errors import ConfigError
 from jaxmoe.storage.paths import absolute_path
@@ -49,12 +49,14 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
     add_override_flag(parser)
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.add_argument(
-        "--num_heads", type=int, default=None, help="check against the relpos table"
+        "--num_heads", type=positive_int, default=None, help="check against the relpos table"
     )
-    parser.add_argument("--head_dim", type=int, default=None, help="default: query width / heads")
+    parser.add_argument(
+        "--head_dim", type=positive_int, default=None, help="default: query width / heads"
+    )
     parser.add_argument(
         "--relpos_max_distance",
-        type=int,
+        type=positive_int,
         default=128,
         help="T5 relative-position max distance (not stored in T5X checkpoints)",
     )
@@ -171,12 +173,12 @@ def _add_surgery(subparsers) -> None:
         "src", type=absolute_path, help="jaxmoe checkpoint: workdir, step dir or converted dir"
     )
     gqa.add_argument("dst", type=absolute_path, help="new checkpoint directory")
-    gqa.add_argument("--num_kv_heads", type=int, required=True, help="G; 1 = MQA")
+    gqa.add_argument("--num_kv_heads", type=positive_int, required=True, help="G; 1 = MQA")
     gqa.add_argument("--method", default="mean", choices=METHODS)
     gqa.add_argument(
         "--include_encoder", action="store_true", help="also pool encoder self-attention"
     )
-    gqa.add_argument("--seed", type=int, default=0, help="for --method=random")
+    gqa.add_argument("--seed", type=non_negative_int, default=0, help="for --method=random")
     gqa.set_defaults(run=run_gqa)
 
     upcycle = subparsers.add_parser(
@@ -184,10 +186,12 @@ def _add_surgery(subparsers) -> None:
     )
     upcycle.add_argument("src", type=absolute_path, help="dense jaxmoe checkpoint")
     upcycle.add_argument("dst", type=absolute_path, help="new checkpoint directory")
-    upcycle.add_argument("--num_experts", type=int, required=True)
-    upcycle.add_argument("--every", type=int, default=1, help="MoE in every K-th layer")
+    upcycle.add_argument("--num_experts", type=positive_int, required=True)
+    upcycle.add_argument("--every", type=positive_int, default=1, help="MoE in every K-th layer")
     upcycle.add_argument("--gating", default=None, help="model.moe.gating of the MoE model")
-    upcycle.add_argument("--seed", type=int, default=0, help="router (and --init random) draws")
+    upcycle.add_argument(
+        "--seed", type=non_negative_int, default=0, help="router (and --init random) draws"
+    )
     upcycle.add_argument(
         "--init",
         default="copy",

@@ -8,8 +8,10 @@ from jaxmoe.cli.flags import (
     add_distributed_flags,
     checkpoint_config_override,
     initialize_from_flags,
+    non_negative_float,
     non_negative_int,
     positive_int,
+    probability,
     writable_file,
 )
 
@@ -21,7 +23,8 @@ def add_parser(subparsers) -> None:
     parser.add_argument(
         "--truncate",
         action="store_true",
-        help="score examples longer than the model's context by their first tokens (logged)",
+        help="score examples longer than the model's context by their first tokens; "
+        "--task generate: keep an input's last tokens (logged)",
     )
     parser.add_argument(
         "--task",
@@ -37,6 +40,11 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from jaxmoe.inference.evaluate import evaluate
 
+    if args.task == "score" and args.output:
+        raise ValueError(
+            "--output writes --task generate's predictions; --task score prints its result "
+            "(with --per_example, the loss of every example)"
+        )
     initialize_from_flags(args)
     config = checkpoint_config_override(args)
     if args.task == "generate":
@@ -59,10 +67,12 @@ def add_generate_flags(parser) -> None:
     group = parser.add_argument_group("--task generate")
     group.add_argument("--max_new_tokens", type=positive_int, default=64)
     group.add_argument("--num_beams", type=positive_int, default=1, help="1 = greedy or sampling")
-    group.add_argument("--length_penalty", type=float, default=0.6, help="T5X's beam-search alpha")
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument(
+        "--length_penalty", type=non_negative_float, default=0.6, help="T5X's beam-search alpha"
+    )
+    group.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
     group.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
-    group.add_argument("--top_p", type=float, default=1.0, help="1 = off")
+    group.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
     group.add_argument("--seed", type=non_negative_int, default=0)
     group.add_argument(
         "--stop",
@@ -103,4 +113,5 @@ def _generate(args, config, overrides) -> dict:
         output=args.output,
         config=config,
         overrides=overrides,
+        truncate=args.truncate,
     )

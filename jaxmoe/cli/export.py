@@ -6,6 +6,7 @@ import time
 from pathlib import Path
 
 from jaxmoe.checkpoints.dtypes import OUTPUT_DTYPES
+from jaxmoe.cli.flags import non_negative_int
 from jaxmoe.conversions.choices import DEFAULT_MAX_SHARD_SIZE
 from jaxmoe.errors import CheckpointError
 from jaxmoe.storage.paths import absolute_path
@@ -109,7 +110,7 @@ def _add_t5x(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("out", type=absolute_path, help="T5X model directory to write into")
     parser.add_argument("--dtype", default="float32", choices=sorted(OUTPUT_DTYPES))
     parser.add_argument(
-        "--step", type=int, default=None, help="T5X step (default: the source's, or 0)"
+        "--step", type=non_negative_int, default=None, help="T5X step (default: the source's, or 0)"
     )
     parser.set_defaults(run=run_t5x)
     return parser

@@ -2,6 +2,7 @@
 nonsense number or an unwritable destination is refused before any work starts."""
 
 import argparse
+import math
 import os
 import sys
 
@@ -24,20 +25,35 @@ def _integer(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
 
 
-def positive_int(text: str) -> int:
-    """An argparse `type=`: an integer >= 1."""
-    value = _integer(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+def _number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value):  # float() takes "nan" and "inf"; no count or rate is either
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
     return value
 
 
-def non_negative_int(text: str) -> int:
-    """An argparse `type=`: an integer >= 0."""
-    value = _integer(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+def _bounded(parse, ok, expected: str, doc: str):
+    """An argparse `type=`: `parse(text)` (one line naming the text if it is not a number),
+    then `ok(value)` or one line saying what was `expected`."""
+
+    def check(text: str):
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+        return value
+
+    check.__doc__ = f"An argparse `type=`: {doc}."
+    return check
+
+
+positive_int = _bounded(_integer, lambda v: v >= 1, "a positive integer", "an integer >= 1")
+non_negative_int = _bounded(_integer, lambda v: v >= 0, "an integer >= 0", "an integer >= 0")
+non_negative_float = _bounded(_number, lambda v: v >= 0, "a number >= 0", "a finite number >= 0")
+positive_float = _bounded(_number, lambda v: v > 0, "a number > 0", "a finite number > 0")
+probability = _bounded(_number, lambda v: 0 < v <= 1, "a number in (0, 1]", "top-p: 1 = off")
 
 
 def _writable_ancestor(path: str, wanted: str) -> None:

@@ -12,6 +12,7 @@ The whole search is one compiled `lax.fori_loop`.
 """
 
 import functools
+import math
 import time
 
 import jax
@@ -88,10 +89,9 @@ def beam_search(
     its score. `generator` is a decode.Generator (model, mesh, EOS ids, vocabulary limit)."""
     if beams < 1:
         raise ValueError(f"--num_beams={beams} must be >= 1")
-    if max_new_tokens < 1:
-        raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
-    if alpha < 0:
-        raise ValueError(f"--length_penalty={alpha} must be >= 0")
+    if not 0 <= alpha < math.inf:  # NaN too
+        raise ValueError(f"--length_penalty={alpha} must be a finite number >= 0")
+    generator.check_prompts(prompts, max_new_tokens)
     # Pad the prompts so that prompts * beams rows divide over the data-parallel axes.
     multiple = generator.batch_multiple // np.gcd(generator.batch_multiple, beams)
     padded = -(-len(prompts) // multiple) * multiple

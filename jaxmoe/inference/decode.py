@@ -12,6 +12,8 @@ are sharded on the mesh.
 
 import dataclasses
 import functools
+import logging
+import math
 import time
 
 import jax
@@ -25,6 +27,8 @@ from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
 
+log = logging.getLogger(__name__)
+
 MIN_BUCKET = 16
 
 
@@ -37,12 +41,55 @@ class Sampling:
     top_p: float = 1.0
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"--temperature={self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 <= self.temperature < math.inf:  # NaN too
+            raise ValueError(
+                f"--temperature={self.temperature} must be a finite number >= 0 (0 = greedy)"
+            )
         if self.top_k < 0:
             raise ValueError(f"--top_k={self.top_k} must be >= 0 (0 = off)")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top_p={self.top_p} must be in (0, 1] (1 = off)")
+
+
+def fit_context(
+    prompts: list[list[int]],
+    max_len: int,
+    max_new_tokens: int,
+    truncate: bool,
+    encoder_decoder,
+    labels: list[str] | None = None,
+) -> list[list[int]]:
+    """Prompts checked against the model's context `max_len` (model.max_len: the longest
+    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
+    prompt and new tokens share the context; an encoder's input has it alone. Too long is
+    refused, or with `truncate` cut to its last tokens and logged; `labels` name the prompts
+    in those lines (default "prompt I")."""
+    if not max_len:
+        return prompts
+    room = max_len if encoder_decoder else max_len - max_new_tokens
+    if room < 1:
+        raise ValueError(
+            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
+            f"context of {max_len} tokens (model.max_len)"
+        )
+    out = []
+    for i, prompt in enumerate(prompts):
+        if len(prompt) > room:
+            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
+            label = labels[i] if labels else f"prompt {i}"
+            if not truncate:
+                raise ValueError(
+                    f"{label}: {len(prompt)} tokens{what} exceed the model's context of "
+                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
+                    f"on); shorten it, or --truncate keeps its last {room} tokens"
+                )
+            log.warning(
+                "%s truncated from %d to its last %d tokens (model.max_len=%d%s)",
+                label, len(prompt), room, max_len, what.replace(" +", ","),
+            )  # fmt: skip
+            prompt = prompt[-room:]
+        out.append(prompt)
+    return out
 
 
 def filter_logits(logits_BV, sampling: Sampling):
@@ -409,6 +456,31 @@ class Generator:
             device=self.mesh.devices.flat[0],
         )
 
+    def check_prompts(self, prompts: list[list[int]], max_new_tokens: int) -> None:
+        """ValueError naming the first request that cannot be generated: no prompts, an
+        empty one, an id outside the model's vocabulary (the embedding lookup would clamp
+        it and generate from another token, silently), or a prompt that with the new tokens
+        exceeds the model's context (model.max_len; 0 = unknown, not checked)."""
+        if not prompts:
+            raise ValueError("no prompts given")
+        if max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+        vocab = self.cfg.vocab_size
+        for i, prompt in enumerate(prompts):
+            if not len(prompt):
+                raise ValueError(f"prompt {i} is empty (no tokens)")
+            ids = np.asarray(prompt)
+            if ids.ndim != 1 or ids.dtype.kind not in "iu":
+                raise ValueError(f"prompt {i}: expected a list of integer token ids")
+            outside = np.flatnonzero((ids < 0) | (ids >= vocab))
+            if outside.size:
+                at = int(outside[0])
+                raise ValueError(
+                    f"prompt {i}: token id {int(ids[at])} (position {at}) is outside the "
+                    f"model's vocabulary [0, {vocab})"
+                )
+        fit_context(prompts, self.cfg.max_len, max_new_tokens, False, self.encoder_decoder)
+
     def generate(
         self,
         prompts: list[list[int]],
@@ -419,13 +491,7 @@ class Generator:
     ) -> Generation:
         """New tokens for each prompt (token id lists), greedy or sampled. With `stop`
         (stop_strings.StopStrings) a row also ends inside the loop at its stop strings."""
-        if not prompts:
-            raise ValueError("no prompts given")
-        for i, prompt in enumerate(prompts):
-            if not prompt:
-                raise ValueError(f"prompt {i} is empty (no tokens)")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+        self.check_prompts(prompts, max_new_tokens)
         self.check_fits(len(prompts), max(len(p) for p in prompts), max_new_tokens)
         new_bucket = bucket(max_new_tokens)
         start = time.perf_counter()

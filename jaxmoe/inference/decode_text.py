@@ -7,46 +7,9 @@ stops at every EOS id of the tokenizer, and printed with tokens/s.
 """
 
 import json
-import logging
 
-from jaxmoe.inference.decode import Sampling, without_stop
+from jaxmoe.inference.decode import Sampling, fit_context, without_stop
 from jaxmoe.models.latent_cache import cache_bytes_per_token
-
-log = logging.getLogger(__name__)
-
-
-def fit_context(
-    prompts: list[list[int]], max_len: int, max_new_tokens: int, truncate: bool, encoder_decoder
-) -> list[list[int]]:
-    """Prompts checked against the model's context `max_len` (model.max_len: the longest
-    sequence it was trained on or converted with; 0 = unknown, nothing checked). A decoder's
-    prompt and new tokens share the context; an encoder's input has it alone. Too long is
-    refused, or with `truncate` cut to its last tokens and logged."""
-    if not max_len:
-        return prompts
-    room = max_len if encoder_decoder else max_len - max_new_tokens
-    if room < 1:
-        raise ValueError(
-            f"--max_new_tokens={max_new_tokens} leaves no room for a prompt in the model's "
-            f"context of {max_len} tokens (model.max_len)"
-        )
-    out = []
-    for i, prompt in enumerate(prompts):
-        if len(prompt) > room:
-            what = "" if encoder_decoder else f" + --max_new_tokens={max_new_tokens}"
-            if not truncate:
-                raise ValueError(
-                    f"prompt {i}: {len(prompt)} tokens{what} exceed the model's context of "
-                    f"{max_len} tokens (model.max_len, the longest sequence it was trained "
-                    f"on); shorten it, or --truncate keeps its last {room} tokens"
-                )
-            log.warning(
-                "prompt %d truncated from %d to its last %d tokens (model.max_len=%d%s)",
-                i, len(prompt), room, max_len, what.replace(" +", ","),
-            )  # fmt: skip
-            prompt = prompt[-room:]
-        out.append(prompt)
-    return out
 
 
 def read_prompts(prompt: str | None, prompts_file: str | None) -> list[str]:

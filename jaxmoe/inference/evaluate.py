@@ -13,6 +13,7 @@ import functools
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass
 
 import jax
@@ -228,10 +229,32 @@ def batch_examples(examples: list[Example], batch_size: int, encoder_decoder: bo
     return batches
 
 
+# Data kinds `train` and `prepare` read (data.source) that evaluation does not.
+_TRAINING_KINDS = ("text", "parquet")
+# A TFDS name may carry a version after a colon ("mnist:3.0.1/test"); a path never starts so.
+_TFDS_VERSION = re.compile(r"^[0-9*]")
+
+
+def check_eval_data(data_spec: str) -> None:
+    """ValueError naming --data unless it is jsonl:FILE, NAME/SPLIT or embedded: a `KIND:`
+    that is not jsonl would otherwise be looked up as a TFDS dataset name."""
+    kind, colon, rest = data_spec.partition(":")
+    if not colon or kind in ("jsonl", "tfds") or "/" in kind or _TFDS_VERSION.match(rest):
+        return
+    known = f"{kind}: data is read by train and prepare (data.source)"
+    raise ValueError(
+        f"--data {data_spec!r}: "
+        + (known if kind in _TRAINING_KINDS else f"unknown kind {kind + ':'!r}")
+        + "; evaluation reads jsonl:FILE, NAME/SPLIT (a prepared TFDS dataset) or embedded"
+    )
+
+
 def packed_batches(config, data_spec: str, tokenizer):
     """Validation-style packed windows of a TFDS split (`NAME/SPLIT`) or `embedded`."""
     from jaxmoe.data.pipeline import eval_batches
 
+    check_eval_data(data_spec)
+    data_spec = data_spec.removeprefix("tfds:")  # the kind training's data.source names
     eval_config = copy.deepcopy(config)
     with eval_config.unlocked():
         if data_spec in ("embedded", "embedded/validation"):
@@ -262,6 +285,7 @@ def evaluate(
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict, which
     names the checkpoint step it scored. Sequences longer than the model's context are
     refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
+    check_eval_data(data_spec)  # before the checkpoint is opened
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
     # Token-id data needs no tokenizer; text does (refused in one line without one), and so

@@ -20,8 +20,10 @@ import numpy as np
 from etils import epath
 
 from jaxmoe.inference import across_processes
-from jaxmoe.inference.decode import Generation, Sampling, without_stop
+from jaxmoe.inference.decode import Generation, Sampling, fit_context, without_stop
 from jaxmoe.inference.stop_strings import StopStrings, cut_at_strings
+from jaxmoe.storage.paths import is_remote
+from jaxmoe.storage.temporaries import write_atomically
 
 
 def normalize_answer(text: str) -> str:
@@ -65,15 +67,17 @@ def text_metrics(predictions: list[str], targets: list[str]) -> dict:
     }
 
 
-def read_pairs(path: str) -> list[tuple[str, str]]:
-    """(inputs, targets) texts from a JSON-lines file."""
+def read_numbered_pairs(path: str) -> list[tuple[int, str, str]]:
+    """(line number, inputs, targets) of each example of a JSON-lines file."""
     from jaxmoe.inference.evaluate import jsonl_records
 
     pairs = []
     for line_no, record in jsonl_records(path):
-        if not isinstance(record.get("inputs"), str) or not isinstance(record.get("targets"), str):
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(key), str) for key in ("inputs", "targets")
+        ):
             raise ValueError(f"{path}:{line_no}: --task generate needs 'inputs' and 'targets' text")
-        pairs.append((record["inputs"], record["targets"]))
+        pairs.append((line_no, record["inputs"], record["targets"]))
     if not pairs:
         raise ValueError(f"--data jsonl:{path}: no examples")
     return pairs
@@ -134,15 +138,20 @@ def generate_eval(
     output: str | None = None,
     config=None,
     overrides=(),
+    truncate: bool = False,
 ) -> dict:
     """Generate for every `inputs` of `data_spec` (jsonl:FILE) and score against `targets`;
-    predictions are cut before the first of `stop_strings` as lm-eval cuts them."""
+    predictions are cut before the first of `stop_strings` as lm-eval cuts them. An input
+    that with `max_new_tokens` exceeds the model's context is refused, or with `truncate`
+    cut to its last tokens (logged); an empty one is refused (nothing to continue)."""
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.trained_model import TrainedModel
 
     if not data_spec.startswith("jsonl:"):
         raise ValueError(f"--task generate reads --data jsonl:FILE, got {data_spec!r}")
-    pairs = read_pairs(data_spec.removeprefix("jsonl:"))
+    path = data_spec.removeprefix("jsonl:")
+    numbered = read_numbered_pairs(path)
+    pairs = [(inputs, targets) for _, inputs, targets in numbered]
     sampling = Sampling(temperature, top_k, top_p)
     if num_beams > 1 and temperature > 0:
         raise ValueError("--num_beams > 1 searches; it does not sample (use --temperature=0)")
@@ -158,10 +167,14 @@ def generate_eval(
     # As `jaxmoe decode` and training: BOS first when the tokenizer has one; an encoder
     # reads the input followed by EOS.
     eos = [tokenizer.eos_id] if encoder_decoder else []
-    prompts = [
-        with_bos(tokenizer, tokenizer.encode(inputs)) + eos or [tokenizer.eos_id]
-        for inputs, _ in pairs
-    ]
+    prompts = [with_bos(tokenizer, tokenizer.encode(inputs)) + eos for inputs, _ in pairs]
+    labels = [f"{path}:{line_no}: 'inputs'" for line_no, _, _ in numbered]
+    for label, prompt in zip(labels, prompts, strict=True):
+        if not prompt:  # a decoder continues its input: an empty one has nothing to continue
+            raise ValueError(f"{label} gives no tokens (a decoder-only model needs a prompt)")
+    prompts = fit_context(
+        prompts, config.model.max_len, max_new_tokens, truncate, encoder_decoder, labels
+    )
     dp = generator.batch_multiple
     rows = -(-(batch_size or int(config.train.batch_size)) // dp) * dp
     start = time.perf_counter()
@@ -202,5 +215,9 @@ def generate_eval(
             json.dumps({"inputs": i, "targets": t, "prediction": p}, ensure_ascii=False)
             for (i, t), p in zip(pairs, predictions, strict=True)
         ]
-        epath.Path(output).write_text("\n".join(lines) + "\n")
+        text = "\n".join(lines) + "\n"
+        if is_remote(output):  # an object store replaces an object whole
+            epath.Path(output).write_text(text)
+        else:  # whole or absent, even when interrupted
+            write_atomically(output, text.encode())
     return result

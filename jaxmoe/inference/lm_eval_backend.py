@@ -51,6 +51,7 @@ from tqdm import tqdm
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference import across_processes
 from jaxmoe.inference.decode import Sampling, bucket, without_stop
+from jaxmoe.inference.lm_eval_checks import check_paths
 from jaxmoe.inference.stop_strings import StopStrings
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.steps import forward
@@ -130,6 +131,16 @@ def _check_positive(name: str, value) -> None:
         raise ValueError(f"--model_args {name}={value}: expected a positive integer")
 
 
+def _check_context(max_length, context: int) -> None:
+    """`max_length` from --model_args within the model's context (model.max_len, 0 =
+    unknown): windows past it would score positions the model was never trained on."""
+    if max_length and context and int(max_length) > context:
+        raise ValueError(
+            f"--model_args max_length={max_length} exceeds the model's context of {context} "
+            f"tokens (model.max_len, the longest sequence it was trained on)"
+        )
+
+
 @register_model("jaxmoe")
 class JaxmoeLM(TemplateLM):
     """A jaxmoe checkpoint (decoder, dense or MoE with adaptive gating, or encoder-decoder)."""
@@ -182,6 +193,7 @@ class JaxmoeLM(TemplateLM):
         self.params = self.generator.params
         dp = data_parallel_size(self.mesh)
         self.rows = -(-_batch_size(batch_size) // dp) * dp
+        _check_context(max_length, int(config.model.max_len))
         self._max_length = int(max_length or config.train.seq_len)
         self._max_gen_toks = int(max_gen_toks)
         self._score = jax.jit(
@@ -416,6 +428,13 @@ def check_model_args(argv: list[str]) -> None:
         return
     for name in ("max_length", "max_gen_toks"):
         _check_positive(name, model_args.get(name))
+    checkpoint = model_args.get("checkpoint")
+    if checkpoint and model_args.get("max_length") and "model.max_len" not in model_args:
+        from jaxmoe.checkpoints.manager import read_config
+
+        _check_context(
+            model_args["max_length"], int(read_config(checkpoint, tokenizer=False).model.max_len)
+        )
 
 
 def run_lm_eval(argv: list[str]) -> int:
@@ -433,6 +452,7 @@ def run_lm_eval(argv: list[str]) -> int:
         cli_evaluate()
         return 0
     check_model_args(args)
+    check_paths(args)
     sys.argv = ["jaxmoe lm-eval", "run", "--model", "jaxmoe", *args]
     with builtin_tasks_skipped(included_tasks_only(args)):
         cli_evaluate()

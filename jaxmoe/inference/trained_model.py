@@ -49,12 +49,21 @@ class TrainedModel:
         `--config.KEY=VALUE` strings. `tokenizer=False`: token-id input only, so a
         checkpoint without a tokenizer opens (with `tokenizer` None). `strict_mesh`:
         refuse a mesh whose axes do not divide the tensors they split."""
+        from jax.sharding import Mesh
+
         from jaxmoe.config.validation import resolve_vocab_size
         from jaxmoe.errors import ConfigError
         from jaxmoe.models.spec import model_spec
         from jaxmoe.parallel.mesh import make_mesh
+        from jaxmoe.parallel.platforms import skip_absent_tpu
         from jaxmoe.parallel.sharding import strict_param_check
 
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(
+                f"TrainedModel.open: mesh={mesh!r} is not a jax.sharding.Mesh (None: the "
+                f"checkpoint's mesh.*; overrides=['mesh.data=2'] changes it)"
+            )
+        skip_absent_tpu()  # as the CLI: no libtpu probe (and its stderr lines) without a TPU
         if config is None:
             config = checkpoint_config(path, overrides)
         opened = checkpoint_tokenizer(path, config, overrides, required=tokenizer)

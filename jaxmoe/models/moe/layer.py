@@ -85,10 +85,14 @@ def check_moe_config(cfg) -> None:
             raise ValueError(
                 f"model.moe.{key}={moe[key]} exceeds model.moe.num_experts={num_experts}"
             )
-    for key in ("capacity_factor", "jitter"):
-        if float(moe[key]) < 0:
-            raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
-    if float(moe.ep_buffer_factor) <= 0:
+    # An expert receives at most every token of a group once (capacity factor E / K): a
+    # larger factor only sizes unused buffers, and 1e9 overflows int32 at the first step.
+    if not 0 <= float(moe.capacity_factor) <= num_experts:
+        raise ValueError(
+            f"model.moe.capacity_factor: expected a number in [0, model.moe.num_experts="
+            f"{num_experts}], got {moe.capacity_factor!r} (0 = dropless)"
+        )
+    if not float(moe.ep_buffer_factor) > 0:  # NaN too
         raise ValueError(
             f"model.moe.ep_buffer_factor: expected a number > 0, got {moe.ep_buffer_factor!r}"
         )
@@ -98,7 +102,7 @@ def check_moe_config(cfg) -> None:
             f"model.moe.ep_exchange: got {exchange!r}, expected "
             + " | ".join(expert_parallel.EXCHANGES)
         )
-    if float(moe.jitter) >= 1:
+    if not 0 <= float(moe.jitter) < 1:
         raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
     dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
     if moe.eval_gating and moe.eval_gating not in gates.GATES:
