@@ -240,6 +240,7 @@ def test_best_fit_respects_the_window_and_packs_tightly():
         (("data.format=seq2seq", "data.source=jsonl:x"), "needs model.arch=encoder_decoder"),
         ((*TINY_T5, "data.format=chat", "data.source=jsonl:x"), "model.arch=encoder_decoder reads"),
         (("data.format=chat", "data.source=jsonl:x", "data.shards=2"), "data.shards=2"),
+        (("data.packing=documents", "data.workers=2"), "with data.workers=2"),
     ],
 )
 def test_impossible_combinations_are_one_line(overrides, culprit):

@@ -155,10 +155,15 @@ class DataOptions:
                     f"data.format={self.format!r} is not supported with {culprit} (unset it)",
                 )
         if self.packed_documents:
-            need(
-                self.shards == 0,
-                f"data.packing=documents is not supported with data.shards={self.shards}",
-            )
+            for culprit, unsupported in (
+                (f"data.shards={self.shards}", self.shards > 0),
+                (f"data.workers={self.workers}", self.workers > 0),
+            ):
+                need(
+                    not unsupported,
+                    f"data.packing=documents (data.format={self.format!r}) is not supported "
+                    f"with {culprit} (unset it)",
+                )
         need(
             self.prepare_timeout_s > 0,
             f"data.prepare_timeout_s={self.prepare_timeout_s} must be positive",
