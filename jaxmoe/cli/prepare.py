@@ -11,7 +11,10 @@ def add_parser(subparsers) -> None:
         "prepare", help="tokenize and cache the data of a config (what train opens), once"
     )
     parser.add_argument(
-        "--config", default="configs/default.py", help="config file, optionally with :variant"
+        "--config",
+        default=None,
+        help="config file, optionally with :variant (default: as `jaxmoe train`: "
+        "configs/default.py, or CKPT's own with --config.train.init_from=CKPT)",
     )
     add_override_flag(parser)
     shards = "with data.shards: prepare only the train shards that process of a run reads"
@@ -25,7 +28,6 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from jaxmoe.checkpoints.manager import inherit_tokenizer
     from jaxmoe.checkpoints.staging import check_writable
-    from jaxmoe.config.loading import load_config
     from jaxmoe.data.mixture import source_configs
     from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
@@ -34,7 +36,9 @@ def run(args) -> int:
         raise ValueError(
             f"--process_id={args.process_id} is not below --num_processes={args.num_processes}"
         )
-    config = load_config(args.config, args.overrides)
+    from jaxmoe.training.init_from import run_config
+
+    config = run_config(args.config, args.overrides)  # what train will run
     inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's own
     check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
     if config.data.shards:

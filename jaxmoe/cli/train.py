@@ -8,8 +8,6 @@ import json
 
 from jaxmoe.cli.flags import add_distributed_flags, add_override_flag, initialize_from_flags
 
-DEFAULT_CONFIG = "configs/default.py"
-
 
 def add_parser(subparsers) -> None:
     parser = subparsers.add_parser("train", help="train or resume a model")
@@ -33,19 +31,10 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     import jax
 
-    from jaxmoe.config.loading import load_config
-    from jaxmoe.training.init_from import (
-        adopt_checkpoint_model,
-        config_from_checkpoint,
-        overridden_keys,
-    )
+    from jaxmoe.training.init_from import run_config
     from jaxmoe.training.loop import train
 
-    if args.config is None and "train.init_from" in overridden_keys(args.overrides):
-        config = config_from_checkpoint(args.overrides)
-    else:
-        config = load_config(args.config or DEFAULT_CONFIG, args.overrides)
-        adopt_checkpoint_model(config, overridden_keys(args.overrides))
+    config = run_config(args.config, args.overrides)
     initialize_from_flags(args)
     summary = train(config, args.workdir, progress=not args.no_progress)
     if jax.process_index() == 0:

@@ -110,7 +110,10 @@ class Tokenizer:
 
     def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         """(ids, the [start, end) characters of `text` each id stands for)."""
-        pieces = self._sp.encode(text, out_type="proto").pieces
+        try:  # "proto" since sentencepiece 0.2.1; "immutable_proto" before (since removed)
+            pieces = self._sp.encode(text, out_type="proto").pieces
+        except (ValueError, TypeError, RuntimeError):
+            pieces = self._sp.encode(text, out_type="immutable_proto").pieces
         # SentencePiece counts UTF-8 bytes: map byte offsets back to characters.
         char_at_byte = np.cumsum([0] + [len(c.encode()) for c in text])
         to_char = {int(b): i for i, b in enumerate(char_at_byte)}

@@ -50,6 +50,22 @@ def overridden_keys(overrides) -> set[str]:
     return {_key(item) for item in overrides}
 
 
+DEFAULT_CONFIG = "configs/default.py"
+
+
+def run_config(config_file: str | None, overrides) -> ConfigDict:
+    """The config `jaxmoe train` and `jaxmoe prepare` run: `config_file` (default
+    configs/default.py) with the overrides and, with train.init_from, the checkpoint's
+    model; with no file and train.init_from, the checkpoint's config (config_from_checkpoint)."""
+    from jaxmoe.config.loading import load_config
+
+    if config_file is None and "train.init_from" in overridden_keys(overrides):
+        return config_from_checkpoint(overrides)
+    config = load_config(config_file or DEFAULT_CONFIG, overrides)
+    adopt_checkpoint_model(config, overridden_keys(overrides))
+    return config
+
+
 def config_from_checkpoint(overrides) -> ConfigDict:
     """The config of `jaxmoe train` without --config: train.init_from's checkpoint's model,
     tokenizer and data format (see the module doc), defaults elsewhere, then `overrides`."""
