@@ -19,6 +19,15 @@ generated code). Cases:
   attention, a dense first layer, 64 experts of 1408 top-6 plus 2 shared) on v5p-32 (16
   chips), 64 sequences of 4096 tokens (4 per chip), fsdp 2 x expert 8, otherwise as above;
   MaxText's deepseek2-16b.
+- deepseek3_671b_fsdp512: DeepSeek-V3 (configs/deepseek3_671b.py: 61 layers, 3 dense, 256
+  experts of 2048 top-8 sigmoid with group-limited routing 8/4 and a shared expert, MLA with
+  q_lora 1536 / kv_lora 512, YaRN, one MTP module) on v5p-1024 (512 chips) at MaxText's own
+  guide's step (docs/guides/optimization/benchmark_and_performance.md): fsdp 512 x expert 1,
+  2 sequences of 8192 tokens per chip (1024 per step), bf16 compute, f32 weights, AdamW,
+  full remat; MaxText's deepseek3-671b with the same routing groups and one MTP layer
+  (mtp_num_layers=1, weight 0.3).
+- deepseek3_671b: the same step on the mesh jaxmoe's config prefers, fsdp 32 x expert 16;
+  MaxText on that mesh too.
 - moe16_gpt2_medium: the 16-expert GPT-2-medium MoE (configs/moe16_gpt2_medium.py) on v5p-8
   (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
@@ -69,6 +78,24 @@ from benchmarks.results import add_json_flag, publish
 GiB = 2**30
 SAME_COMPILER = "jaxmoe@maxtext_env"  # jaxmoe run by MaxText's interpreter
 SYSTEMS = ("maxtext", "jaxmoe", SAME_COMPILER)
+
+# DeepSeek-V3 at MaxText's guide's step: 2 x 8192 tokens per chip, bf16 compute with f32
+# weights, full remat, DeepSeek's group-limited routing (8 groups, 4 used) and one MTP layer
+# as configs/deepseek3_671b.py has them.
+DEEPSEEK3_MAXTEXT = [
+    "model_name=deepseek3-671b",
+    "per_device_batch_size=2",
+    "max_target_length=8192",
+    "n_routing_groups=8",
+    "topk_routing_group=4",
+    "mtp_num_layers=1",
+    "mtp_loss_scaling_factor=0.3",
+    "remat_policy=full",
+    "sparse_matmul=true",
+    "megablox=true",
+    "dtype=bfloat16",
+    "weight_dtype=float32",
+]
 
 # Each case: the jaxmoe config, topology and overrides, and MaxText's key=value settings for
 # the same step.
@@ -125,6 +152,16 @@ CASES = {
             "dtype=bfloat16",
             "weight_dtype=float32",
         ],
+    },
+    "deepseek3_671b_fsdp512": {
+        "topology": "v5p-1024",
+        "jaxmoe": ["configs/deepseek3_671b.py", "--config.mesh.expert=1"],
+        "maxtext": [*DEEPSEEK3_MAXTEXT, "ici_fsdp_parallelism=512"],
+    },
+    "deepseek3_671b": {
+        "topology": "v5p-1024",
+        "jaxmoe": ["configs/deepseek3_671b.py"],  # fsdp 32 x expert 16
+        "maxtext": [*DEEPSEEK3_MAXTEXT, "ici_fsdp_parallelism=32", "ici_expert_parallelism=16"],
     },
     "moe16_gpt2_medium": {
         "topology": "v5p-8",

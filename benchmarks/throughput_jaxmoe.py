@@ -92,7 +92,7 @@ class JaxRunner:
         self.config = config
         mesh = make_mesh(config.mesh, devices=jax.devices()[:1])
         spec = model_spec(config.model, mesh)
-        optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+        optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
         _, shardings = state_shardings(mesh, spec, optimizer)
         self.state = init_state(config.model, seed, optimizer, shardings, mesh)
         fns = step_fns(config, spec, optimizer, schedule)

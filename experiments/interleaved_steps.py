@@ -41,7 +41,7 @@ def _prepare(config, checkpoint: str, num_batches: int):
     data = build_data(config, 0, 1, barrier)
     resolve_vocab_size(config, data.vocab_size)
     spec = model_spec(config.model, mesh)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
     layouts = layer_layouts(config.model)

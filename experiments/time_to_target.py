@@ -116,7 +116,9 @@ class Variant:
         moe = config.model.moe
         self.gating = moe.gating if moe.num_experts else "dense"
         spec = model_spec(config.model, mesh)
-        self.optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+        self.optimizer, schedule = make_optimizer(
+            config.optimizer, config.train.steps, spec.param_axes
+        )
         _, self.shardings = state_shardings(mesh, spec, self.optimizer)
         self.batch_shardings = data.batch_shardings
         eval_batches = data.eval_batches

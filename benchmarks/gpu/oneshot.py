@@ -181,7 +181,7 @@ class JaxSteps:
         self.jax, self.config = jax, config
         self.mesh = make_mesh(config.mesh, devices=[device])
         spec = model_spec(config.model, self.mesh)
-        optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+        optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
         _, shardings = state_shardings(self.mesh, spec, optimizer)
         self.state = init_state(config.model, seed, optimizer, shardings, self.mesh)
         fns = step_fns(config, spec, optimizer, schedule)

@@ -196,7 +196,7 @@ def jitted_train_step(config, mesh: Mesh):
     """The jitted train step of `config` on `mesh`, state donated, with the model spec and
     the abstract state and batch it lowers for (nothing is allocated)."""
     spec = model_spec(config.model, mesh)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     batch = abstract_batch(config, mesh)
     step = jax.jit(

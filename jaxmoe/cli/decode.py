@@ -10,6 +10,7 @@ from jaxmoe.cli.flags import (
     positive_int,
     probability,
 )
+from jaxmoe.inference.choices import SPECULATIVE
 from jaxmoe.storage.paths import absolute_path
 
 
@@ -27,6 +28,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
     parser.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument(
+        "--speculative",
+        choices=SPECULATIVE,
+        default="",
+        help="mtp: greedy decoding drafted by the model's multi-token-prediction module "
+        "(model.mtp_depth > 0); the output equals plain greedy decoding",
+    )
     parser.add_argument(
         "--truncate",
         action="store_true",
@@ -53,5 +61,6 @@ def run(args) -> int:
         overrides=overrides,
         config=config,
         truncate=args.truncate,
+        speculative=args.speculative,
     )
     return 0

@@ -75,6 +75,14 @@ def _check_across(job: JobConfig) -> None:
             "data.packing=documents packs whole examples: span corruption (model.arch="
             "encoder_decoder, data.format=text) reads windows of one stream (data.packing=concat)"
         )
+    if job.optimizer.qk_clip:
+        if job.model.arch != "decoder":
+            raise ConfigError("optimizer.qk_clip > 0 is implemented for decoder models only")
+        if job.model.qk_norm != "none":
+            raise ConfigError(
+                f"optimizer.qk_clip > 0 with model.qk_norm={job.model.qk_norm!r}: the norm "
+                "undoes any rescaling of the query/key weights (use one or the other)"
+            )
 
 
 def leaf_fields(cls=JobConfig, prefix: str = "") -> dict[str, dataclasses.Field]:

@@ -2,3 +2,4 @@
 builds its parsers (and answers `--help`) without starting JAX."""
 
 GATE_CHOICES = ("train", "eval")  # whose decisions are counted: the training or the eval gate
+SPECULATIVE = ("mtp",)  # `decode --speculative`: the drafts (speculative.py)

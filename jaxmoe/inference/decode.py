@@ -155,6 +155,18 @@ def without_stop(new: list[int], stop_ids) -> tuple[list[int], bool]:
     return (new[:-1] if ended else new), ended
 
 
+def left_padded(prompts: list[list[int]], rows: int, length: int):
+    """(tokens [rows, length] int32, left padding [rows]) of decoder-only prompts: each row's
+    last token at the last slot, so every row writes the same cache slot at each step;
+    filler rows past the prompts hold one pad token."""
+    tokens = np.full((rows, length), PAD_ID, np.int32)
+    pad = np.full((rows,), length - 1, np.int32)
+    for i, prompt in enumerate(prompts):
+        tokens[i, length - len(prompt) :] = prompt
+        pad[i] = length - len(prompt)
+    return tokens, pad
+
+
 def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
     model = merge_model(graphdef, params, rest)
     cache = init_cache(cfg, prompt_BP.shape[0], cache_len, pad_B, constrain)
@@ -360,10 +372,7 @@ class Generator:
             cache_len, fn = new_bucket, _prefill_encoder_decoder
             args = (jax.device_put(tokens, self._batch_sharding(tokens.shape)),)
         else:
-            pad = np.full((rows,), length - 1, np.int32)  # filler rows: one pad token
-            for i, prompt in enumerate(prompts):  # left-padded: one shared cache slot
-                tokens[i, length - len(prompt) :] = prompt
-                pad[i] = length - len(prompt)
+            tokens, pad = left_padded(prompts, rows, length)
             cache_len, fn = length + new_bucket, _prefill_decoder
             args = (
                 jax.device_put(tokens, self._batch_sharding(tokens.shape)),

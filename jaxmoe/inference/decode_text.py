@@ -46,12 +46,14 @@ def decode_main(
     config=None,
     print_fn=print,
     truncate: bool = False,
+    speculative: str = "",
 ) -> dict:
     """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
 
     Returns {"texts": [...], "tokens": [new ids per prompt], "new_tokens", "tokens_per_s",
     "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
-    (then `overrides` are already applied to it).
+    (then `overrides` are already applied to it). `speculative="mtp"` drafts with the
+    model's multi-token-prediction module (greedy; the summary adds `acceptance_rate`).
     """
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.trained_model import TrainedModel
@@ -61,7 +63,7 @@ def decode_main(
     model = TrainedModel.open(checkpoint, config=config, overrides=overrides)
     config, tokenizer, mesh = model.config, model.tokenizer, model.mesh
     encoder_decoder = model.encoder_decoder
-    generator = model.generator()
+    generator = model.generator(speculative)
     # The encoder reads the input followed by EOS, as in training and evaluation.
     # Prompts start like training documents: with BOS when the tokenizer has one.
     eos = [tokenizer.eos_id] if encoder_decoder else []
@@ -88,6 +90,8 @@ def decode_main(
         "checkpoint": model.checkpoint,
         "step": model.step,
     }
+    if speculative:
+        summary |= {"acceptance_rate": result.acceptance_rate, "decode_steps": result.steps}
     print_fn(
         f"{result.num_new_tokens} new tokens for {len(texts)} prompt(s) in "
         f"{result.prefill_s + result.decode_s:.2f} s: {result.tokens_per_s:.1f} tokens/s "
@@ -95,5 +99,10 @@ def decode_main(
         f"compile {result.compile_s:.1f} s, not counted) on mesh {dict(mesh.shape)}; "
         f"cache {summary['cache_bytes_per_token']} bytes per token"
     )
+    if speculative:
+        print_fn(
+            f"speculative {speculative}: {result.accepted} of {result.steps} drafts accepted "
+            f"(acceptance rate {result.acceptance_rate:.3f})"
+        )
     print_fn(json.dumps(summary))
     return {"texts": completions, "tokens": result.tokens, **summary}

@@ -87,12 +87,20 @@ class TrainedModel:
         layouts = layer_layouts(self.config.model)
         return restore_on_mesh(self.checkpoint, self.spec, self.mesh, layouts)
 
-    def generator(self):
+    def generator(self, speculative: str = ""):
         """A compiled KV-cache Generator (decode.py) of this model, stopping at every EOS id
-        of its tokenizer."""
+        of its tokenizer; `speculative="mtp"`: greedy decoding drafted by the model's
+        multi-token-prediction module (speculative.py)."""
         from jaxmoe.inference.decode import Generator
 
-        return Generator.for_tokenizer(
+        cls = Generator
+        if speculative == "mtp":
+            from jaxmoe.inference.speculative import MTPGenerator
+
+            cls = MTPGenerator
+        elif speculative:
+            raise ValueError(f"--speculative {speculative!r}: expected mtp")
+        return cls.for_tokenizer(
             self.config.model, self.params, self.mesh, self.tokenizer, spec=self.spec
         )
 

@@ -448,6 +448,19 @@ class Attention(nnx.Module):
             o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep, sinks)
         return self.project_out(o)
 
+    def max_logits(self, x_BLD, *, mask, positions_BL=None):
+        """Each query head's largest logit q.k * scale over the pairs `mask` allows (causal
+        self-attention of x, its window included): f32 [H], for MuonClip
+        (training/qk_clip.py). A second q k^T product beside the kernel's, which does not
+        expose its logits; XLA shares the projections with the attention's own."""
+        if positions_BL is None and self.rope_theta:
+            positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
+        q = self.project_q(x_BLD, positions_BL)
+        k, _ = self.project_kv(x_BLD, positions_BL)
+        if self.window:
+            mask = with_window(mask, x_BLD.shape[1], self.window)
+        return head_max_logits(q, k, mask, self.scale)
+
     def _kernel(self, q, k, v, mask, causal, segment_ids_BL=None):
         """The output through `model.attention_kernel`'s kernel, or None for the XLA path."""
         platform = mesh_platform()
@@ -525,6 +538,32 @@ def query_chunked_attention(
     q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
     out_PBCHd = jax.lax.map(piece, (q_PBCHd, by_piece(mask), by_piece(bias_bHLS)))
     return jnp.moveaxis(out_PBCHd, 0, 1).reshape(b, length, h, d)
+
+
+def head_max_logits(q_BLHd, k_BSKd, mask, scale=None):
+    """max over batch, queries and allowed keys of q.k (* scale) per query head: f32 [H].
+    mask: bool broadcastable to [B, L, S]. Queries go QUERY_CHUNK at a time, so at most
+    [B, H, chunk, S] logits exist at once."""
+    b, length, h, d = q_BLHd.shape
+    kv_heads = k_BSKd.shape[2]
+    chunk = QUERY_CHUNK if length > QUERY_CHUNK and length % QUERY_CHUNK == 0 else length
+    pieces = length // chunk
+    mask = jnp.broadcast_to(mask, (mask.shape[0], length, k_BSKd.shape[1]))
+
+    def piece(xs):
+        q_BCHd, mask_bCS = xs
+        q_BCKGd = q_BCHd.reshape(b, chunk, kv_heads, h // kv_heads, d)
+        logits = jnp.einsum(
+            "bckgd,bskd->bkgcs", q_BCKGd, k_BSKd, preferred_element_type=jnp.float32
+        )
+        if scale is not None:
+            logits = logits * scale
+        logits = jnp.where(mask_bCS[:, None, None], logits, -jnp.inf)
+        return jnp.max(logits, axis=(0, 3, 4)).reshape(h)
+
+    q_PBCHd = jnp.moveaxis(q_BLHd.reshape(b, pieces, chunk, h, d), 1, 0)
+    mask_PbCS = jnp.moveaxis(mask.reshape(mask.shape[0], pieces, chunk, -1), 1, 0)
+    return jnp.max(jax.lax.map(piece, (q_PBCHd, mask_PbCS)), axis=0)
 
 
 _dense_rematted = jax.checkpoint(grouped_attention, static_argnums=(5, 6))  # scale, block

@@ -28,6 +28,7 @@ from flax import nnx
 from jaxmoe.models.attention import (
     RopeScaling,
     grouped_attention,
+    head_max_logits,
     query_chunked_attention,
     resolve_causal_block,
 )
@@ -213,9 +214,9 @@ class LatentAttention(nnx.Module):
     def project_out(self, o_BLHv):
         return project(o_BLHv, self.out[...], self.quant, contract=2)
 
-    def __call__(self, x_BLD, *, mask=None, positions_BL=None, train=False):
-        """Training / eval: keys and values expanded per head, the GQA kernels with K = H."""
-        del train  # no attention dropout in MLA models
+    def expanded_qkv(self, x_BLD, positions_BL=None):
+        """Training / eval: (q [B, L, H, dn + dr], k [B, L, H, dn + dr], v [B, L, H, dv]),
+        the rotary key shared by every head."""
         b, l, _ = x_BLD.shape
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
@@ -228,6 +229,18 @@ class LatentAttention(nnx.Module):
         k = jnp.concatenate(
             [k_nope, jnp.broadcast_to(rope_key[:, :, None], (b, l, h, self.rope))], axis=-1
         )
+        return q, k, v
+
+    def max_logits(self, x_BLD, *, mask, positions_BL=None):
+        """Each head's largest logit over the pairs `mask` allows: f32 [H] (MuonClip)."""
+        q, k, _ = self.expanded_qkv(x_BLD, positions_BL)
+        return head_max_logits(q, k, mask, self.scale)
+
+    def __call__(self, x_BLD, *, mask=None, positions_BL=None, train=False):
+        """Training / eval: keys and values expanded per head, the GQA kernels with K = H."""
+        del train  # no attention dropout in MLA models
+        l = x_BLD.shape[1]
+        q, k, v = self.expanded_qkv(x_BLD, positions_BL)
         # The kernels take one head width for q, k and v: pad the narrower side with zeros
         # (zeros add nothing to q.k, and padded value dims are cut off below).
         width = max(q.shape[-1], self.v_dim)

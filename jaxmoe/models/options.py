@@ -255,6 +255,13 @@ class ModelOptions:
         0.0, "yarn: rotary q/k multiplier; 0 = derived from factor and the mscales"
     )
     rope_truncate: bool = option(True, "yarn: round the ramp's ends to whole dims")
+    # Multi-token prediction (DeepSeek-V3; docs/mtp.md, models/mtp.py).
+    mtp_depth: int = option(
+        0, "multi-token prediction modules D (module k predicts k + 1 tokens ahead); 0 = none"
+    )
+    mtp_weight: float = option(
+        0.3, "mtp: the loss adds mtp_weight / D * sum of the modules' NLL (DeepSeek-V3: 0.3)"
+    )
     moe: MoEOptions = field(default_factory=MoEOptions)
 
     def check(self) -> None:
@@ -297,6 +304,7 @@ class ModelOptions:
             value = getattr(self, key)
             need(value >= 0, f"model.{key}={value} must be >= 0 (0 = the default)")
         need(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be positive")
+        self._check_mtp()
         if self.arch == "encoder_decoder":
             for key in ("relpos_buckets", "relpos_max_distance"):
                 value = getattr(self, key)
@@ -317,6 +325,18 @@ class ModelOptions:
                 resolve_dispatch(self.moe.dispatch, self.moe.capacity_factor, "cpu", quantized=True)
             except ValueError as error:
                 raise ConfigError(str(error)) from None
+
+    def _check_mtp(self) -> None:
+        need(self.mtp_depth >= 0, f"model.mtp_depth={self.mtp_depth} must be >= 0 (0 = none)")
+        need(self.mtp_weight >= 0, f"model.mtp_weight={self.mtp_weight} must be >= 0")
+        if not self.mtp_depth:
+            return
+        need(self.arch == "decoder", "model.mtp_depth > 0 is implemented for decoders only")
+        need(
+            not self.sliding_window,
+            "model.mtp_depth > 0 with model.sliding_window: the MTP blocks' attention kind "
+            "is not defined by model.layer_types",
+        )
 
     def _check_today(self) -> None:
         """qk_norm and the MoE options of today's designs that depend on the model."""

@@ -166,6 +166,12 @@ def _checkpointed(fn, policy_name: str, *, in_scan: bool):
     return jax.checkpoint(fn, policy=policy, prevent_cse=not in_scan)
 
 
+def run_block(block, x, apply: Callable, remat):
+    """One block outside a stack (apply(block, x, None, None) -> (x, aux, state)), rematted
+    like the stack's blocks under `remat`; x may be a tuple of arrays."""
+    return _apply_pure(block, x, None, apply, remat_name(remat))
+
+
 def _run_blocks(blocks, first_index: int, x, apply, policy_name, name, states):
     aux, new_states = {}, []
     for offset, block in enumerate(blocks):

@@ -26,10 +26,23 @@ from jaxmoe.models.layers import (
     make_param,
 )
 from jaxmoe.models.mla import LatentAttention
+from jaxmoe.models.mtp import MTPModule, run_mtp
 from jaxmoe.models.quantization import Quantization
 from jaxmoe.models.ring_cache import ring_self_attention
 from jaxmoe.models.stack import build_stack, run_stack
 from jaxmoe.parallel.sharding import constrain_batch
+
+# A block's aux entry with its attention's largest logit per head, f32 [H], when the call
+# asks for it (max_logits=True: MuonClip, training/qk_clip.py).
+MAX_LOGIT = "attn_max_logit"
+
+
+def causal_mask(length: int, segment_ids_BL=None):
+    """bool [1 or B, L, L]: causal self-attention, within each document of packed rows."""
+    mask = jnp.tril(jnp.ones((length, length), bool))[None]
+    if segment_ids_BL is not None:
+        mask = mask & same_segment(segment_ids_BL, segment_ids_BL)
+    return mask
 
 
 class DecoderBlock(nnx.Module):
@@ -72,19 +85,22 @@ class DecoderBlock(nnx.Module):
         slot=None,
         token_mask_BL=None,
         segment_ids_BL=None,
+        max_logits: bool = False,
     ):
         """(x, aux, cache). With `slot` (kv_cache.CacheSlot, decoding) the self-attention
         reads and writes the layer's KV cache and `cache` is the updated one (else None).
         `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics;
         `segment_ids_BL` the documents of packed rows (`mask` already keeps them apart; a
-        fused kernel reads them instead of the mask)."""
+        fused kernel reads them instead of the mask). `max_logits` (no cache) adds
+        aux[MAX_LOGIT], the attention's largest logit per head."""
         latent = isinstance(self.attn, LatentAttention)
         attend = latent_self_attention if latent else self_attention
         if slot is not None and not latent and self.attn.window:
             attend = ring_self_attention  # a sliding-window layer's cache is a ring
+        normed_BLD = self.attn_norm(x_BLD)
         h_BLD, cache = attend(
             self.attn,
-            self.attn_norm(x_BLD),
+            normed_BLD,
             mask=mask,
             positions_BL=positions_BL,
             slot=slot,
@@ -94,6 +110,9 @@ class DecoderBlock(nnx.Module):
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
         y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)
         x_BLD = x_BLD + dropout(self.dropout, y_BLD, train)
+        if max_logits and slot is None:
+            heads_H = self.attn.max_logits(normed_BLD, mask=mask, positions_BL=positions_BL)
+            aux = {**aux, MAX_LOGIT: heads_H}
         return x_BLD, aux, cache
 
 
@@ -113,6 +132,13 @@ class DecoderLM(nnx.Module):
             self.lm_head = make_param(
                 rngs, fan_in_init((0,)), (cfg.d_model, cfg.vocab_size), ("embed", "vocab")
             )
+        if cfg.mtp_depth:  # created last: the main model's init is that of a model without
+            self.mtp = nnx.List(
+                [
+                    MTPModule(cfg, DecoderBlock(cfg, cfg.num_layers + k, rngs=rngs), rngs=rngs)
+                    for k in range(cfg.mtp_depth)
+                ]
+            )
 
     def __call__(
         self,
@@ -125,6 +151,7 @@ class DecoderLM(nnx.Module):
         last_only: bool = False,
         head: bool = True,
         segment_ids_BL=None,
+        max_logits: bool = False,
     ):
         """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
         `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
@@ -142,15 +169,16 @@ class DecoderLM(nnx.Module):
         one call on the prompt, a decode step one call on one token. `last_only`: logits
         of the last position only [B, 1, V] (a prefill needs no more).
 
-        `head=False` (training without a cache): (the output layer's input [B, L, D], aux)
-        instead; the chunked loss applies `output_weights` to it a few positions at a time.
+        `head=False`: the output layer's input [B, L, D] in place of the logits; the
+        chunked loss applies `output_weights` to it a few positions at a time, multi-token
+        prediction (`mtp_states`, speculative decoding) reads it as h^0.
+        `max_logits`: every layer's aux holds its attention's largest logit per head
+        (MAX_LOGIT), for MuonClip.
         """
         cfg = self.cfg
         b, l = tokens_BL.shape
         if cache is None:
-            mask = jnp.tril(jnp.ones((l, l), bool))[None]
-            if segment_ids_BL is not None:
-                mask = mask & same_segment(segment_ids_BL, segment_ids_BL)
+            mask = causal_mask(l, segment_ids_BL)
             if positions_BL is None:
                 positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
             states = None
@@ -174,6 +202,7 @@ class DecoderLM(nnx.Module):
                 slot=slot,
                 token_mask_BL=token_mask_BL,
                 segment_ids_BL=segment_ids_BL,
+                max_logits=max_logits,
             )
             return constrain_batch(x_BLD), aux, layer_cache
 
@@ -182,12 +211,55 @@ class DecoderLM(nnx.Module):
         )
         if last_only:
             x_BLD = x_BLD[:, -1:]
-        if not head and cache is None:
-            return self.output_hidden(x_BLD, train), aux
-        logits = self.logits(x_BLD, train)
+        out = self.output_hidden(x_BLD, train) if not head else self.logits(x_BLD, train)
         if cache is None:
-            return logits, aux
-        return logits, aux, advanced(cache, states, l)
+            return out, aux
+        return out, aux, advanced(cache, states, l)
+
+    def mtp_states(
+        self,
+        h0_BLD,
+        tokens_BL,
+        *,
+        train=False,
+        positions_BL=None,
+        token_mask_BL=None,
+        segment_ids_BL=None,
+        **kw,
+    ):
+        """Multi-token prediction (models/mtp.py) over whole sequences: ([h^1 .. h^D] [B, L,
+        D], aux {"mtp_<k>": ...}) from h^0, the output layer's input (`head=False`), and the
+        call's own tokens, positions, real-token mask and segments. `kw`: max_logits."""
+        b, l = tokens_BL.shape
+        if positions_BL is None:
+            positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
+        return run_mtp(
+            self.mtp,
+            self.embed,
+            h0_BLD,
+            tokens_BL,
+            dtype=compute_dtype(self.cfg),
+            remat=self.cfg.remat,
+            token_mask_BL=token_mask_BL,
+            segment_ids_BL=segment_ids_BL,
+            mask=causal_mask(l, segment_ids_BL),
+            positions_BL=positions_BL,
+            train=train,
+            **kw,
+        )
+
+    def mtp_draft_step(self, h_BLD, tokens_BL, cache: DecodeCache):
+        """Module 1 on L new positions with its own one-layer cache (speculative decoding):
+        h_BLD the main model's head inputs there, tokens_BL the tokens one ahead of them.
+        Returns (logits [B, L, V] f32 of the tokens two ahead, cache advanced by L)."""
+        mask, positions_BL = decoder_mask(cache, tokens_BL.shape[1])
+        embedded_BLD = self.embed(tokens_BL, compute_dtype(self.cfg))
+        slot = CacheSlot(cache.layers[0], cache.index, None, cache.pad_B)
+        h1_BLD, _, layer_cache = self.mtp[0](
+            h_BLD, embedded_BLD, mask=mask, positions_BL=positions_BL, train=False, slot=slot
+        )
+        logits = head_logits(h1_BLD, *self.output_weights())
+        return logits, advanced(cache, [layer_cache], tokens_BL.shape[1])
 
     def logits(self, x_BLD, train: bool = False):
         """The output layer on the last block's output: logits [B, L, V] f32."""

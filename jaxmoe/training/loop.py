@@ -242,7 +242,7 @@ def _train(
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps
-    optimizer, schedule = make_optimizer(config.optimizer, total_steps)
+    optimizer, schedule = make_optimizer(config.optimizer, total_steps, spec.param_axes)
     frozen = frozen_tree(spec.abstract_params, config.train.freeze, config.train.trainable)
     optimizer = with_frozen(optimizer, frozen)  # train.freeze: no state, no update
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)

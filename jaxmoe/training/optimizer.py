@@ -6,7 +6,7 @@ import optax
 
 from jaxmoe.training.adafactor import t5x_adafactor
 
-OPTIMIZERS = ("adamw", "adafactor", "t5x_adafactor")  # optimizer.name
+OPTIMIZERS = ("adamw", "adafactor", "t5x_adafactor", "muon")  # optimizer.name
 SCHEDULES = ("cosine", "rsqrt", "constant", "t5x_rsqrt")  # optimizer.schedule
 
 
@@ -50,24 +50,32 @@ def _decay_mask(params):
     return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def _adamw(opt_cfg, schedule) -> optax.GradientTransformation:
+    return optax.adamw(
+        schedule,
+        b1=opt_cfg.b1,
+        b2=opt_cfg.b2,
+        eps=opt_cfg.eps,
+        weight_decay=opt_cfg.weight_decay,
+        mask=_decay_mask,
+    )
+
+
 def make_optimizer(
-    opt_cfg, total_steps: int
+    opt_cfg, total_steps: int, param_axes=None
 ) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(the `optimizer` section's update rule, its schedule). `param_axes` (models/spec.py
+    ModelSpec.param_axes) tells Muon which parameters are matrices; the others need none."""
     schedule = learning_rate_schedule(opt_cfg, total_steps)
     chain = []
     if opt_cfg.grad_clip_norm:
         chain.append(optax.clip_by_global_norm(opt_cfg.grad_clip_norm))
     if opt_cfg.name == "adamw":
-        chain.append(
-            optax.adamw(
-                schedule,
-                b1=opt_cfg.b1,
-                b2=opt_cfg.b2,
-                eps=opt_cfg.eps,
-                weight_decay=opt_cfg.weight_decay,
-                mask=_decay_mask,
-            )
-        )
+        chain.append(_adamw(opt_cfg, schedule))
+    elif opt_cfg.name == "muon":
+        from jaxmoe.training.muon import muon
+
+        chain.append(muon(opt_cfg, schedule, param_axes, _adamw(opt_cfg, schedule)))
     elif opt_cfg.name == "t5x_adafactor":
         chain.append(
             t5x_adafactor(

@@ -103,7 +103,10 @@ class OptimizerOptions:
     """optimizer: the update rule and the learning-rate schedule."""
 
     name: str = option(
-        "adamw", "adamw | adafactor (optax's) | t5x_adafactor (T5X's, T5.1.1's)", OPTIMIZERS
+        "adamw",
+        "adamw | adafactor (optax's) | t5x_adafactor (T5X's, T5.1.1's) | muon (Newton-Schulz "
+        "matrices, AdamW for the rest; docs/muon.md)",
+        OPTIMIZERS,
     )
     learning_rate: float = option(3e-3, "peak learning rate (t5x_rsqrt: the numerator)")
     schedule: str = option(
@@ -127,6 +130,19 @@ class OptimizerOptions:
         1.0, "t5x_adafactor: clip each update matrix to this RMS (0 = off)"
     )
     momentum: float = option(0.0, "t5x_adafactor: first-moment decay (0 = none, as T5.1.1)")
+    muon_momentum: float = option(0.95, "muon: momentum of the matrices' gradients")
+    muon_nesterov: bool = option(True, "muon: Nesterov momentum")
+    muon_ns_steps: int = option(5, "muon: Newton-Schulz iterations per update")
+    muon_rms: float = option(
+        0.2,
+        "muon: update RMS matched to AdamW's, rms * sqrt(max(fan_in, fan_out)) (Moonlight's "
+        "0.2); 0 = sqrt(max(1, fan_out / fan_in)) (Keller Jordan's)",
+    )
+    qk_clip: float = option(
+        0.0,
+        "MuonClip (Kimi K2): after each step, scale a head's query/key weights down so its "
+        "largest attention logit of the step would be at most this (0 = off; K2: 100)",
+    )
 
     def check(self) -> None:
         need(
@@ -143,6 +159,13 @@ class OptimizerOptions:
             f"optimizer.clipping_threshold={self.clipping_threshold} < 0",
         )
         need(0.0 <= self.momentum < 1.0, f"optimizer.momentum={self.momentum} not in [0, 1)")
+        need(
+            0.0 <= self.muon_momentum < 1.0,
+            f"optimizer.muon_momentum={self.muon_momentum} not in [0, 1)",
+        )
+        need(self.muon_ns_steps >= 1, f"optimizer.muon_ns_steps={self.muon_ns_steps} must be >= 1")
+        need(self.muon_rms >= 0, f"optimizer.muon_rms={self.muon_rms} must be >= 0")
+        need(self.qk_clip >= 0, f"optimizer.qk_clip={self.qk_clip} must be >= 0 (0 = off)")
         for key in ("b1", "b2"):
             value = getattr(self, key)
             need(0.0 <= value < 1.0, f"optimizer.{key}={value} not in [0, 1)")

@@ -16,11 +16,15 @@ import optax
 from flax import nnx
 
 from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layers import head_logits
 from jaxmoe.models.moe import balancing
+from jaxmoe.models.mtp import ahead_in_document, mtp_key, shifted
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import head_of, period_of
+from jaxmoe.models.transformer import MAX_LOGIT
 from jaxmoe.training.chunked_loss import chunked_output_losses
 from jaxmoe.training.freezing import mask_gradients
+from jaxmoe.training.qk_clip import attention_sites, qk_clip, site_keys
 
 SCALAR_MOE_KEYS = (
     "top2_fraction",
@@ -37,6 +41,7 @@ SUMMED_KEYS = (
     "weighted_sequence_balance_loss",
     "logits_z_loss",
     "expert_load_ME",
+    "mtp_nll_sum_D",
 )
 
 
@@ -66,6 +71,14 @@ class StepFns:
     # train.freeze / train.trainable (freezing.py): per parameter leaf, in tree order, whether
     # it is frozen (its gradient dropped where it is computed); None: all train.
     frozen_leaves: tuple[bool, ...] | None = None
+    # MuonClip (optimizer.qk_clip = tau > 0): the forward pass reports each attention
+    # module's largest logit per head; qk_clip.py rescales its query/key weights after the
+    # update. Sites: (param path, aux key(s)); nope: MLA's qk_nope_head_dim.
+    qk_clip: float = 0.0
+    qk_clip_sites: tuple = ()
+    qk_nope: int = 0
+    mtp_depth: int = 0  # model.mtp_depth: multi-token prediction modules (models/mtp.py)
+    mtp_weight: float = 0.0  # model.mtp_weight: their loss's coefficient lambda
 
 
 def step_fns(config, spec, optimizer, schedule, frozen=None) -> StepFns:
@@ -89,13 +102,26 @@ def step_fns(config, spec, optimizer, schedule, frozen=None) -> StepFns:
         sequence_balance_weight=float(moe.sequence_balance_weight),
         selection_bias=bool(moe.num_experts and moe.selection_bias),
         bias_update_rate=float(moe.bias_update_rate),
-        moe_layer_ids=tuple(i for i in range(m.num_layers) if is_moe_layer(m, i)),
+        moe_layer_ids=moe_layer_keys(m),
         period=period_of(m),
         scan_head=head_of(m) if m.scan_layers else 0,
+        qk_clip=float(config.optimizer.qk_clip),
+        qk_clip_sites=attention_sites(m) if config.optimizer.qk_clip else (),
+        qk_nope=int(m.qk_nope_head_dim) if m.attention == "mla" else 0,
+        mtp_depth=int(m.mtp_depth),
+        mtp_weight=float(m.mtp_weight),
     )
 
 
-def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
+def moe_layer_keys(m) -> tuple:
+    """The aux keys of the decoder's MoE layers in model order: layer ids, then the MTP
+    modules' (models/mtp.py mtp_key) whose blocks are MoE."""
+    depth, n = int(m.mtp_depth), m.num_layers
+    main = tuple(i for i in range(n) if is_moe_layer(m, i))
+    return main + tuple(mtp_key(k) for k in range(depth) if is_moe_layer(m, n + k))
+
+
+def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None, max_logits=False):
     """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch.
 
     Positions of loss weight 0 (padding; a decoder-only window's last real token, whose
@@ -103,15 +129,20 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None):
     vectors): with causal attention nothing they route reaches a weighted prediction. Packed
     rows (segment ids) count every token of a document instead: a prompt's tokens are not
     scored but route like any other.
+    `max_logits` (decoders): each layer's aux also holds its attention's largest logit per
+    head (models/transformer.py MAX_LOGIT), for MuonClip.
     """
-    return _call(merge_model(graphdef, params, rest, rng), batch, train=train, head=True)
+    model = merge_model(graphdef, params, rest, rng)
+    return _call(model, batch, train=train, head=True, max_logits=max_logits)
 
 
-def forward_hidden(graphdef, params, batch, *, train: bool, rest=None, rng=None):
+def forward_hidden(
+    graphdef, params, batch, *, train: bool, rest=None, rng=None, max_logits: bool = False
+):
     """`forward` stopped before the output layer: (its input [B, L, D], (head matrix [D, V],
     logit scale), aux), for chunked_loss.chunked_output_losses."""
     model = merge_model(graphdef, params, rest, rng)
-    hidden_BLD, aux = _call(model, batch, train=train, head=False)
+    hidden_BLD, aux = _call(model, batch, train=train, head=False, max_logits=max_logits)
     return hidden_BLD, model.output_weights(), aux
 
 
@@ -123,7 +154,7 @@ def real_positions_BL(batch):
     return batch["weights"] > 0 if "weights" in batch else None
 
 
-def _call(model, batch, *, train: bool, head: bool):
+def _call(model, batch, *, train: bool, head: bool, max_logits: bool = False):
     """The model on a batch's fields (data/batch_fields.py)."""
     token_mask = real_positions_BL(batch)
     segments = batch.get("segment_ids")
@@ -137,6 +168,7 @@ def _call(model, batch, *, train: bool, head: bool):
             segment_ids_BL=segments,
             encoder_segment_ids_BS=batch.get("encoder_segment_ids"),
         )
+    extra = {"max_logits": True} if max_logits else {}
     return model(
         batch["inputs"],
         train=train,
@@ -144,6 +176,7 @@ def _call(model, batch, *, train: bool, head: bool):
         head=head,
         segment_ids_BL=segments,
         positions_BL=batch.get("positions"),
+        **extra,
     )
 
 
@@ -188,26 +221,92 @@ def moe_summary(aux: dict) -> dict:
     return out
 
 
-def _output_losses(params, batch, rng, fns: StepFns):
-    """(weighted NLL sum, weighted logsumexp^2 sum or None when unused, MoE aux): from the
-    full logits, or chunk by chunk with `fns.loss_chunk` (the logits never whole)."""
-    kwargs = {"train": True, "rest": fns.rest, "rng": rng}
+def _head_losses(hidden_BLD, w_DV, scale, targets_BL, weights_BL, fns: StepFns, z: bool):
+    """(weighted NLL sum, weighted logsumexp^2 sum or None) of the output layer on hidden
+    states: whole, or `fns.loss_chunk` positions at a time."""
     if fns.loss_chunk:
-        hidden_BLD, (w_DV, scale), aux = forward_hidden(fns.graphdef, params, batch, **kwargs)
         nll_sum, z_sum = chunked_output_losses(
-            hidden_BLD, w_DV, scale, batch["targets"], batch["weights"], fns.loss_chunk
+            hidden_BLD, w_DV, scale, targets_BL, weights_BL, fns.loss_chunk
         )
-        return nll_sum, z_sum, aux
-    logits, aux = forward(fns.graphdef, params, batch, **kwargs)
-    nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
-    z_sum = logits_z_loss_sum(logits, batch["weights"]) if fns.logits_z_loss else None
-    return nll_sum, z_sum, aux
+        return nll_sum, z_sum if z else None
+    logits = head_logits(hidden_BLD, w_DV, scale)
+    nll_sum = jnp.sum(token_nll(logits, targets_BL) * weights_BL)
+    return nll_sum, logits_z_loss_sum(logits, weights_BL) if z else None
 
 
-def _loss(params, batch, total_weight, rng, fns: StepFns):
-    nll_sum, z_sum, aux = _output_losses(params, batch, rng, fns)
+def _output_losses(params, batch, rng, fns: StepFns):
+    """(weighted NLL sum, weighted logsumexp^2 sum or None when unused, MoE aux, the MTP
+    modules' weighted NLL sums [D] or None): from the full logits, or chunk by chunk with
+    `fns.loss_chunk` (the logits never whole). MTP module k's targets and weights are the
+    batch's moved k places left (models/mtp.py)."""
+    max_logits = bool(fns.qk_clip)
+    if not (fns.loss_chunk or fns.mtp_depth):
+        kwargs = {"train": True, "rest": fns.rest, "rng": rng, "max_logits": max_logits}
+        logits, aux = forward(fns.graphdef, params, batch, **kwargs)
+        nll_sum = jnp.sum(token_nll(logits, batch["targets"]) * batch["weights"])
+        z_sum = logits_z_loss_sum(logits, batch["weights"]) if fns.logits_z_loss else None
+        return nll_sum, z_sum, aux, None
+    model = merge_model(fns.graphdef, params, fns.rest, rng)
+    hidden_BLD, aux = _call(model, batch, train=True, head=False, max_logits=max_logits)
+    w_DV, scale = model.output_weights()
+    targets, weights = batch["targets"], batch["weights"]
+    z = bool(fns.logits_z_loss)
+    nll_sum, z_sum = _head_losses(hidden_BLD, w_DV, scale, targets, weights, fns, z)
+    if not fns.mtp_depth:
+        return nll_sum, z_sum, aux, None
+    segments = batch.get("segment_ids")
+    states, mtp_aux = model.mtp_states(
+        hidden_BLD,
+        batch["inputs"],
+        train=True,
+        positions_BL=batch.get("positions"),
+        token_mask_BL=real_positions_BL(batch),
+        segment_ids_BL=segments,
+        max_logits=max_logits,
+    )
+    mtp_D = jnp.stack(
+        [
+            _head_losses(
+                h, w_DV, scale, shifted(targets, k + 1), mtp_weights(batch, k + 1), fns, False
+            )[0]
+            for k, h in enumerate(states)
+        ]
+    )
+    return nll_sum, z_sum, aux | mtp_aux, mtp_D
+
+
+def mtp_weights(batch, depth: int):
+    """The loss weights of MTP module `depth` (1-based): the weight of the target `depth`
+    places ahead, 0 where that lies in another document of a packed row."""
+    return ahead_in_document(batch["weights"], depth, batch.get("segment_ids"))
+
+
+def mtp_totals(batch, depth: int):
+    """Target weight of each MTP module over the batch [D] (at least 1)."""
+    return jnp.stack([jnp.maximum(jnp.sum(mtp_weights(batch, k + 1)), 1.0) for k in range(depth)])
+
+
+def _split_max_logits(aux: dict, fns: StepFns) -> tuple[dict, dict]:
+    """(MoE aux without the attention maxima and without layers left empty, {} or
+    {"max_logits_NH": the maxima [N, H] in site_keys order})."""
+    if not fns.qk_clip:
+        return aux, {}
+    keys = site_keys(fns.qk_clip_sites)
+    maxima = jnp.stack([aux[key][MAX_LOGIT] for key in keys])
+    aux = {i: {k: v for k, v in a.items() if k != MAX_LOGIT} for i, a in aux.items()}
+    return {i: a for i, a in aux.items() if a}, {"max_logits_NH": maxima}
+
+
+def _loss(params, batch, total_weight, rng, fns: StepFns, mtp_total_D=None):
+    nll_sum, z_sum, aux, mtp_D = _output_losses(params, batch, rng, fns)
+    aux, extra = _split_max_logits(aux, fns)
     loss = nll_sum / total_weight
-    extra = {"nll_sum": nll_sum}
+    extra["nll_sum"] = nll_sum
+    if mtp_D is not None:
+        # DeepSeek-V3: lambda / D * sum_k of module k's mean NLL. Divided by the whole
+        # batch's target counts, so micro-batch terms add up to it.
+        loss = loss + fns.mtp_weight / fns.mtp_depth * jnp.sum(mtp_D / mtp_total_D)
+        extra["mtp_nll_sum_D"] = mtp_D
     if fns.logits_z_loss:
         # Divided by the whole batch's target count, so micro-batch terms add up to the mean.
         z = fns.logits_z_loss * z_sum / total_weight
@@ -246,8 +345,9 @@ def train_step(state, batch, fns: StepFns):
         return (loss, extra), mask_gradients(grads, frozen)
 
     rng = jax.random.fold_in(jax.random.key(fns.seed), state["step"])
+    mtp_total_D = mtp_totals(batch, fns.mtp_depth) if fns.mtp_depth else None
     if fns.grad_accum == 1:
-        (_, extra), grads = grad_fn(params, batch, total_weight, rng, fns)
+        (_, extra), grads = grad_fn(params, batch, total_weight, rng, fns, mtp_total_D)
     else:
         micro = jax.tree.map(
             lambda x: x.reshape(fns.grad_accum, x.shape[0] // fns.grad_accum, *x.shape[1:]),
@@ -257,7 +357,9 @@ def train_step(state, batch, fns: StepFns):
         def body(grads_sum, micro_and_index):
             micro_batch, index = micro_and_index
             micro_rng = jax.random.fold_in(rng, index)
-            (_, extra), grads = grad_fn(params, micro_batch, total_weight, micro_rng, fns)
+            (_, extra), grads = grad_fn(
+                params, micro_batch, total_weight, micro_rng, fns, mtp_total_D
+            )
             return jax.tree.map(jnp.add, grads_sum, grads), extra
 
         zeros = jax.tree.map(jnp.zeros_like, params)
@@ -268,6 +370,8 @@ def train_step(state, batch, fns: StepFns):
                 if key in SUMMED_KEYS
                 else value.reshape(-1, *value.shape[2:])
                 if key in ("routing_BM", "tokens_BM")
+                else jnp.max(value, 0)
+                if key == "max_logits_NH"
                 else jnp.mean(value, 0)
             )
             for key, value in extras.items()
@@ -288,7 +392,16 @@ def train_step(state, batch, fns: StepFns):
         new_params = balancing.update_selection_biases(
             new_params, loads, fns.bias_update_rate, fns.period, fns.scan_head
         )
+    if fns.qk_clip:
+        maxima_NH = extra.pop("max_logits_NH")
+        new_params = qk_clip(new_params, maxima_NH, fns.qk_clip_sites, fns.qk_clip, fns.qk_nope)
+        extra["max_attention_logit"] = jnp.max(maxima_NH)
     nll = extra.pop("nll_sum") / total_weight
+    if fns.mtp_depth:  # the modules' mean NLL, apart from the main model's `loss`
+        mtp_D = extra.pop("mtp_nll_sum_D") / mtp_total_D
+        extra["mtp_loss"] = jnp.mean(mtp_D)
+        if fns.mtp_depth > 1:
+            extra |= {f"mtp_loss/depth_{k + 1}": mtp_D[k] for k in range(fns.mtp_depth)}
     finite = jnp.isfinite(nll) & jnp.isfinite(optax.tree.norm(grads))
     new_state = {"step": state["step"] + 1, "params": new_params, "opt_state": opt_state}
     if fns.skip_nonfinite:

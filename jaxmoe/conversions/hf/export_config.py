@@ -11,7 +11,7 @@ from ml_collections import ConfigDict
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.export_moe import family_fields, moe_family, refuse_unexported_routing
 from jaxmoe.conversions.hf.names import QWEN_EXPERT_NAMES, TensorMap, decoder_maps, t5_maps
-from jaxmoe.conversions.hf.names_deepseek import deepseek_export, deepseek_maps
+from jaxmoe.conversions.hf.names_deepseek import deepseek_export, deepseek_export_maps
 from jaxmoe.conversions.hf.names_gpt_oss import gpt_oss_export, gpt_oss_maps, is_gpt_oss
 from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
 from jaxmoe.models.ffn import is_moe_layer
@@ -174,7 +174,7 @@ def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[Te
     if not m.ffn_gated:
         _refuse("model.ffn_gated=False (ungated FFN; the exported families are gated)")
     if m.attention == "mla":  # latent attention: only DeepSeek has it
-        return deepseek_export(m, max_positions), deepseek_maps(m)
+        return deepseek_export(m, max_positions), deepseek_export_maps(m)
     if is_gpt_oss(m):  # attention sinks: only GPT-OSS has them
         return gpt_oss_export(m, max_positions), gpt_oss_maps(m)
     if m.moe.num_experts and m.moe.router_bias:

@@ -14,9 +14,16 @@ n_shared_experts x moe_intermediate_size) and the router `mlp.gate`. V3 scores e
 sigmoid, chooses with e_score_correction_bias (model.moe.selection_bias) inside the
 topk_group best of n_group groups, renormalises with norm_topk_prob and scales by
 routed_scaling_factor; V2 takes the softmax top-k (transformers ignores its
-norm_topk_prob) times routed_scaling_factor. V3's multi-token-prediction layers are not
-part of jaxmoe's model: a checkpoint holding them is refused, one announcing them without
-the tensors (what transformers saves) converts with a warning.
+norm_topk_prob) times routed_scaling_factor.
+
+V3's multi-token-prediction layers (`num_nextn_predict_layers` = D) are
+`model.layers.{N + k}` after the N main layers: enorm, hnorm, eh_proj [D, 2D] (input
+[embedding; hidden]), shared_head.norm and a decoder layer's tensors, all of jaxmoe's
+`mtp/<k>` (models/mtp.py, model.mtp_depth = D), plus `embed_tokens` and
+`shared_head.head`, copies of the main embedding and output layer: read only to check that
+they are copies (jaxmoe shares one of each), written back as copies on export. A config
+announcing them without the tensors (what transformers saves) converts the main model with
+a warning; MTP tensors the config does not announce are refused.
 """
 
 import re
@@ -80,9 +87,10 @@ def _read_rope(hf: dict, m: ConfigDict) -> None:
     m.rope_truncate = bool(params.get("truncate", True))
 
 
-def _mtp_layers(hf: dict, present: set[str], num_layers: int) -> None:
-    """Refuse multi-token-prediction layers held in the files; warn when only announced."""
-    nextn = hf.get("num_nextn_predict_layers") or 0
+def _mtp_layers(hf: dict, present: set[str], num_layers: int) -> int:
+    """The multi-token-prediction depth the checkpoint holds (0 when only announced, with a
+    warning); layers past the main ones that the config does not announce are refused."""
+    nextn = int(hf.get("num_nextn_predict_layers") or 0)
     extra = sorted(
         {
             int(x.group(1))
@@ -90,18 +98,23 @@ def _mtp_layers(hf: dict, present: set[str], num_layers: int) -> None:
             if (x := re.match(r"model\.layers\.(\d+)\.", n)) and int(x.group(1)) >= num_layers
         }
     )
-    if extra:
+    if not extra:
+        if nextn:
+            print(
+                f"convert hf: num_nextn_predict_layers={nextn} announced but no such tensors "
+                "in the checkpoint: converting the main model only",
+                file=sys.stderr,
+            )
+        return 0
+    expected = list(range(num_layers, num_layers + nextn))
+    if extra != expected:
         raise CheckpointError(
-            f"config.json: num_nextn_predict_layers={nextn}: the checkpoint holds "
-            f"multi-token-prediction layer(s) model.layers.{extra[0]}.*, which jaxmoe does not "
-            "implement; remove those tensors to convert the main model"
+            f"config.json: num_nextn_predict_layers={nextn} after num_hidden_layers="
+            f"{num_layers}, but the checkpoint holds layer(s) model.layers.{extra[0]}"
+            + (f"..{extra[-1]}" if len(extra) > 1 else "")
+            + " (multi-token-prediction layers must be the ones announced)"
         )
-    if nextn:
-        print(
-            f"convert hf: num_nextn_predict_layers={nextn} announced but no such tensors in "
-            "the checkpoint: converting the main model only",
-            file=sys.stderr,
-        )
+    return nextn
 
 
 def _refuse_unsupported(hf: dict, family: str) -> None:
@@ -130,11 +143,12 @@ def read_deepseek(hf: dict, present: set[str], m: ConfigDict) -> str:
     family = hf["model_type"]
     _refuse_unsupported(hf, family)
     layers = config_size(hf, "num_hidden_layers")
-    _mtp_layers(hf, present, layers)
+    m.mtp_depth = _mtp_layers(hf, present, layers)
     # The Llama-like sizes; rotary is read below (YaRN is MLA's, not read_rope's).
     basics = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
     basics["head_dim"] = None
-    read_decoder_basics(basics, present, m)
+    mtp = tuple(f"model.layers.{layers + k}." for k in range(m.mtp_depth))
+    read_decoder_basics(basics, {n for n in present if not n.startswith(mtp)}, m)
     m.attention = "mla"
     m.num_kv_heads = m.num_heads  # every head has its own key and value (rebuilt)
     m.q_lora_rank = config_size(hf, "q_lora_rank", 0) if hf.get("q_lora_rank") else 0
@@ -231,30 +245,75 @@ def _moe_maps(m: ConfigDict, hf: str, path: tuple[str, ...], style: str) -> list
     return maps
 
 
+def _layer_maps(m: ConfigDict, hf: str, path: tuple[str, ...], layer: int, style: str):
+    """One decoder layer (HF prefix `hf`, jaxmoe `path`), dense or MoE as `layer` is."""
+    maps = [TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME)]
+    maps += _attention_maps(m, hf + "self_attn.", (*path, "attn"))
+    maps.append(
+        TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
+    )
+    if is_moe_layer(m, layer):
+        return maps + _moe_maps(m, hf + "mlp.", (*path, "ffn"), style)
+    names = tuple(f"{hf}mlp.{p}.weight" for p in QWEN_EXPERT_NAMES)
+    return maps + _gated_ffn_maps(names, (*path, "ffn"))
+
+
+def _mtp_maps(m: ConfigDict, style: str) -> list[TensorMap]:
+    """The MTP modules' own tensors (models/mtp.py), as `model.layers.{N + k}.*`."""
+    maps = []
+    for k in range(int(m.mtp_depth)):
+        layer = m.num_layers + k
+        hf, path = f"model.layers.{layer}.", ("mtp", str(k))
+        maps += [
+            TensorMap(hf + "enorm.weight", (*path, "embed_norm", "scale"), SAME),
+            TensorMap(hf + "hnorm.weight", (*path, "hidden_norm", "scale"), SAME),
+            TensorMap(hf + "eh_proj.weight", (*path, "proj"), Linear(1)),
+            TensorMap(hf + "shared_head.norm.weight", (*path, "head_norm", "scale"), SAME),
+        ]
+        maps += _layer_maps(m, hf, (*path, "block"), layer, style)
+    return maps
+
+
+def mtp_copies(m: ConfigDict) -> dict[str, tuple]:
+    """{HF name of an MTP layer's copy of a shared tensor: (the main tensor's HF name, its
+    jaxmoe path, layout)}: `embed_tokens` and `shared_head.head` of every MTP layer."""
+    head = ("lm_head.weight", ("lm_head",), Linear(1))
+    if m.tie_embeddings:
+        head = ("model.embed_tokens.weight", ("embed", "embedding"), SAME)
+    copies = {}
+    for k in range(int(m.mtp_depth)):
+        hf = f"model.layers.{m.num_layers + k}."
+        copies[hf + "embed_tokens.weight"] = (
+            "model.embed_tokens.weight",
+            ("embed", "embedding"),
+            SAME,
+        )
+        copies[hf + "shared_head.head.weight"] = head
+    return copies
+
+
 def deepseek_maps(m: ConfigDict, style: str = "per_expert") -> list[TensorMap]:
-    """Every tensor of a DeepSeek-V2/V3 causal LM with jaxmoe model config `m`."""
+    """Every tensor of a DeepSeek-V2/V3 causal LM with jaxmoe model config `m`, the MTP
+    modules' own included (their copies of shared tensors: `mtp_copies`)."""
     maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
     for i in range(m.num_layers):
-        hf, path = f"model.layers.{i}.", ("layers", str(i))
-        maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
-        maps += _attention_maps(m, hf + "self_attn.", (*path, "attn"))
-        maps.append(
-            TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
-        )
-        if is_moe_layer(m, i):
-            maps += _moe_maps(m, hf + "mlp.", (*path, "ffn"), style)
-        else:
-            names = tuple(f"{hf}mlp.{p}.weight" for p in QWEN_EXPERT_NAMES)
-            maps += _gated_ffn_maps(names, (*path, "ffn"))
+        maps += _layer_maps(m, f"model.layers.{i}.", ("layers", str(i)), i, style)
     maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), SAME))
     if not m.tie_embeddings:
         maps.append(TensorMap("lm_head.weight", ("lm_head",), Linear(1)))
-    return maps
+    return maps + _mtp_maps(m, style)
+
+
+def deepseek_export_maps(m: ConfigDict) -> list[TensorMap]:
+    """deepseek_maps plus the MTP layers' copies of the embedding and output layer."""
+    copies = [TensorMap(name, path, layout) for name, (_, path, layout) in mtp_copies(m).items()]
+    return deepseek_maps(m) + copies
 
 
 def deepseek_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     style = read_deepseek(hf, present, m)
-    return ImportPlan(deepseek_maps(m, style))
+    copies = {name: source for name, (source, _, _) in mtp_copies(m).items()}
+    return ImportPlan(deepseek_maps(m, style), copies)
 
 
 # ----------------------------------------------------------------------------- export
@@ -367,7 +426,7 @@ def deepseek_export(m: ConfigDict, max_positions: int) -> dict:
         "tie_word_embeddings": bool(m.tie_embeddings),
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": 0,
+        "num_nextn_predict_layers": int(m.mtp_depth),
         **moe_fields,
     }
     if family == "deepseek_v3":

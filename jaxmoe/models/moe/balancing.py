@@ -10,6 +10,7 @@ The biases are parameters at `<moe layer>/selection_bias` (so checkpoints carry 
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.models.mtp import mtp_key
 from jaxmoe.models.stack import HEAD, PERIOD, TAIL
 
 BIAS_NAME = "selection_bias"
@@ -40,12 +41,15 @@ def update_selection_biases(
     """params with each decoder MoE layer's bias moved by its load (`loads`: layer id ->
     f32 [E]). Layouts of models/stack.py: `layers/<i>/ffn` (unrolled), or
     `layers/period/<j>/ffn` with row p = layer head + p * period + j (scanned behind `head`
-    unrolled layers; its head and tail layers are dense)."""
+    unrolled layers; its head and tail layers are dense), and the MTP modules' blocks
+    `mtp/<k>/block/ffn` (loads[mtp_key(k)])."""
 
     def update(path, leaf):
         keys = _keys(path)
         if keys[-1] != BIAS_NAME:
             return leaf
+        if keys[0] == "mtp":
+            return balanced_bias(leaf, loads[mtp_key(int(keys[1]))], rate)
         if keys[0] != "layers" or keys[1] in (HEAD, TAIL):
             raise ValueError(f"bias balancing: unexpected selection bias at {'/'.join(keys)}")
         if keys[1] == PERIOD:
