@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.adaptive_vs_fixed import reach
 from benchmarks.results import add_json_flag, markdown_table, write_json
+from experiments.adaptive_vs_fixed import reach
 from experiments.time_to_target import SharedData, Variant, train_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,9 @@ from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.inference.decode import Generator
 from jaxmoe.inference.speculative import MTPGenerator
+from jaxmoe.models import build_model
 from jaxmoe.models.layers import head_logits
-from jaxmoe.models.spec import merge_model, model_spec
+from jaxmoe.models.spec import merge_model, model_params, model_rngs, model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import init_state, state_shardings
@@ -279,3 +280,64 @@ def test_speculative_equals_greedy_with_accepted_and_rejected_drafts(half_traine
     assert got.tokens == want.tokens
     assert 0 < got.accepted < got.steps
     assert got.num_new_tokens == want.num_new_tokens
+
+
+def test_packed_documents_score_as_if_alone():
+    """A row packing two documents (segment ids, per-document positions): each MTP module's
+    NLL sum and target count equal those of the documents trained one per row."""
+    cfg = tiny_config("model.mtp_depth=2", "model.moe.num_experts=0")
+    mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+    spec = model_spec(cfg.model, mesh)
+    fns = step_fns(cfg, spec, None, lambda step: 0.0)
+    _, params = model_params(build_model(cfg.model, rngs=model_rngs(jax.random.key(0))))
+    rng = np.random.default_rng(1)
+    first, second = rng.integers(1, 128, 7), rng.integers(1, 128, 9)
+
+    def row(ids):  # a document alone, right-padded to 16 inputs
+        inputs = np.zeros(16, np.int32)
+        targets, weights = np.zeros(16, np.int32), np.zeros(16, np.float32)
+        inputs[: len(ids) - 1], targets[: len(ids) - 1] = ids[:-1], ids[1:]
+        weights[: len(ids) - 1] = 1.0
+        return inputs, targets, weights
+
+    alone = [row(first), row(second)]
+    packed_inputs = np.concatenate([first[:-1], second[:-1]])
+    packed = {
+        "inputs": np.pad(packed_inputs, (0, 16 - len(packed_inputs)))[None],
+        "targets": np.pad(np.concatenate([first[1:], second[1:]]), (0, 2))[None],
+        "weights": np.pad(np.ones(14, np.float32), (0, 2))[None],
+        "segment_ids": np.pad(np.repeat([1, 2], [6, 8]), (0, 2))[None].astype(np.int32),
+        "positions": np.pad(np.concatenate([np.arange(6), np.arange(8)]), (0, 2))[None].astype(
+            np.int32
+        ),
+    }
+    separate = {
+        "inputs": np.stack([a[0] for a in alone]),
+        "targets": np.stack([a[1] for a in alone]),
+        "weights": np.stack([a[2] for a in alone]),
+    }
+
+    @jax.jit
+    def sums(params, batch):
+        totals = mtp_totals(batch, 2)
+        _, extra = _loss(params, batch, jnp.sum(batch["weights"]), jax.random.key(0), fns, totals)
+        return extra["mtp_nll_sum_D"], totals
+
+    got, got_totals = sums(params, jax.tree.map(jnp.asarray, packed))
+    want, want_totals = sums(params, jax.tree.map(jnp.asarray, separate))
+    np.testing.assert_allclose(got_totals, want_totals)  # 5 + 7 targets at depth 1, 4 + 6 at 2
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+
+
+def test_model_flops_count_the_modules():
+    """MFU's numerator: one MTP module adds a dense block's multiply-adds (GQA projections,
+    scores, gated FFN), its [2D, D] projection and the output layer once more, by hand."""
+    from jaxmoe.models.flops import train_flops_per_step
+
+    cfg = tiny_config("model.moe.num_experts=0").model
+    d, h, k, dh, f, v, length = 32, 4, 2, 8, 64, 128, 16
+    block = 2 * d * h * dh + 2 * d * k * dh + 3 * d * f  # q/out, k/v, wi_0/wi_1/wo
+    module = length * (block + 2 * d * d + d * v) + 2 * h * dh * length * length
+    without = train_flops_per_step(cfg, 8, length)
+    cfg.mtp_depth = 1
+    assert train_flops_per_step(cfg, 8, length) - without == 3 * 2 * 8 * module

@@ -77,10 +77,13 @@ def forward_macs_per_sequence(cfg, seq_len: int, encoder_seq_len: int | None = N
     output_layer = length * cfg.d_model * cfg.vocab_size
     if cfg.arch != "encoder_decoder":
         macs = output_layer
-        for i in range(cfg.num_layers):
+        # Multi-token prediction (models/mtp.py): module k is one more block (layer
+        # num_layers + k), its [2D, D] projection and another pass of the output layer.
+        depth = int(cfg.mtp_depth)
+        for i in range(cfg.num_layers + depth):
             per_token = _projection_macs(cfg, cfg.num_kv_heads) + ffn_macs_per_token(cfg, i)
             macs += length * per_token + _score_macs(cfg, length, length)
-        return macs
+        return macs + depth * (output_layer + length * 2 * cfg.d_model * cfg.d_model)
     source = encoder_seq_len or seq_len
     encoder_kv_heads = cfg.encoder_num_kv_heads or cfg.num_heads
     macs = output_layer
