@@ -22,7 +22,6 @@ document with 0 as its start (T5X's packed layout, `*_segment_ids` / `*_position
 """
 
 import hashlib
-import itertools
 import json
 import os
 from bisect import bisect_left, insort
@@ -31,8 +30,8 @@ import numpy as np
 
 from jaxmoe.data.formats import ExampleEncoder
 from jaxmoe.data.packing import NpyWriter, token_dtype
+from jaxmoe.storage.temporaries import write_atomically
 
-_DOCS_PER_CHUNK = 256
 _SEQ2SEQ_CANDIDATES = 16  # windows a seq2seq piece tries, by encoder room, before a new one
 
 
@@ -50,17 +49,15 @@ def write_example_cache(documents, encoder: ExampleEncoder, stem: str) -> None:
     lengths = {name: [] for name in columns}
     read = skipped = 0
     try:
-        docs = iter(documents)
-        while chunk := list(itertools.islice(docs, _DOCS_PER_CHUNK)):
-            for document in chunk:
-                read += 1
-                example = encoder.encode(document)
-                if example is None:
-                    skipped += 1
-                    continue
-                for name, values in zip(columns, example, strict=True):
-                    writers[name].append(np.asarray(values, dtypes[name]))
-                    lengths[name].append(len(values))
+        for document in documents:  # per example: a chat template renders one at a time
+            read += 1
+            example = encoder.encode(document)
+            if example is None:
+                skipped += 1
+                continue
+            for name, values in zip(columns, example, strict=True):
+                writers[name].append(np.asarray(values, dtypes[name]))
+                lengths[name].append(len(values))
         for name in columns:
             writers[name].close()
             offsets = np.concatenate([[0], np.cumsum(lengths[name], dtype=np.int64)])
@@ -70,10 +67,7 @@ def write_example_cache(documents, encoder: ExampleEncoder, stem: str) -> None:
         for writer in writers.values():
             writer.discard()
     meta = {"columns": list(columns), "documents": read, "empty": skipped}
-    tmp = f"{stem}.json.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(meta, f)
-    os.replace(tmp, stem + ".json")
+    write_atomically(stem + ".json", json.dumps(meta).encode())  # the cache is complete
 
 
 def load_example_cache(stem: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
