@@ -25,7 +25,7 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
 from jaxmoe.checkpoints.manager import CheckpointError, read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
-from jaxmoe.inference.decode import Generator
+from jaxmoe.inference.decode import Generator, Sampling
 from jaxmoe.inference.speculative import MTPGenerator
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import head_logits
@@ -341,3 +341,13 @@ def test_model_flops_count_the_modules():
     without = train_flops_per_step(cfg, 8, length)
     cfg.mtp_depth = 1
     assert train_flops_per_step(cfg, 8, length) - without == 3 * 2 * 8 * module
+
+
+def test_speculative_refuses_what_plain_decoding_refuses(half_trained):
+    cfg, mesh, params, _ = half_trained
+    drafted = MTPGenerator(cfg.model, params, mesh, eos_id=-1)
+    for prompts, words in (([[3, 10**6]], "outside the model's vocabulary"), ([[]], "empty")):
+        with pytest.raises(ValueError, match=words):
+            drafted.generate(prompts, 4)
+    with pytest.raises(ValueError, match="greedily"):
+        drafted.generate([[3, 4]], 4, Sampling(temperature=0.7))

@@ -186,10 +186,7 @@ class MTPGenerator(Generator):
             raise ValueError("--speculative mtp decodes greedily (--temperature 0)")
         if stop is not None and stop.tables is not None:
             raise ValueError("--speculative mtp does not take stop strings")
-        if not prompts or not all(prompts):
-            raise ValueError("every prompt needs at least one token")
-        if max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens={max_new_tokens} must be >= 1")
+        self.check_prompts(prompts, max_new_tokens)
         self.check_fits(len(prompts), max(len(p) for p in prompts), max_new_tokens)
         new_bucket = bucket(max_new_tokens)
         rows = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
