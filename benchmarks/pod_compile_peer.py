@@ -32,6 +32,15 @@ generated code). Cases:
   (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
   positions, as jaxmoe).
+- llama3_8b_65k: a Llama-3-8B-sized dense model (configs/llama3_8b.py) on v5p-64, 4
+  sequences of 65,536 tokens, each split over mesh.context = 8 (MaxText:
+  ici_context_parallelism=8, its default all-gather strategy and load balancing), fsdp 4;
+  llama3_8b_65k_no_context: the same model without the context axis, one whole sequence
+  per chip (fsdp 32). qwen3_30b_a3b_65k: Qwen3-30B-A3B at 65,536 tokens, 8 sequences,
+  context 4 x expert 8.
+- mixtral_8x7b_int8, qwen3_30b_a3b_int8: those steps with model.quantization=int8 (MaxText:
+  quantization=int8, AQT); jaxmoe's rows add its compiled products by operand types
+  (`dot_types`: "s8 x s8 -> s32" are the int8 ones).
 
 The two venvs carry different compilers (jaxmoe's jax 0.10.2 with libtpu 0.0.42.1 here,
 MaxText's jax 0.12 with libtpu 0.0.52), and the older libtpu reports about 2.3 GiB more
@@ -194,6 +203,68 @@ CASES = {
     },
 }
 
+
+def _variant(base: str, topology: str, jaxmoe: list[str], maxtext: list[str]) -> dict:
+    """Case `base` with more jaxmoe overrides and MaxText settings (a later MaxText key=value
+    replaces the base's)."""
+    case = CASES[base]
+    keys = {item.split("=")[0] for item in maxtext}
+    kept = [item for item in case["maxtext"] if item.split("=")[0] not in keys]
+    return {"topology": topology, "jaxmoe": case["jaxmoe"] + jaxmoe, "maxtext": kept + maxtext}
+
+
+# Long sequences (issue 50): 65,536 tokens per sequence split over mesh.context (MaxText:
+# ici_context_parallelism, its default all-gather strategy and load balancing), and the same
+# model without the context axis; int8 training (MaxText: quantization=int8, AQT).
+LLAMA3_8B_MAXTEXT = [
+    "model_name=llama3-8b",
+    "max_target_length=65536",
+    "remat_policy=full",
+    "dtype=bfloat16",
+    "weight_dtype=float32",
+    "scan_layers=true",
+]
+CASES |= {
+    "llama3_8b_65k": {
+        "topology": "v5p-64",
+        "jaxmoe": ["configs/llama3_8b.py"],  # 4 x 65536 tokens, context 8 x fsdp 4
+        "maxtext": [
+            *LLAMA3_8B_MAXTEXT,
+            "per_device_batch_size=0.125",
+            "ici_context_parallelism=8",
+            "ici_fsdp_parallelism=4",
+        ],
+    },
+    "llama3_8b_65k_no_context": {
+        "topology": "v5p-64",
+        "jaxmoe": ["configs/llama3_8b.py:no_context"],  # 32 x 65536 tokens, fsdp 32
+        "maxtext": [*LLAMA3_8B_MAXTEXT, "per_device_batch_size=1", "ici_fsdp_parallelism=32"],
+    },
+    "qwen3_30b_a3b_65k": _variant(
+        "qwen3_30b_a3b",
+        "v5p-64",
+        [
+            "--config.train.seq_len=65536",
+            "--config.train.batch_size=8",
+            "--config.mesh.fsdp=1",
+            "--config.mesh.context=4",
+        ],
+        [
+            "max_target_length=65536",
+            "per_device_batch_size=0.25",
+            "ici_fsdp_parallelism=1",
+            "ici_context_parallelism=4",
+        ],
+    ),
+    "mixtral_8x7b_int8": _variant(
+        "mixtral_8x7b", "v5p-256", ["--config.model.quantization=int8"], ["quantization=int8"]
+    ),
+    "qwen3_30b_a3b_int8": _variant(
+        "qwen3_30b_a3b", "v5p-64", ["--config.model.quantization=int8"], ["quantization=int8"]
+    ),
+}
+
+
 MEMORY_FIELDS = (
     "generated_code_size_in_bytes",
     "argument_size_in_bytes",
@@ -305,7 +376,8 @@ def run_jaxmoe(case: dict, python: str = sys.executable) -> dict:
     if "peak_hbm_bytes" not in report_:
         return {"error": report_.get("error", report_.get("verdict")), **timing}
     keys = ("peak_hbm_bytes", "argument_bytes", "temp_bytes", "compile_s", "lower_s", "verdict")
-    return {**{k: report_[k] for k in keys}, **timing}
+    extra = {k: report_[k] for k in ("dot_types", "model_flops_per_step") if k in report_}
+    return {**{k: report_[k] for k in keys}, **extra, **timing}
 
 
 def run(args) -> dict:

@@ -125,7 +125,7 @@ ENTRY %main (p: f32[8,128]) -> f32[4,128] {
 
 def test_tiny_step_fits_v5p_8(v5p_8):
     assert v5p_8["verdict"] == "fits"
-    assert v5p_8["mesh"] == {"data": 1, "fsdp": 2, "tensor": 2, "expert": 1}
+    assert v5p_8["mesh"] == {"data": 1, "fsdp": 2, "context": 1, "tensor": 2, "expert": 1}
     assert v5p_8["num_chips"] == 4
     assert v5p_8["hbm_bytes"] == int(95.74 * GiB)
     assert 0 < v5p_8["peak_hbm_bytes"] < v5p_8["hbm_bytes"]
@@ -183,7 +183,7 @@ def test_two_v6e_slices_join_over_data():
     topo = parse_topology("v6e-4", num_slices=2)
     devices = topology_devices(topo)
     mesh = make_mesh(config.mesh, devices)
-    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert dict(mesh.shape) == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
     slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
     assert (slices[0] == 0).all() and (slices[1] == 1).all()
 
@@ -305,7 +305,7 @@ def test_two_v5p_slices_cross_only_on_the_dcn_axis(monkeypatch, dcn, crossing):
     )
     result = compile_for_topology(config, "v5p-8", num_slices=2)
     assert result["verdict"] == "fits" and result["num_chips"] == 8
-    assert result["mesh"] == {"data": 2, "fsdp": 4, "tensor": 1, "expert": 1}
+    assert result["mesh"] == {"data": 2, "fsdp": 4, "context": 1, "tensor": 1, "expert": 1}
     # The program is one slice's: its own collectives name only that slice's 4 chips...
     groups = _ici_groups(texts[0])
     assert groups and all(max(g) < 4 for g in groups)

@@ -30,6 +30,11 @@ MESHES = {
 }
 
 
+def _with_context(shape):
+    """(data, fsdp, tensor, expert) -> the mesh's five axis sizes, context 1."""
+    return (*shape[:2], 1, *shape[2:])
+
+
 def make_step(graphdef, r):
     def loss(params, x):
         y, aux = nnx.merge(graphdef, params)(x, train=True)
@@ -74,7 +79,7 @@ def _assert_tree_close(got, want, what):
 def test_mesh_matches_single_device(name, shape, inputs, single_device):
     x, r = inputs
     graphdef, params, ((want_dparams, want_dx), (want_y, want_aux)) = single_device[name]
-    mesh = jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh(_with_context(shape), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
     param_shardings = sharding.named(mesh, sharding.param_specs(params, mesh))
     params = jax.device_put(params, param_shardings)
     x = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
@@ -99,7 +104,7 @@ def test_small_batches_fall_back_to_repeated_work(inputs, single_device):
     x, r = (a[:2, :5] for a in inputs)
     graphdef, params, _ = single_device["dropless"]
     want = make_step(graphdef, r)(params, x)
-    mesh = jax.make_mesh((2, 1, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((2, 1, 1, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
     with jax.set_mesh(mesh):
         (dparams, dx), (y, aux) = make_step(graphdef, r)(params, x)
     (want_dparams, want_dx), (want_y, want_aux) = want

@@ -198,7 +198,7 @@ def test_biased_clamped_experts_under_expert_parallelism():
         return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)(params, x)
 
     (_, want_y), want_grads = loss_and_grads(params, x)
-    mesh = jax.make_mesh((2, 1, 1, 4), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((2, 1, 1, 1, 4), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
     params_on = jax.device_put(params, sharding.named(mesh, sharding.param_specs(params, mesh)))
     x_on = jax.device_put(x, NamedSharding(mesh, P(("data", "fsdp", "expert"))))
     with jax.set_mesh(mesh):

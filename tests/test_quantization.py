@@ -179,3 +179,24 @@ def test_tiny_moe_loss_and_grads_near_unquantized(kind):
         # fp8's 3-bit mantissa and e5m2 gradients (2 bits) move small gradients more: the
         # least-aligned leaves at this seed: int8 the router (0.989), fp8 a norm scale (0.82).
         assert cos > (0.97 if kind == "int8" else 0.75), (b.shape, cos)
+
+
+def test_compile_report_counts_dots_by_operand_types():
+    from jaxmoe.aot.compile_check import count_dot_types
+
+    mode = Quantization("int8")
+
+    def step(x, w):
+        return quantized_matmul(x, w, mode).astype(jnp.float32).sum()
+
+    # Shapes XLA:CPU keeps as dots (it rewrites very small ones as reductions).
+    x, w = jnp.ones((64, 32), jnp.bfloat16), jnp.ones((32, 16), jnp.bfloat16)
+    text = jax.jit(jax.value_and_grad(step, argnums=(0, 1))).lower(x, w).compile().as_text()
+    assert count_dot_types(text)["s8 x s8 -> s32"] == 2
+    # The older text form prints each operand's type in the call.
+    typed = (
+        "  %p = f8e4m3fn[4,8]{1,0} parameter(0)\n"
+        "  ROOT %d = f32[4,2]{1,0} dot(f8e4m3fn[4,8]{1,0} %p, f8e5m2[8,2]{1,0} %q), "
+        "lhs_contracting_dims={1}\n"
+    )
+    assert count_dot_types(typed) == {"f8e4m3fn x f8e5m2 -> f32": 1}

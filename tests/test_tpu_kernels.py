@@ -166,7 +166,7 @@ def _loss_and_grads(config, tokens, mesh):
 def test_model_with_kernels_matches_xla_on_a_mesh():
     """A tiny MoE decoder on data 2 x tensor 2 x expert 2 CPU devices: the same loss and
     gradients with splash attention and megablox as with the XLA attention and ragged_dot."""
-    mesh = jax.make_mesh((2, 1, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 4)
+    mesh = jax.make_mesh((2, 1, 1, 2, 2), MESH_AXES, axis_types=(AxisType.Auto,) * 5)
     tokens = np.random.default_rng(3).integers(0, 128, (4, 128)).astype(np.int32)
     xla = tiny_config(*MODEL, "model.attention_kernel=xla", "model.moe.dispatch=ragged")
     kernels = tiny_config(*MODEL, "model.attention_kernel=splash", "model.moe.dispatch=megablox")

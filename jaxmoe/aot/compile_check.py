@@ -145,6 +145,31 @@ def count_collectives(hlo_text: str) -> dict[str, int]:
     return counts
 
 
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", re.MULTILINE)
+_TYPED = r"(?:(\w+)\[[^\]]*\](?:\{[^}]*\})? )?"  # an operand's type, where the text prints it
+_DOT = re.compile(
+    r"^\s*(?:ROOT )?%[\w.-]+ = (\w+)\[[^=]*? (?:dot|convolution|ragged-dot)\("
+    + _TYPED
+    + r"%([\w.-]+), "
+    + _TYPED
+    + r"%([\w.-]+)",
+    re.MULTILINE,
+)
+
+
+def count_dot_types(hlo_text: str) -> dict[str, int]:
+    """Matrix products in a compiled HLO module by operand and result types ("s8 x s8 ->
+    s32": int8 products, "f8e4m3fn x f8e4m3fn -> f32": fp8 ones), fused bodies included,
+    each instruction once (loops not unrolled): where model.quantization shows."""
+    types = dict(_DEFINITION.findall(hlo_text))  # instruction names are unique per module
+    counts: dict[str, int] = {}
+    for out, lhs_type, lhs, rhs_type, rhs in _DOT.findall(hlo_text):
+        lhs_type, rhs_type = lhs_type or types.get(lhs, "?"), rhs_type or types.get(rhs, "?")
+        key = f"{lhs_type} x {rhs_type} -> {out}"
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
 
 
@@ -273,6 +298,7 @@ def compile_for_topology(
         "hlo_flops_per_device": float(cost.get("flops", 0.0)),
         **_estimate(result, cost, hlo_text, topo),
         "collectives": count_collectives(hlo_text),
+        "dot_types": count_dot_types(hlo_text),
         "all_to_all_bytes": all_to_all_bytes(hlo_text),
         "dcn_transfers": count_dcn_transfers(hlo_text),
         "lower_s": lowered_s,

@@ -59,6 +59,7 @@ def _check_across(job: JobConfig) -> None:
         raise ConfigError(
             f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}"
         )
+    _check_context(job)
     data, arch = job.data, job.model.arch
     if arch == "encoder_decoder" and data.format not in ("text", "seq2seq"):
         raise ConfigError(
@@ -83,6 +84,35 @@ def _check_across(job: JobConfig) -> None:
                 f"optimizer.qk_clip > 0 with model.qk_norm={job.model.qk_norm!r}: the norm "
                 "undoes any rescaling of the query/key weights (use one or the other)"
             )
+
+
+def _check_context(job: JobConfig) -> None:
+    """mesh.context > 1 (models/context_parallel.py): what the split sequence supports."""
+    parts, model = job.mesh.context, job.model
+    if parts in (-1, 1):
+        return
+    if model.arch != "decoder":
+        raise ConfigError(f"mesh.context={parts} splits decoder sequences only (model.arch)")
+    if job.train.seq_len % (2 * parts):
+        raise ConfigError(
+            f"mesh.context={parts}: train.seq_len={job.train.seq_len} must be a multiple of "
+            f"2 x mesh.context = {2 * parts} (an early and a late chunk per device)"
+        )
+    if model.dropout_rate:
+        raise ConfigError(
+            f"mesh.context={parts} has no attention-probability dropout: set "
+            f"model.dropout_rate=0 (got {model.dropout_rate})"
+        )
+    if job.optimizer.qk_clip:
+        raise ConfigError(
+            f"mesh.context={parts} has no MuonClip logit statistics yet: set "
+            f"optimizer.qk_clip=0 (got {job.optimizer.qk_clip})"
+        )
+    if model.moe.num_experts and model.moe.capacity_factor > 0:
+        raise ConfigError(
+            f"mesh.context={parts} needs dropless experts (model.moe.capacity_factor=0): "
+            "capacity drops by token order, which the split layout changes"
+        )
 
 
 def leaf_fields(cls=JobConfig, prefix: str = "") -> dict[str, dataclasses.Field]:

@@ -28,6 +28,7 @@ from jaxmoe.models.attention_window import (
     softmax_with_sinks,
     with_window,
 )
+from jaxmoe.models.context_parallel import ContextLayout, context_attention
 from jaxmoe.models.layers import (
     RMSNorm,
     dropout_module,
@@ -422,6 +423,8 @@ class Attention(nnx.Module):
         `segment_ids_BL` (self-attention of packed rows): the documents `mask` already keeps
         apart, for the fused kernels, whose causal mode does not read the mask.
         """
+        if isinstance(mask, ContextLayout):  # mesh.context: the sequence split over devices
+            return self._context_attention(x_BLD, mask, positions_BL)
         if positions_BL is None and self.rope_theta:
             positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
         q = self.project_q(x_BLD, positions_BL)
@@ -460,6 +463,16 @@ class Attention(nnx.Module):
         if self.window:
             mask = with_window(mask, x_BLD.shape[1], self.window)
         return head_max_logits(q, k, mask, self.scale)
+
+    def _context_attention(self, x_BLD, layout: ContextLayout, positions_BL):
+        """Causal self-attention of a sequence split over the context axis
+        (context_parallel.py): local queries against the gathered keys and values."""
+        q = self.project_q(x_BLD, positions_BL)
+        k, v = self.project_kv(x_BLD, positions_BL)
+        o = context_attention(
+            q, k, v, layout, scale=self.scale, window=self.window, sinks_H=self.sink_logits()
+        )
+        return self.project_out(o)
 
     def _kernel(self, q, k, v, mask, causal, segment_ids_BL=None):
         """The output through `model.attention_kernel`'s kernel, or None for the XLA path."""

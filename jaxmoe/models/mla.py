@@ -32,6 +32,7 @@ from jaxmoe.models.attention import (
     query_chunked_attention,
     resolve_causal_block,
 )
+from jaxmoe.models.context_parallel import ContextLayout, context_attention, gather_length
 from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, project
 from jaxmoe.models.quantization import Quantization
 
@@ -214,20 +215,24 @@ class LatentAttention(nnx.Module):
     def project_out(self, o_BLHv):
         return project(o_BLHv, self.out[...], self.quant, contract=2)
 
-    def expanded_qkv(self, x_BLD, positions_BL=None):
-        """Training / eval: (q [B, L, H, dn + dr], k [B, L, H, dn + dr], v [B, L, H, dv]),
-        the rotary key shared by every head."""
+    def expanded_qkv(self, x_BLD, positions_BL=None, gather: bool = False):
+        """Training / eval: (q [B, L, H, dn + dr], k [B, S, H, dn + dr], v [B, S, H, dv]),
+        the rotary key shared by every head. `gather` (mesh.context): the latent of the
+        whole sequence gathered first, so k and v cover all of it (S = the full length)."""
         b, l, _ = x_BLD.shape
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
         q_nope, q_rope = self.project_q(x_BLD, positions_BL)
         latent, rope_key = self.project_latent(x_BLD, positions_BL)
+        if gather:  # every context device gathers the latent and expands all of it
+            latent, rope_key = gather_length(latent), gather_length(rope_key)
         kv = project(latent, self.kv_up[...], self.quant)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         h = self.num_heads
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
+        s = latent.shape[1]
         k = jnp.concatenate(
-            [k_nope, jnp.broadcast_to(rope_key[:, :, None], (b, l, h, self.rope))], axis=-1
+            [k_nope, jnp.broadcast_to(rope_key[:, :, None], (b, s, h, self.rope))], axis=-1
         )
         return q, k, v
 
@@ -240,13 +245,16 @@ class LatentAttention(nnx.Module):
         """Training / eval: keys and values expanded per head, the GQA kernels with K = H."""
         del train  # no attention dropout in MLA models
         l = x_BLD.shape[1]
-        q, k, v = self.expanded_qkv(x_BLD, positions_BL)
+        context = isinstance(mask, ContextLayout)  # mesh.context: the sequence split
+        q, k, v = self.expanded_qkv(x_BLD, positions_BL, gather=context)
         # The kernels take one head width for q, k and v: pad the narrower side with zeros
         # (zeros add nothing to q.k, and padded value dims are cut off below).
         width = max(q.shape[-1], self.v_dim)
         q, k, v = (_pad_last(a, width) for a in (q, k, v))
         block = resolve_causal_block(self.causal_block, l) if self.causal_block else 0
-        if block:
+        if context:
+            o = context_attention(q, k, v, mask, scale=self.scale, gathered=True)
+        elif block:
             o = grouped_attention(q, k, v, mask, None, self.scale, block)
         else:
             o = query_chunked_attention(q, k, v, mask, None, self.scale)

@@ -8,9 +8,12 @@ scales. Parameters, optimizer state and everything outside the products stay as 
 
 - int8 (TPU v5e/v5p MXUs; AQT / Qwix `quantization=int8` in MaxText): symmetric, round to
   nearest, [-127, 127]. Backward: the input gradient dy w^T also in int8 (dy and w
-  quantized again along their new contraction dim), the weight gradient x^T dy in the
-  compute dtype, as MaxText's int8 config (AQT `config_v3(fwd_bits=8, dlhs_bits=8,
-  drhs_bits=None)`). AQT rounds dy stochastically; here it rounds to nearest.
+  quantized again along their new contraction dim); the weight gradient x^T dy in the
+  compute dtype. MaxText's int8 (AQT `config_v3(fwd_bits=8, dlhs_bits=8, ...)`) does the
+  same for the forward and the input gradient, and by default (quantization_local_shard_count
+  = the slice count) quantizes the weight gradient to int8 as well; with
+  quantization_local_shard_count=0 it keeps it in bf16, as here. AQT rounds dy
+  stochastically; here it rounds to nearest.
 - fp8 (H100/B200, TPU v7; Transformer Engine's recipe): forward operands float8_e4m3fn
   (max 448), the gradient dy float8_e5m2 (max 57344, wider range for gradients) against
   e4m3 weights for the input gradient; the weight gradient in the compute dtype.

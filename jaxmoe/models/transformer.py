@@ -5,6 +5,7 @@ from flax import nnx
 
 from jaxmoe.models.attention import Attention, RopeScaling, same_segment
 from jaxmoe.models.attention_window import layer_window
+from jaxmoe.models.context_parallel import ContextLayout, context_size
 from jaxmoe.models.ffn import build_ffn
 from jaxmoe.models.kv_cache import (
     CacheSlot,
@@ -177,11 +178,20 @@ class DecoderLM(nnx.Module):
         """
         cfg = self.cfg
         b, l = tokens_BL.shape
+        layout = None
         if cache is None:
-            mask = causal_mask(l, segment_ids_BL)
             if positions_BL is None:
                 positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
             states = None
+            if context_size() > 1:  # mesh.context: the load-balanced split layout
+                layout = ContextLayout.of(l, context_size())
+                tokens_BL, positions_BL = layout.split(tokens_BL), layout.split(positions_BL)
+                token_mask_BL = layout.split(token_mask_BL)
+                # The layout is the mask: each device builds its own rows, documents included.
+                mask = layout.with_segments(segment_ids_BL)
+                segment_ids_BL = None
+            else:
+                mask = causal_mask(l, segment_ids_BL)
         else:
             check_matches_stack(cache.layers, self.layers, "DecoderLM")
             mask, cache_positions_BL = decoder_mask(cache, l)
@@ -209,6 +219,8 @@ class DecoderLM(nnx.Module):
         x_BLD, aux, states = run_stack(
             self.layers, x_BLD, apply, cfg.remat, name=lambda i: i, states=states
         )
+        if layout is not None:
+            x_BLD = constrain_batch(layout.merge(x_BLD))
         if last_only:
             x_BLD = x_BLD[:, -1:]
         out = self.output_hidden(x_BLD, train) if not head else self.logits(x_BLD, train)

@@ -1,4 +1,4 @@
-"""The device mesh: four named axes over the devices, slice-aware.
+"""The device mesh: five named axes over the devices, slice-aware.
 
 The one mesh builder: training, evaluation, decoding, analysis and the ahead-of-time compile
 check all call `make_mesh`, so the preflight checks the layout that training runs.
@@ -15,12 +15,13 @@ from jax.sharding import AxisType, Mesh
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.options import MeshOptions
 
-MESH_AXES = ("data", "fsdp", "tensor", "expert")
+MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
 def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Sizes of the four mesh axes; one axis may be -1 and takes the remaining devices."""
-    sizes = {axis: int(mesh_cfg[axis]) for axis in MESH_AXES}
+    """Sizes of the mesh axes; one axis may be -1 and takes the remaining devices (a mapping
+    without "context", from before that axis, gives it size 1)."""
+    sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES}
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ConfigError(f"mesh: only one axis may be -1, got {fill}")
@@ -37,7 +38,7 @@ def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
         sizes[fill[0]] = num_devices // fixed
     elif fixed != num_devices:
         raise ConfigError(
-            f"mesh: data*fsdp*tensor*expert = {fixed} but there are {num_devices} devices "
+            f"mesh: data*fsdp*context*tensor*expert = {fixed} but there are {num_devices} devices "
             f"({sizes}); set one axis to -1 to take the remaining devices"
         )
     return sizes
@@ -84,7 +85,7 @@ def dcn_shape(mesh_cfg: Mapping[str, int], sizes: Mapping[str, int], num_slices:
 
 
 def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """The 4-axis mesh (data, fsdp, tensor, expert) over `devices` (default: all devices).
+    """The 5-axis mesh (data, fsdp, context, tensor, expert) over `devices` (default: all devices).
 
     The one mesh builder: training, evaluation, decoding and the ahead-of-time compile check
     all call it, so the preflight checks the layout that training runs. On TPU the axes

@@ -18,12 +18,16 @@ from jaxmoe.errors import ConfigError
 # does not split weights along it, so expert-parallel devices also share the dense layers' work.
 DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp", "expert"),
-    "length": (),
+    # The context axis splits each sequence (models/context_parallel.py); its devices hold
+    # the same rows of the batch.
+    "length": ("context",),
     "vocab": ("tensor",),
     # The expert axis splits the batch too, so it also shards dense weights (ZeRO-3 over
     # fsdp x expert): each chip stores 1 / (fsdp * expert) of them, not 1 / fsdp. Expert
-    # weights already use it for their expert dim, so their embed dim stays on fsdp.
-    "embed": ("fsdp", "expert"),
+    # weights already use it for their expert dim, so their embed dim stays on fsdp. The
+    # context axis shards them as well (its devices hold one sequence's chunks: ZeRO-3 over
+    # fsdp x context x expert, as MaxText shards weights over its context axis).
+    "embed": ("fsdp", "context", "expert"),
     "mlp": ("tensor",),
     "heads": ("tensor",),
     "kv_heads": ("tensor",),
@@ -121,7 +125,8 @@ def strict_param_check(spec, mesh: Mesh, rules=DEFAULT_RULES) -> None:
 
 
 def constrain_batch(x):
-    """Pin an activation's dim 0 to the batch axes of the current mesh (no-op without one).
+    """Pin an activation's dim 0 to the batch axes of the current mesh (no-op without one),
+    and a [B, L, ...] activation's dim 1 to the context axis (`length`).
 
     Without it, under FSDP XLA may shard activations along `embed` like the weights, and
     every device then holds the whole batch's activations.
@@ -130,4 +135,6 @@ def constrain_batch(x):
     if mesh.empty or mesh.size == 1:
         return x
     names = ("batch",) + (None,) * (x.ndim - 1)
+    if x.ndim >= 3:
+        names = ("batch", "length") + (None,) * (x.ndim - 2)
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, x.shape, dict(mesh.shape)))

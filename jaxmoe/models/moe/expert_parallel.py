@@ -40,7 +40,7 @@ from jaxmoe.models.quantization import NONE, Quantization
 
 BATCH_AXES = ("data", "fsdp", "expert")
 EXPERT_AXIS = "expert"
-LENGTH_AXIS = "tensor"
+LENGTH_AXES = ("context", "tensor")
 EXCHANGES = ("auto", "ragged", "padded")
 
 
@@ -60,10 +60,11 @@ def _layout(mesh, x_shape, num_experts: int) -> tuple[P, int]:
     """(sharding of [B, L, ...] token arrays inside shard_map, expert-parallel size).
 
     Like the rules table, an axis that does not divide its dim is left out: the batch takes
-    the axes of BATCH_AXES whose running product divides B, the length takes "tensor" if
-    it divides L. Tokens are then repeated on the devices of a left-out axis, which is
-    correct (forward and gradients) but not parallel; a small decode batch hits this. Expert
-    parallelism needs the expert axis to split both the tokens and the experts.
+    the axes of BATCH_AXES whose running product divides B, the length takes "context" (the
+    sequence split, context_parallel.py) and "tensor" while they divide L. Tokens are then
+    repeated on the devices of a left-out axis, which is correct (forward and gradients) but
+    not parallel; a small decode batch hits this. Expert parallelism needs the expert axis to
+    split both the tokens and the experts.
     """
     batch, length = x_shape[:2]
     batch_axes, split = [], 1
@@ -72,8 +73,13 @@ def _layout(mesh, x_shape, num_experts: int) -> tuple[P, int]:
         if size > 1 and batch % (split * size) == 0:
             batch_axes.append(axis)
             split *= size
-    tensor = _size(mesh, LENGTH_AXIS)
-    length_axis = LENGTH_AXIS if tensor > 1 and length % tensor == 0 else None
+    length_axes, split = [], 1
+    for axis in LENGTH_AXES:
+        size = _size(mesh, axis)
+        if size > 1 and length % (split * size) == 0:
+            length_axes.append(axis)
+            split *= size
+    length_axis = tuple(length_axes) if len(length_axes) > 1 else (length_axes or [None])[0]
     ep = _size(mesh, EXPERT_AXIS)
     if EXPERT_AXIS not in batch_axes or num_experts % ep:
         ep = 1

@@ -1,0 +1,186 @@
+"""`mesh.context`: each sequence split over the context axis, attention over all of it.
+
+Layout. With N devices on the axis, a sequence of L tokens is cut into 2N chunks of
+L / 2N and device i holds chunks i and 2N - 1 - i (an early and a late one), so under a
+causal mask every device has the same number of (query, earlier key) pairs. The decoder
+reorders its inputs (tokens, positions, document ids) into this layout once, runs every
+block on the reordered tokens (norms, FFNs and MoE routing do not care about order; rotary
+positions travel with their tokens) and puts the last hidden states back in order before the
+output layer, so the logits, the loss and every gradient are the unsplit model's.
+
+Attention ("all-gather KV"). Each device keeps its own queries and gathers the keys and
+values of the whole sequence over the axis (`all_gather`; its transpose, a reduce-scatter,
+returns their gradients). GQA/MQA gather the K/V heads, never the queries; MLA gathers the
+compressed latent and expands it per device (LatentAttention). The mask is rebuilt on each
+device from the original token indices of its queries and of all keys: causal, the sliding
+window, and same-document for packed rows, so nothing [L, L] is ever materialised outside
+the per-device query pieces.
+"""
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from jaxmoe.parallel.sharding import logical_to_spec
+
+CONTEXT_AXIS = "context"
+
+
+def context_size() -> int:
+    """Devices on the context axis of the current (abstract) mesh; 1 without one."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return 1
+    return int(dict(mesh.shape).get(CONTEXT_AXIS, 1))
+
+
+def load_balanced_order(length: int, parts: int) -> np.ndarray:
+    """order[j] = the original index of position j of the split layout: device i's slice
+    [i * L / N, (i + 1) * L / N) holds chunks i and 2N - 1 - i of the 2N chunks."""
+    if length % (2 * parts):
+        raise ValueError(
+            f"mesh.context={parts}: the sequence length {length} must be a multiple of "
+            f"2 x mesh.context = {2 * parts} (an early and a late chunk per device)"
+        )
+    chunks = np.arange(length).reshape(2 * parts, length // (2 * parts))
+    return np.concatenate([np.concatenate([chunks[i], chunks[-1 - i]]) for i in range(parts)])
+
+
+@dataclass(frozen=True, eq=False)
+class ContextLayout:
+    """The decoder's sequence in the split layout: `order` (static) and, for packed rows,
+    the document ids [B, L] already reordered. Passed to self-attention as its mask: the
+    mask is described, not built (each device builds its own rows)."""
+
+    order: np.ndarray
+    parts: int
+    segment_ids_BL: jax.Array | None = None
+
+    @classmethod
+    def of(cls, length: int, parts: int) -> "ContextLayout":
+        return cls(load_balanced_order(length, parts), parts)
+
+    def split(self, a_BL):
+        """[B, L, ...] in sequence order -> the split layout (None stays None)."""
+        return None if a_BL is None else jnp.take(a_BL, jnp.asarray(self.order), axis=1)
+
+    def merge(self, a_BL):
+        """The split layout -> sequence order."""
+        return jnp.take(a_BL, jnp.asarray(np.argsort(self.order)), axis=1)
+
+    def with_segments(self, segment_ids_BL) -> "ContextLayout":
+        """This layout with packed rows' document ids (in sequence order; None: one
+        document per row)."""
+        return ContextLayout(self.order, self.parts, self.split(segment_ids_BL))
+
+
+def _spec(names, shape) -> P:
+    mesh = jax.sharding.get_abstract_mesh()
+    return logical_to_spec(names, shape, dict(mesh.shape))
+
+
+def _heads_axis(num_heads: int, num_kv_heads: int):
+    """The tensor axis for the heads if it splits both query and K/V heads evenly (so a
+    device's query heads read its own K/V heads), else None (heads whole per device)."""
+    spec = _spec(("heads",), (num_heads * num_kv_heads,))[0]
+    if spec is None:
+        return None
+    size = dict(jax.sharding.get_abstract_mesh().shape)[spec]
+    return spec if num_heads % size == 0 and num_kv_heads % size == 0 else None
+
+
+def context_attention(
+    q_BLHd, k_BSKd, v_BSKd, layout: ContextLayout, *, scale, window=0, sinks_H=None, gathered=False
+):
+    """softmax(q k^T) v per device: its queries against the whole sequence's keys/values.
+
+    q/k/v are in the split layout with their length sharded over the context axis, unless
+    `gathered` (MLA: k/v already built from the gathered latent, whole on every device).
+    """
+    b, length, h, _ = q_BLHd.shape
+    kv_heads = k_BSKd.shape[2]
+    heads = _heads_axis(h, kv_heads)
+    batch = _spec(("batch",), (b,))[0]
+    q_spec = P(batch, CONTEXT_AXIS, heads, None)
+    kv_spec = P(batch, None if gathered else CONTEXT_AXIS, heads, None)
+    segments = layout.segment_ids_BL
+    order = jnp.asarray(layout.order, jnp.int32)
+    local = length // layout.parts
+
+    # Optional inputs travel in a dict (an absent one is no argument at all).
+    extra = {}
+    extra_specs = {}
+    if segments is not None:
+        extra["seg_q"], extra_specs["seg_q"] = segments, P(batch, CONTEXT_AXIS)
+        extra["seg_k"], extra_specs["seg_k"] = segments, P(batch, None)
+    if sinks_H is not None:
+        extra["sinks"], extra_specs["sinks"] = sinks_H, P(heads)
+
+    def per_device(q, k, v, extra):
+        if not gathered:
+            k = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
+            v = jax.lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
+        index = jax.lax.axis_index(CONTEXT_AXIS)
+        q_at_L = jax.lax.dynamic_slice_in_dim(order, index * local, local)
+        seg_q = extra.get("seg_q")
+        return _pieces_attention(
+            q, k, v, q_at_L, order, seg_q, extra.get("seg_k"), scale, window, extra.get("sinks")
+        )
+
+    return jax.shard_map(
+        per_device,
+        in_specs=(q_spec, kv_spec, kv_spec, extra_specs),
+        out_specs=q_spec,
+    )(q_BLHd, k_BSKd, v_BSKd, extra)
+
+
+# Bytes of f32 scores one query piece may hold per sequence: at 65,536 keys and 32 heads a
+# piece of 256 queries would hold 2 GiB of scores (and as much of probabilities).
+PIECE_SCORE_BYTES = 256 * 2**20
+
+
+def piece_queries(local: int, heads: int, keys: int) -> int:
+    """Queries per rematerialised piece: at most QUERY_CHUNK, within PIECE_SCORE_BYTES of
+    scores, dividing the device's `local` queries."""
+    from jaxmoe.models.attention import QUERY_CHUNK  # attention imports this module
+
+    most = max(1, min(QUERY_CHUNK, PIECE_SCORE_BYTES // (4 * heads * keys)))
+    return max(c for c in range(1, min(most, local) + 1) if local % c == 0)
+
+
+def _pieces_attention(q, k, v, q_at_L, k_at_S, seg_q, seg_k, scale, window, sinks):
+    """One device's queries in rematerialised pieces (attention.query_chunked_attention's
+    arithmetic), each piece's mask built from the original indices inside the loop."""
+    from jaxmoe.models.attention import grouped_attention
+
+    attend = jax.checkpoint(grouped_attention, static_argnums=(5, 6))
+    b, local, h, d = q.shape
+    chunk = piece_queries(local, h, k.shape[1])
+    pieces = local // chunk
+
+    def piece(xs):
+        q_C, at_C, seg_C = xs
+        allowed_CS = k_at_S[None, :] <= at_C[:, None]
+        if window:
+            allowed_CS &= k_at_S[None, :] > at_C[:, None] - window
+        mask = allowed_CS[None]
+        if seg_C is not None:
+            mask = mask & (seg_C[:, :, None] == seg_k[:, None, :])
+        return attend(q_C, k, v, mask, None, scale, 0, None, sinks)
+
+    def by_piece(a_BL):  # [B, L, ...] -> [pieces, B, chunk, ...]
+        return jnp.moveaxis(a_BL.reshape(b, pieces, chunk, *a_BL.shape[2:]), 1, 0)
+
+    seg_P = None if seg_q is None else by_piece(seg_q)
+    out = jax.lax.map(piece, (by_piece(q), q_at_L.reshape(pieces, chunk), seg_P))
+    return jnp.moveaxis(out, 0, 1).reshape(b, local, h, d)
+
+
+def gather_length(x_BL):
+    """x [B, L, ...] whole along the sequence on every context device (batch still split):
+    what MLA gathers, its compressed latent."""
+    names = ("batch",) + (None,) * (x_BL.ndim - 1)
+    return jax.lax.with_sharding_constraint(x_BL, _spec(names, x_BL.shape))
