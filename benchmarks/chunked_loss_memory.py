@@ -18,8 +18,7 @@ import jax
 
 from benchmarks.results import add_json_flag, markdown_table, publish
 from jaxmoe.aot.compile_check import jitted_train_step
-from jaxmoe.config.loading import apply_overrides, load_config
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import load_config
 from jaxmoe.parallel.mesh import make_mesh
 
 # A mid-size dense decoder whose output layer dominates: logits f32 [8, 1024, 32768] = 1 GiB.
@@ -64,9 +63,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     rows = []
     for chunk in args.chunks:
-        config = load_config("configs/default.py")
-        apply_overrides(config, [*MODEL, *args.set, f"train.loss_chunk={chunk}"])
-        validate(config)
+        config = load_config("configs/default.py", [*MODEL, *args.set, f"train.loss_chunk={chunk}"])
         t, m = config.train, config.model
         rows.append(
             {

@@ -37,8 +37,8 @@ ARCHS = {"lm": "decoder", "t5": "encoder_decoder"}
 def mean_wait_s(config, steps: int, step_s: float) -> float:
     """Mean seconds per step spent in next(batches), after the warm-up steps."""
     batches = build_data(config).train
-    workers = int(config.data.workers)
-    for _ in range(3 + workers * max(int(config.data.prefetch), 1)):
+    workers = config.data.workers
+    for _ in range(3 + workers * max(config.data.prefetch, 1)):
         next(batches)
         time.sleep(step_s)
     waited = 0.0
@@ -95,16 +95,17 @@ def main(argv=None) -> list[dict]:
     objectives = args.objectives or [
         "t5" if config.model.arch == ARCHS["t5"] else "lm",
     ]
-    depth = int(config.data.prefetch) or 2
+    depth = config.data.prefetch or 2
     runs = [(o, p, w) for o in objectives for p, w in settings(depth, args.workers)]
     waits = {run: [] for run in runs}
     for _ in range(args.repeats):  # rounds interleave the settings: load drifts alike
         for objective, prefetch, workers in runs:
-            with config.unlocked():
-                config.model.arch = ARCHS[objective]
-                config.data.prefetch, config.data.workers = prefetch, workers
+            run = config.replace(
+                model=config.model.replace(arch=ARCHS[objective]),
+                data=config.data.replace(prefetch=prefetch, workers=workers),
+            )
             waits[objective, prefetch, workers].append(
-                mean_wait_s(config, args.steps, args.step_ms / 1e3)
+                mean_wait_s(run, args.steps, args.step_ms / 1e3)
             )
     rows = []
     for (objective, prefetch, workers), measured in waits.items():
@@ -145,8 +146,8 @@ def main(argv=None) -> list[dict]:
         "step_ms": args.step_ms,
         "steps": args.steps,
         "repeats": args.repeats,
-        "batch_size": int(config.train.batch_size),
-        "seq_len": int(config.train.seq_len),
+        "batch_size": config.train.batch_size,
+        "seq_len": config.train.seq_len,
         "rows": rows,
     }
     publish("data_wait", saved, table, args.json)

@@ -32,12 +32,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from benchmarks.results import add_json_flag, markdown_table, publish
+from jaxmoe.config import typed
 from jaxmoe.config.defaults import base_config
 from jaxmoe.inference.decode import Generator, Sampling, bucket
 from jaxmoe.models import build_model
 from jaxmoe.models.kv_cache import LayerCache, cache_shapes
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 
 KV_HEADS = (64, 32, 16, 8, 4, 2, 1)
 SHORT_CONTEXT = 16
@@ -49,7 +51,7 @@ def model_config(args, kv_heads: int):
     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim = args.num_heads, kv_heads, args.head_dim
     cfg.ffn_dim, cfg.dtype = args.ffn_dim, args.dtype
     cfg.moe.num_experts = 0
-    return cfg
+    return typed({"model": cfg}).model
 
 
 def name_of(kv_heads: int, heads: int) -> str:
@@ -117,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kv_heads", default=",".join(map(str, KV_HEADS)), help="comma-separated G values"
     )
     args = parser.parse_args(argv)
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    mesh = make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
     kv_list = [int(g) for g in args.kv_heads.split(",")]
     for g in kv_list:
         if args.num_heads % g:

@@ -20,11 +20,13 @@ import jax
 from flax import nnx
 
 from benchmarks.results import add_json_flag, markdown_table, publish
+from jaxmoe.config import typed
 from jaxmoe.config.defaults import base_config
 from jaxmoe.inference.decode import Generator, Sampling
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 
 PROMPT_LEN, NEW_TOKENS = 16, 32
 
@@ -35,7 +37,7 @@ def model_config(num_layers: int, scan: bool):
     cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.ffn_dim = 4, 2, 16, 128
     cfg.moe.num_experts = 0
     cfg.scan_layers = scan
-    return cfg
+    return typed({"model": cfg}).model
 
 
 def measure(num_layers: int, scan: bool, rounds: int, mesh) -> dict:
@@ -72,7 +74,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="timed decode rounds")
     add_json_flag(parser)
     args = parser.parse_args(argv)
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    mesh = make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
     rows = [
         measure(int(n), scan, args.rounds, mesh)
         for n in args.layers.split(",")

@@ -15,12 +15,14 @@ import numpy as np
 from flax import nnx
 
 from benchmarks.worker_protocol import emit, imported_frameworks
+from jaxmoe.config import typed
 from jaxmoe.config.defaults import base_config
 from jaxmoe.inference.decode import Generator, Sampling
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.host_memory import retain_freed_host_memory
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.parallel.platforms import skip_absent_tpu
 
 
@@ -38,7 +40,7 @@ def model_config(spec: dict, kv_heads: int, gating: str, attention: str = ""):
     if gating:
         cfg.moe.gating, cfg.moe.ffn_dim = gating, spec["ffn"]
         cfg.moe.threshold = spec.get("threshold", 0.1)
-    return cfg
+    return typed({"model": cfg}).model
 
 
 def seconds(generator, prompts, new_tokens: int) -> float:
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     retain_freed_host_memory()  # as `jaxmoe decode` does on the CPU
     spec = json.loads(args.spec)
     devices = jax.devices()[:1]
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, devices)
+    mesh = make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), devices)
     rng = np.random.default_rng(0)
     for case in json.loads(args.cases):
         cfg = model_config(

@@ -61,8 +61,8 @@ def main(argv=None) -> int:
         runs[exchange]["hlo"] = texts[-1]
 
     m, t, mesh = config.model, config.train, runs["ragged"]["mesh"]
-    slots = {"top1": 1, "top2": 2, "adaptive": 2, "topk": m.moe.top_k}.get(
-        m.moe.gating, m.moe.max_k
+    slots = {"top1": 1, "top2": 2, "adaptive": 2, "topk": m.moe.gate.top_k}.get(
+        m.moe.gate.gating, m.moe.gate.max_k
     )
     ep = mesh["expert"]
     local = m.moe.num_experts // ep

@@ -47,13 +47,11 @@ SHARD_SIZES = {"tiny": "100KB", "200MB": "50MB", "2.5GB": "1GB"}
 
 
 def preset_config(name: str):
-    from jaxmoe.config.loading import apply_overrides, load_config
-    from jaxmoe.config.validation import validate
+    from jaxmoe.config.loading import load_config
 
     vocab, d, heads, kv, head_dim, ffn, layers = PRESETS[name]
-    config = load_config(str(ROOT / "configs" / "default.py"))
-    apply_overrides(
-        config,
+    return load_config(
+        str(ROOT / "configs" / "default.py"),
         [
             *_MIXTRAL,
             f"model.vocab_size={vocab}",
@@ -66,8 +64,6 @@ def preset_config(name: str):
             f"model.num_layers={layers}",
         ],
     )
-    validate(config)
-    return config
 
 
 def make_checkpoint(path: Path, preset: str, seed: int = 0) -> int:

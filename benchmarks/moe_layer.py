@@ -29,9 +29,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from ml_collections import ConfigDict
 
 from benchmarks import moe_layer_fine_grained
 from benchmarks.results import add_json_flag, markdown_table, publish
+from jaxmoe.config import typed
 from jaxmoe.config.loading import load_config
 from jaxmoe.models.moe.layer import MoE
 
@@ -57,14 +59,14 @@ TABLE1 = LayerShape()
 
 def model_config(gating: str, dispatch: str, capacity_factor: float, block_size: int, shape=TABLE1):
     root = Path(__file__).resolve().parents[1]
-    cfg = load_config(str(root / "configs" / "default.py")).model
+    cfg = ConfigDict(load_config(str(root / "configs" / "default.py")).model.to_dict())
     cfg.d_model = shape.d_model
     cfg.activation = "silu"
     moe = cfg.moe
     moe.num_experts, moe.ffn_dim, moe.gating, moe.threshold = shape.experts, shape.ffn, gating, 0.1
     moe.gap_normalization, moe.capacity_factor, moe.jitter = "top2", capacity_factor, 0.0
     moe.dispatch, moe.block_size = dispatch, block_size
-    return cfg
+    return typed({"model": cfg}).model
 
 
 def forced_inputs(share: float, seed: int = 0, shape=TABLE1):
@@ -84,7 +86,7 @@ def forced_inputs(share: float, seed: int = 0, shape=TABLE1):
 
 def make_layer(cfg, shape=TABLE1):
     """(jitted fwd+bwd step, params): the router is the identity on the first E features."""
-    model = MoE(cfg, rngs=nnx.Rngs(0))
+    model = MoE.of_model(cfg, rngs=nnx.Rngs(0))
     router = np.zeros((shape.d_model, shape.experts), np.float32)
     router[: shape.experts] = np.eye(shape.experts)
     model.router[...] = jnp.asarray(router)

@@ -23,12 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from ml_collections import ConfigDict
 
+from jaxmoe.config import typed
 from jaxmoe.config.loading import load_config
 from jaxmoe.models.layers import GatedMLP
 from jaxmoe.models.moe.gates import num_slots
 from jaxmoe.models.moe.grouping import grouping_summary
-from jaxmoe.models.moe.layer import MoE, gate_config
+from jaxmoe.models.moe.layer import MoE
 
 BATCH, LENGTH, D_MODEL, TOP_K = 16, 256, 512, 8
 LAYERS = ((64, 256), (128, 128))  # (experts, expert FFN width)
@@ -36,13 +38,13 @@ LAYERS = ((64, 256), (128, 128))  # (experts, expert FFN width)
 
 def moe_config(experts: int, ffn: int, dispatch: str):
     root = Path(__file__).resolve().parents[1]
-    cfg = load_config(str(root / "configs" / "default.py")).model
+    cfg = ConfigDict(load_config(str(root / "configs" / "default.py")).model.to_dict())
     cfg.d_model, cfg.activation = D_MODEL, "silu"
     moe = cfg.moe
     moe.num_experts, moe.ffn_dim, moe.gating, moe.top_k = experts, ffn, "topk", TOP_K
     moe.renormalize, moe.capacity_factor, moe.jitter, moe.dispatch = True, 0.0, 0.0, dispatch
     moe.z_loss_weight = 0.0
-    return cfg
+    return typed({"model": cfg}).model
 
 
 def fwd_bwd(module, cotangent):
@@ -92,13 +94,13 @@ def run(rounds: int, dispatch: str) -> dict:
     variants, baseline_of, layers = {}, {}, []
     for experts, ffn in LAYERS:
         cfg = moe_config(experts, ffn, dispatch)
-        layer = MoE(cfg, rngs=nnx.Rngs(0))
+        layer = MoE.of_model(cfg, rngs=nnx.Rngs(0))
         dense = GatedMLP(D_MODEL, TOP_K * ffn, "silu", rngs=nnx.Rngs(0))
         name, base = f"moe_e{experts}_f{ffn}", f"dense_f{TOP_K * ffn}"
         variants[name] = (*fwd_bwd(layer, cotangent), x)
         variants[base] = (*fwd_bwd(dense, cotangent), x)
         baseline_of[name] = base
-        slots = num_slots(gate_config(cfg.moe, cfg.moe.gating))
+        slots = num_slots(cfg.moe.gate)
         summary = grouping_summary(
             layer.impl,
             tokens=BATCH * LENGTH,

@@ -15,8 +15,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from benchmarks.worker_protocol import serve
-from jaxmoe.config.loading import apply_overrides, load_config
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import load_config
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.host_memory import retain_freed_host_memory
@@ -45,13 +44,8 @@ FINE_GRAINED = [
 
 def variant_config(variant: str, overrides: list[str]):
     if variant == "fine_grained":
-        config = load_config(str(CONFIG))
-        overrides = [*FINE_GRAINED, *overrides]
-    else:
-        config = load_config(f"{CONFIG}:{variant}")
-    apply_overrides(config, overrides)
-    validate(config)
-    return config
+        return load_config(str(CONFIG), [*FINE_GRAINED, *overrides])
+    return load_config(f"{CONFIG}:{variant}", overrides)
 
 
 def peer_spec(config) -> dict:
@@ -70,8 +64,8 @@ def peer_spec(config) -> dict:
         "rope_theta": m.rope_theta,
         "num_experts": moe.num_experts,
         "moe_ffn_dim": moe.ffn_dim,
-        "top_k": moe.top_k,
-        "renormalize": moe.renormalize,
+        "top_k": moe.gate.top_k,
+        "renormalize": moe.gate.renormalize,
         "qk_norm": m.qk_norm,
         "balance_loss_weight": moe.balance_loss_weight,
         "batch_size": t.batch_size,
@@ -95,7 +89,7 @@ class JaxRunner:
         optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
         _, shardings = state_shardings(mesh, spec, optimizer)
         self.state = init_state(config.model, seed, optimizer, shardings, mesh)
-        fns = step_fns(config, spec, optimizer, schedule)
+        fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule)
         replicated = NamedSharding(mesh, PartitionSpec())
         self.step_fn = jax.jit(
             functools.partial(train_step, fns=fns),
@@ -152,13 +146,15 @@ def _token_batches(config, count: int, seed: int, sharding) -> list[dict]:
 def flops_per_step(config, top2_fraction: float | None) -> float:
     """Model FLOPs per step; adaptive counted at its measured top-2 share."""
     t = config.train
-    if config.model.moe.num_experts == 0 or config.model.moe.gating != "adaptive":
+    if config.model.moe.num_experts == 0 or config.model.moe.gate.gating != "adaptive":
         return train_flops_per_step(config.model, t.batch_size, t.seq_len)
-    model = config.model.copy_and_resolve_references()
-    model.moe.gating = "top1"
-    one = train_flops_per_step(model, t.batch_size, t.seq_len)
-    model.moe.gating = "top2"
-    two = train_flops_per_step(model, t.batch_size, t.seq_len)
+    model = config.model
+    one = train_flops_per_step(
+        model.replace(moe=model.moe.replace(gating="top1")), t.batch_size, t.seq_len
+    )
+    two = train_flops_per_step(
+        model.replace(moe=model.moe.replace(gating="top2")), t.batch_size, t.seq_len
+    )
     share = 1.0 if top2_fraction is None else top2_fraction
     return one + share * (two - one)
 

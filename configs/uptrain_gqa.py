@@ -52,17 +52,17 @@ def source_schedule(config: ConfigDict) -> tuple[int, int]:
     """(step the checkpoint's run stopped at, length of its schedule) from its config."""
     source = config.get("source")
     if source is not None and not config.train.init_from:  # converted from elsewhere
-        return int(source.step), int(source.step)
+        return source.step, source.step
     o = config.optimizer
-    stopped = int(o.get("start_step", 0)) + int(config.train.steps)
-    return stopped, int(o.get("schedule_steps", 0)) or stopped
+    stopped = o.start_step + config.train.steps
+    return stopped, o.schedule_steps or stopped
 
 
 def get_config(variant: str | None = None) -> ConfigDict:
     if variant:
-        from jaxmoe.checkpoints.manager import read_config
+        from jaxmoe.config.stored import stored_config_dict
 
-        config = read_config(variant)  # the converted model and its original recipe
+        config = stored_config_dict(variant)  # the converted model and its original recipe
         original_steps, schedule_steps = source_schedule(config)
         if "source" in config:
             del config["source"]  # describes the checkpoint, not this run

@@ -94,7 +94,7 @@ def data_config(data: list[str]):
 def optimizer_recipe(config, steps: int) -> dict:
     """jaxmoe's AdamW recipe of `config` (what uptraining runs), warmup 10% of `steps`."""
     keys = ("learning_rate", "b1", "b2", "eps", "weight_decay", "min_lr_ratio", "grad_clip_norm")
-    return {**{k: float(config.optimizer[k]) for k in keys}, "warmup_steps": warmup(steps)}
+    return {**{k: getattr(config.optimizer, k) for k in keys}, "warmup_steps": warmup(steps)}
 
 
 def warmup(steps: int) -> int:
@@ -155,7 +155,7 @@ def schedule(args) -> list[str]:
 def uptrain(args, converted: Path, name: str, seed: int) -> dict:
     """Step 4-5 for one gate and seed: train from the converted checkpoint, then evaluate
     with the gate it was trained with."""
-    from jaxmoe.checkpoints.restore import checkpoint_config
+    from jaxmoe.inference.trained_model import checkpoint_config
     from jaxmoe.training.loop import train
 
     workdir = Path(args.out) / "runs" / f"{name}_seed{seed}"

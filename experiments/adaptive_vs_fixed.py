@@ -38,7 +38,6 @@ ablations can be added to a finished benchmark.
 """
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -50,8 +49,8 @@ import numpy as np
 
 from benchmarks.results import add_json_flag, write_json
 from jaxmoe.config.loading import load_config
-from jaxmoe.models.ffn import is_moe_layer
 from jaxmoe.models.flops import ffn_macs_per_token, train_flops_per_step
+from jaxmoe.models.layer_kinds import is_moe_layer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,7 +154,8 @@ def variant_config(name: str, args, seed: int):
     config = load_config(str(ROOT / "configs" / "default.py"), [*overrides, *args.set])
     width = DENSE_WIDTH.get((args.setting, name))
     if width:
-        config.model.ffn_dim = width * config.model.moe.ffn_dim
+        model = config.model
+        config = config.replace(model=model.replace(ffn_dim=width * model.moe.ffn_dim))
     return config
 
 
@@ -190,11 +190,10 @@ def clean_step_times(times_S: np.ndarray, noisy_S: np.ndarray) -> np.ndarray:
 
 def step_flops(model_cfg, batch_size: int, seq_len: int, top2_share_S) -> np.ndarray:
     """Training FLOPs of each step; adaptive / top-p counted at their measured top-2 share."""
-    gating = model_cfg.moe.gating if model_cfg.moe.num_experts else "dense"
+    gating = model_cfg.moe.gate.gating if model_cfg.moe.num_experts else "dense"
     if gating not in ("adaptive", "top_p"):
         return np.full(len(top2_share_S), train_flops_per_step(model_cfg, batch_size, seq_len))
-    one, two = copy.deepcopy(model_cfg), copy.deepcopy(model_cfg)
-    one.moe.gating, two.moe.gating = "top1", "top2"
+    one, two = (model_cfg.replace(moe=model_cfg.moe.replace(gating=g)) for g in ("top1", "top2"))
     f1 = train_flops_per_step(one, batch_size, seq_len)
     f2 = train_flops_per_step(two, batch_size, seq_len)
     return f1 + np.asarray(top2_share_S, float) * (f2 - f1)
@@ -262,10 +261,10 @@ def run_variant(name: str, args, seed: int, workdir: Path) -> dict | None:
         "seed": seed,
         "steps": config.train.steps,
         "overrides": args.set,
-        "gating": moe.gating if moe.num_experts else "dense",
-        "eval_gating": (moe.eval_gating or moe.gating) if moe.num_experts else "dense",
+        "gating": moe.gate.gating if moe.num_experts else "dense",
+        "eval_gating": (moe.eval_gating or moe.gate.gating) if moe.num_experts else "dense",
         "curriculum": config.data.curriculum,
-        "threshold": float(moe.threshold) if moe.gating == "adaptive" else None,
+        "threshold": moe.gate.threshold if moe.gate.gating == "adaptive" else None,
         "final_eval_loss": final["loss"],
         "final_eval_perplexity": final["perplexity"],
         "top2_share": None if not moe.num_experts else float(np.mean(share_S)),
@@ -574,12 +573,11 @@ def main(argv=None) -> int:
             "jax_compilation_cache_dir", args.compile_cache or str(runs / "jax_cache")
         )
     config = variant_config(REFERENCE, args, args.seeds[0])  # the settings every variant shares
-    config.model.vocab_size = config.data.vocab_size  # the trained tokenizer's size
-    m, t = config.model, config.train
+    m = config.model.replace(vocab_size=config.data.vocab_size)  # the trained tokenizer's size
+    t = config.train
     shares = {}
     for gating in ("top1", "top2"):
-        one = copy.deepcopy(m)
-        one.moe.gating = gating
+        one = m.replace(moe=m.moe.replace(gating=gating))
         shares[gating] = moe_flops_share(one, t.batch_size, t.seq_len)
     print(
         f"MoE FFN share of a training step's FLOPs: top-1 {shares['top1']:.1%}, "

@@ -90,10 +90,9 @@ def run_policy(policy: str, args, overrides: list[str], counter: CompileCounter)
             "train.log_every=1",
             "train.eval_every=0",
             "train.checkpoint_every=0",
+            f"data.curriculum_source={args.source}",
         ],
     )
-    with config.unlocked():  # works before and after the key joins the default config
-        config.data.curriculum_source = args.source
     counter.counts.clear()
     load_before = os.getloadavg()[0]
     start = time.perf_counter()

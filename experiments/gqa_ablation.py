@@ -58,8 +58,7 @@ def mha_config(args, cache_dir: str):
             f"data.cache_dir={cache_dir}",
         ],
     )
-    validate(config)
-    return config
+    return validate(config)
 
 
 def uptrain_config(checkpoint: str, alpha: float):
@@ -69,8 +68,7 @@ def uptrain_config(checkpoint: str, alpha: float):
     config = module.get_config(checkpoint)
     config.uptrain.alpha = alpha
     module.finalize(config)
-    validate(config)
-    return config
+    return validate(config)
 
 
 def score(checkpoint: str) -> dict:
@@ -108,7 +106,7 @@ def run(args) -> dict:
     return {
         "setup": {
             "model": base.model.to_dict(),
-            "train": {k: base.train[k] for k in ("steps", "batch_size", "seq_len")},
+            "train": {k: getattr(base.train, k) for k in ("steps", "batch_size", "seq_len")},
             "optimizer": base.optimizer.to_dict(),
             "alphas": args.alphas,
             "uptrain_steps": {str(a): max(1, round(a * args.steps)) for a in args.alphas},

@@ -8,7 +8,6 @@ variant's per-step time, and its ratio to a reference, is what load changes leas
 An adaptive model is timed at the routing its trained router makes on these batches.
 """
 
-import copy
 import os
 import time
 
@@ -21,7 +20,6 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jax.sharding import NamedSharding
 
     from jaxmoe.checkpoints.manager import restore_params
-    from jaxmoe.config.validation import resolve_vocab_size
     from jaxmoe.data.pipeline import build_data
     from jaxmoe.models.spec import model_spec
     from jaxmoe.models.stack import layer_layouts
@@ -34,12 +32,10 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jaxmoe.training.steps import jit_train_step, step_fns
 
     mesh = make_mesh(config.mesh)
-    config = copy.deepcopy(config)
-    with config.unlocked():
-        config.data.curriculum = "none"  # the batches only need to be real text
-        config.data.prefetch = 0
+    # The batches only need to be real text.
+    config = config.replace(data=config.data.replace(curriculum="none", prefetch=0))
     data = build_data(config, 0, 1, barrier)
-    resolve_vocab_size(config, data.vocab_size)
+    config = config.replace(model=config.model.with_vocab(data.vocab_size))
     spec = model_spec(config.model, mesh)
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
@@ -53,7 +49,7 @@ def _prepare(config, checkpoint: str, num_batches: int):
     batches = [to_global(next(data.train), batch_shardings) for _ in range(num_batches)]
     if hasattr(data.train, "close"):
         data.train.close()
-    fns = step_fns(config, spec, optimizer, schedule)
+    fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule)
     step = jit_train_step(fns, shardings, batch_shardings)
     with jax.set_mesh(mesh):
         compiled = step.lower(state, batches[0]).compile()

@@ -104,17 +104,16 @@ class Variant:
     def __init__(self, name: str, config, mesh, data, args):
         import jax
 
-        from jaxmoe.config.validation import resolve_vocab_size
         from jaxmoe.models.spec import model_spec
         from jaxmoe.training.loop import Evaluator
         from jaxmoe.training.optimizer import make_optimizer
         from jaxmoe.training.state import state_shardings
         from jaxmoe.training.steps import jit_train_step, step_fns
 
-        resolve_vocab_size(config, data.vocab_size)
+        config = config.replace(model=config.model.with_vocab(data.vocab_size))
         self.name, self.config, self.mesh = name, config, mesh
         moe = config.model.moe
-        self.gating = moe.gating if moe.num_experts else "dense"
+        self.gating = moe.gate.gating if moe.num_experts else "dense"
         spec = model_spec(config.model, mesh)
         self.optimizer, schedule = make_optimizer(
             config.optimizer, config.train.steps, spec.param_axes
@@ -134,7 +133,7 @@ class Variant:
             self.concentration = self._concentration_fn(mesh, params)
         # One program for every seed: the seed in StepFns only keys router jitter and
         # dropout, both off here.
-        fns = step_fns(config, spec, self.optimizer, schedule)
+        fns = step_fns(config.train, config.optimizer, config.model, spec, self.optimizer, schedule)
         self.step = jit_train_step(fns, self.shardings, data.batch_shardings)
         self.compiled = None
         self.state = None

@@ -5,8 +5,7 @@ import contextlib
 import jax
 import numpy as np
 
-from jaxmoe.config.loading import apply_overrides, load_config
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import load_config
 
 CONFIG = "configs/default.py"
 # A tiny T5 v1.1-style encoder-decoder (dense, relative position buckets): tiny_config(*TINY_T5)
@@ -21,10 +20,9 @@ TINY_T5 = (
 
 
 def tiny_config(*overrides: str, variant: str = ""):
-    """The default config shrunk to compile and run in seconds."""
-    config = load_config(CONFIG + (f":{variant}" if variant else ""))
-    apply_overrides(
-        config,
+    """The default config shrunk to compile and run in seconds (a typed JobConfig)."""
+    return load_config(
+        CONFIG + (f":{variant}" if variant else ""),
         [
             "model.vocab_size=128",
             "model.num_layers=2",
@@ -43,8 +41,6 @@ def tiny_config(*overrides: str, variant: str = ""):
             *overrides,
         ],
     )
-    validate(config)
-    return config
 
 
 def synthetic_batches(config, n: int, seed: int = 0) -> list[dict]:
@@ -103,8 +99,6 @@ def abstract_param_count(config) -> int:
     from jaxmoe.models.spec import model_spec
     from jaxmoe.parallel.mesh import make_mesh
 
-    mesh_config = config.mesh.copy_and_resolve_references()
-    mesh_config.expert = 1
-    mesh = make_mesh(mesh_config, devices=jax.devices()[:1])
+    mesh = make_mesh(config.mesh.replace(expert=1), devices=jax.devices()[:1])
     spec = model_spec(config.model, mesh)
     return sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(spec.abstract_params))

@@ -1,7 +1,6 @@
 """experiments.adaptive_vs_fixed: its arithmetic on hand-computed values, then the whole
 script in --quick mode (five tiny trainings) in a fresh process."""
 
-import copy
 import json
 import os
 import subprocess
@@ -41,8 +40,7 @@ def test_adaptive_flops_follow_the_measured_share():
     m, batch, length = config.model, 8, 16
     fixed = {}
     for gating in ("top1", "top2"):
-        model = copy.deepcopy(m)
-        model.moe.gating = gating
+        model = m.replace(moe=m.moe.replace(gating=gating))
         fixed[gating] = avf.step_flops(model, batch, length, [np.nan])[0]
     # One more expert per token: 3 matmuls D x F_e, x2 FLOPs per MAC, x3 forward + backward.
     extra = 6 * batch * length * m.num_layers * 3 * m.d_model * m.moe.ffn_dim
@@ -55,14 +53,14 @@ def test_paper_model_moe_share_by_hand():
     """The paper setting's model: MoE FFNs are most of a step's FLOPs, by hand."""
     args = avf.parse_args(["--out", "unused"])
     config = avf.variant_config("top1", args, seed=0)
-    config.model.vocab_size = 1024
+    config = config.replace(model=config.model.replace(vocab_size=1024))
     router, expert = 128 * 8, 3 * 128 * 512  # per token per layer: D x E, gated FFN D x F
     attention = 2 * 128 * 128 + 2 * 128 * 64 + 2 * 4 * 32 * 128  # projections, QK^T + PV
     total = 2 * (router + expert + attention) + 128 * 1024  # 2 layers + output layer
     share = avf.moe_flops_share(config.model, 16, 128)
     assert share == pytest.approx(2 * (router + expert) / total)
     assert share > 0.5
-    config.model.moe.gating = "top2"
+    config = config.replace(model=config.model.replace(moe=config.model.moe.replace(gating="top2")))
     total2 = total + 2 * expert
     assert avf.moe_flops_share(config.model, 16, 128) == pytest.approx(
         2 * (router + 2 * expert) / total2
@@ -83,7 +81,7 @@ def test_paper_variants_follow_the_paper():
     assert cfg["dense_x2"].model.ffn_dim == 2 * cfg["top2"].model.moe.ffn_dim
     assert cfg["dense"].model.moe.num_experts == 0
     adaptive = cfg["adaptive_T0.1"]
-    assert adaptive.data.curriculum == "paper" and adaptive.model.moe.threshold == 0.1
+    assert adaptive.data.curriculum == "paper" and adaptive.model.moe.gate.threshold == 0.1
     assert cfg["adaptive_T0.1_no_curriculum"].data.curriculum == "none"
     assert cfg["top2"].data.curriculum == "none"
     assert cfg["top2"].model.moe.balance_fractions == "top1"  # GShard's implementation

@@ -8,8 +8,8 @@ from flax import nnx
 
 import tests.test_moe as test_moe
 from jaxmoe.models.moe import dispatch, gates
-from jaxmoe.models.moe.gates import GateConfig
-from jaxmoe.models.moe.layer import MoE, gate_config
+from jaxmoe.models.moe.gates import GateOptions
+from jaxmoe.models.moe.layer import MoE
 from tests.helpers import tiny_config
 from tests.test_gates import (
     as_token_lists,
@@ -21,7 +21,7 @@ from tests.test_gates import (
 from tests.test_moe import E, L, check_against_reference, layer_and_grads, moe_config, ref_layer
 
 
-def ref_adaptive_k(p: np.ndarray, cfg: GateConfig) -> list[int]:
+def ref_adaptive_k(p: np.ndarray, cfg: GateOptions) -> list[int]:
     """The rule written plainly: the top-1 expert, then the next ranks while unsure."""
     order = sorted(range(len(p)), key=lambda e: (-float(p[e]), e))
     p1 = float(p[order[0]])
@@ -44,7 +44,7 @@ def ref_route(probs, cfg):
 
 
 def route(probs, **options):
-    return gates.route(jnp.asarray(probs, jnp.float32), GateConfig(gating="adaptive_k", **options))
+    return gates.route(jnp.asarray(probs, jnp.float32), GateOptions(gating="adaptive_k", **options))
 
 
 # ---------------------------------------------------------------------------------------
@@ -83,14 +83,14 @@ def test_hand_built_routers():
 
 
 CASES = [
-    GateConfig(gating="adaptive_k", max_k=4, threshold=0.1),
-    GateConfig(gating="adaptive_k", max_k=4, threshold=0.3, renormalize=True),
-    GateConfig(gating="adaptive_k", max_k=3, threshold=0.5, single_weight="one"),
-    GateConfig(gating="adaptive_k", max_k=8, threshold=0.2, gap_normalization="none"),
-    GateConfig(gating="adaptive_k", max_k=8, threshold=0.6, renormalize=True),
-    GateConfig(gating="adaptive_k", max_k=1, threshold=0.9),
-    GateConfig(gating="adaptive_k", max_k=5, threshold=0.0),
-    GateConfig(gating="adaptive_k", max_k=5, threshold=1.0),
+    GateOptions(gating="adaptive_k", max_k=4, threshold=0.1),
+    GateOptions(gating="adaptive_k", max_k=4, threshold=0.3, renormalize=True),
+    GateOptions(gating="adaptive_k", max_k=3, threshold=0.5, single_weight="one"),
+    GateOptions(gating="adaptive_k", max_k=8, threshold=0.2, gap_normalization="none"),
+    GateOptions(gating="adaptive_k", max_k=8, threshold=0.6, renormalize=True),
+    GateOptions(gating="adaptive_k", max_k=1, threshold=0.9),
+    GateOptions(gating="adaptive_k", max_k=5, threshold=0.0),
+    GateOptions(gating="adaptive_k", max_k=5, threshold=1.0),
 ]
 
 
@@ -130,18 +130,18 @@ def test_max_k_2_is_the_adaptive_gate(options):
     probs = np.concatenate(
         [random_probs(seed, temperature=t) for seed, t in ((5, 0.3), (6, 1.0), (7, 3.0))]
     )
-    adaptive = gates.route(probs, GateConfig(gating="adaptive", **options))
-    ours = gates.route(probs, GateConfig(gating="adaptive_k", max_k=2, **options))
+    adaptive = gates.route(probs, GateOptions(gating="adaptive", **options))
+    ours = gates.route(probs, GateOptions(gating="adaptive_k", max_k=2, **options))
     for name, a, b in zip(gates.Routing._fields, adaptive, ours, strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
     # The same token lists as the adaptive gate's own reference loop.
-    want = [ref_choose(p, GateConfig(gating="adaptive", **options)) for p in probs]
+    want = [ref_choose(p, GateOptions(gating="adaptive", **options)) for p in probs]
     assert [[e for e, _ in t] for t in as_token_lists(ours)] == want
 
 
 def test_max_k_equal_to_num_experts():
     probs = random_probs(seed=8, tokens=64, experts=6, temperature=3.0)
-    cfg = GateConfig(gating="adaptive_k", max_k=6, threshold=0.4)
+    cfg = GateOptions(gating="adaptive_k", max_k=6, threshold=0.4)
     got = gates.route(probs, cfg)
     assert got.indices.shape == (64, 6)
     assert_same_routing(as_token_lists(got), ref_route(probs, cfg))
@@ -168,7 +168,7 @@ def test_ties():
 def test_balance_loss_counts_every_chosen_expert():
     """auto for adaptive_k = every kept assignment (as topk and top_p count them)."""
     probs = random_probs(seed=9, tokens=64, temperature=0.6)
-    cfg = GateConfig(gating="adaptive_k", max_k=4, threshold=0.3)
+    cfg = GateOptions(gating="adaptive_k", max_k=4, threshold=0.3)
     counts = np.zeros(8)
     for p in probs:
         for e in ref_adaptive_k(p, cfg):
@@ -189,7 +189,7 @@ def test_padded_tokens():
     probs = np.concatenate([real[:20], pad, real[20:]])
     token_mask = np.arange(64) < 20
     token_mask[36:] = True
-    cfg = GateConfig(gating="adaptive_k", max_k=4, threshold=0.3)
+    cfg = GateOptions(gating="adaptive_k", max_k=4, threshold=0.3)
     routing = gates.route(probs, cfg)
     assert_same_routing(
         [t for t, m in zip(as_token_lists(routing), token_mask, strict=True) if m],
@@ -201,7 +201,7 @@ def test_padded_tokens():
 
     # The layer: top2_fraction (two or more experts) over the real tokens only.
     moe_cfg = moe_config(gating="adaptive_k", max_k=4, threshold=0.3, dispatch="dense")
-    model = MoE(moe_cfg, rngs=nnx.Rngs(0))
+    model = MoE.of_model(moe_cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(1), (2, L, test_moe.D))
     mask_BL = np.ones((2, L), bool)
     mask_BL[1, L // 2 :] = False
@@ -209,7 +209,7 @@ def test_padded_tokens():
     # Routing is per token: the mask changes no real token's output.
     y_unmasked, _ = model(x, train=False)
     np.testing.assert_allclose(np.asarray(y)[mask_BL], np.asarray(y_unmasked)[mask_BL], rtol=1e-6)
-    gate = gate_config(moe_cfg.moe, "adaptive_k")
+    gate = moe_cfg.moe.gate.replace(gating="adaptive_k")
     _, probs_TE = model.route_probs(x, train=False)
     sizes = np.array([len(ref_adaptive_k(p, gate)) for p in np.asarray(probs_TE)])
     want = np.mean(sizes.reshape(2, L)[mask_BL] >= 2)
@@ -264,9 +264,9 @@ def test_layer_takes_one_to_max_k_experts(data):
     """The layer case above really routes tokens to 1, 2, 3 and 4 experts."""
     x, _ = data
     cfg = moe_config(gating="adaptive_k", max_k=4, threshold=0.3)
-    model = MoE(cfg, rngs=nnx.Rngs(0))
+    model = MoE.of_model(cfg, rngs=nnx.Rngs(0))
     _, probs_TE = model.route_probs(x, train=False)
-    gate = gate_config(cfg.moe, "adaptive_k")
+    gate = cfg.moe.gate.replace(gating="adaptive_k")
     assert {len(ref_adaptive_k(p, gate)) for p in np.asarray(probs_TE)} == {1, 2, 3, 4}
 
 
@@ -275,7 +275,7 @@ def test_eval_with_the_original_top_k(data):
     x, r = data
     cfg = moe_config(gating="adaptive_k", max_k=4, top_k=4, threshold=0.3, eval_gating="topk")
     params, y, aux, _, _ = layer_and_grads(cfg, x, r, train=False)
-    want_y, want_aux, _, _ = ref_layer(params, x, r, gate_config(cfg.moe, "topk"))
+    want_y, want_aux, _, _ = ref_layer(params, x, r, cfg.moe.gate.replace(gating="topk"))
     np.testing.assert_allclose(np.asarray(y), want_y, rtol=1e-4, atol=2e-5)
     assert float(aux["top2_fraction"]) == 1.0 == want_aux["top2_fraction"]
     # Training still routes adaptively (same parameters: same seed).
@@ -288,7 +288,7 @@ def test_eval_with_the_original_top_k(data):
         "model.moe.top_k=4",
         "model.moe.eval_gating=topk",
     )
-    assert (config.model.moe.gating, config.model.moe.eval_gating) == ("adaptive_k", "topk")
+    assert (config.model.moe.gate.gating, config.model.moe.eval_gating) == ("adaptive_k", "topk")
 
 
 data = test_moe.data

@@ -13,11 +13,10 @@ from experiments.adaptive_k_curve import evaluate_gate
 
 @pytest.mark.parametrize(("warmup", "total"), [(4, 40), (1, 3), (0, 10)])
 def test_torch_learning_rate_follows_jaxmoe_schedule(warmup, total):
-    from jaxmoe.config.defaults import base_config
+    from jaxmoe.config.schema import JobConfig
     from jaxmoe.training.optimizer import learning_rate_schedule
 
-    opt = base_config().optimizer
-    opt.warmup_steps = warmup
+    opt = JobConfig().optimizer.replace(warmup_steps=warmup)
     schedule = learning_rate_schedule(opt, total)
     want = [float(schedule(step)) for step in range(total + 2)]  # past the end: the floor
     got = [opt.learning_rate * hf.lr_factor(s, warmup, total, opt.min_lr_ratio) for s in

@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config
+from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.cli import main as jaxmoe_main
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.models.moe import gates
 from jaxmoe.models.moe.layer import MoE
@@ -191,8 +192,8 @@ def test_top_p_still_refused_on_biased_routers():
 
 
 def test_gate_threshold_must_be_non_negative():
-    with pytest.raises(ValueError, match=r"model.moe.threshold: got -0.1, expected a number >= 0"):
-        gates.GateConfig(threshold=-0.1)
+    with pytest.raises(ValueError, match=r"model.moe.threshold=-0.1 must be >= 0"):
+        gates.GateOptions(threshold=-0.1)
 
 
 # ---------------------------------------------------------------------------------------
@@ -257,7 +258,7 @@ def test_converted_deepseek_v3_trains_with_adaptive_k(tmp_path, capsys):
     with pytest.raises(CheckpointError, match=refusal) as e:
         export_plan(m)
     assert "\n" not in str(e.value)
-    m.moe.eval_gating = "topk"
+    m = m.replace(moe=m.moe.replace(eval_gating="topk"))
     assert export_plan(m)[0]["num_experts_per_tok"] == 2
     rng = np.random.default_rng(0)
     text.mkdir()

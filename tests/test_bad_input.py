@@ -18,7 +18,7 @@ from flax import nnx
 from safetensors.numpy import save_file
 
 from jaxmoe.checkpoints.manager import CheckpointError, restore_params, save_params
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.conversions.hf.importer import abstract_params, convert_hf
 from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.errors import ConfigError
@@ -120,12 +120,9 @@ def test_cli_bad_eval_data_prints_only_jaxmoes_line(checkpoint, tmp_path):
 
 
 def test_moe_every_beyond_the_layers_is_refused(tmp_path):
-    config = tiny_config("model.num_layers=2", "model.moe.every=2")
-    validate(config)  # layer 1 is MoE: fine
-    with config.unlocked():
-        config.model.moe.every = 3
+    config = tiny_config("model.num_layers=2", "model.moe.every=2")  # layer 1 is MoE: fine
     with pytest.raises(ConfigError) as error:
-        validate(config)
+        with_overrides(config, ["model.moe.every=3"])
     assert str(error.value) == (
         "model.moe.every=3 exceeds model.num_layers=2: no layer would be MoE "
         "(model.moe.num_experts=0 is the dense model)"
@@ -512,8 +509,8 @@ def test_prompt_beyond_memory_is_refused_before_prefill(generator):
 def test_cli_decode_refuses_a_prompt_beyond_the_context(checkpoint, tmp_path):
     config = dense_config(checkpoint.parent, "model.max_len=16")
     (tmp_path / "config.py").write_text(
-        "from jaxmoe.checkpoints.manager import merge_into_defaults\n\n\n"
-        f"def get_config(variant=None):\n    return merge_into_defaults({config.to_dict()!r})\n"
+        "from jaxmoe.config.stored import complete_stored\n\n\n"
+        f"def get_config(variant=None):\n    return complete_stored({config.to_dict()!r})\n"
     )
     prompt = "the quick brown fox jumps over the lazy dog " * 4
     args = ["decode", "--checkpoint", str(checkpoint), "--config", str(tmp_path / "config.py"),

@@ -16,11 +16,12 @@ import pytest
 import tokenizers
 from safetensors.numpy import load_file, save_file
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config, resolve_checkpoint
-from jaxmoe.checkpoints.restore import checkpoint_tokenizer
+from jaxmoe.checkpoints.manager import CheckpointError, resolve_checkpoint
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.errors import ConfigError
+from jaxmoe.inference.trained_model import checkpoint_tokenizer
 from jaxmoe.storage.received import read_file
 from tests import test_bad_input
 from tests.test_bad_input import LLAMA, llama_tensors, write_hf
@@ -218,7 +219,7 @@ def test_tokenizer_ids_past_the_embedding_are_refused_at_use(checkpoint, tmp_pat
     600, is past the checkpoint's 512 embeddings though it has 5 tokens)."""
     folder = gap_tokenizer(tmp_path / "tok", 600)
     overrides = [f"data.tokenizer={folder}"]
-    from jaxmoe.checkpoints.restore import checkpoint_config
+    from jaxmoe.inference.trained_model import checkpoint_config
 
     config = checkpoint_config(str(checkpoint), overrides)
     with pytest.raises(ConfigError) as refused:

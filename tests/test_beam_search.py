@@ -14,12 +14,13 @@ from jaxmoe.inference.beam_search import beam_search, brevity_penalty
 from jaxmoe.inference.decode import Generator
 from jaxmoe.models import build_model
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.helpers import TINY_T5, tiny_config
 
 VOCAB, EOS, STEPS = 8, 1, 3
 SECOND_EOS = 5  # a further EOS id, as Llama 3's generation_config.json lists
 PROMPTS = [[3, 5, 2], [7, 4, 6, 2, 5], [6]]
-MESH = {"data": 4, "fsdp": 1, "tensor": 2, "expert": 1}
+MESH = MeshOptions(data=4, tensor=2)
 
 
 # decoder_scanned: 3 layers under one scan, its caches stacked [3, ...] and their rows

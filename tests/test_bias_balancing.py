@@ -72,7 +72,11 @@ def one_step(rate: float, *extra):
     }
     before = jax.tree.map(np.asarray, state)
     with jax.set_mesh(mesh):
-        step = jit_train_step(step_fns(cfg, spec, optimizer, schedule), shardings, batch_shardings)
+        step = jit_train_step(
+            step_fns(cfg.train, cfg.optimizer, cfg.model, spec, optimizer, schedule),
+            shardings,
+            batch_shardings,
+        )
         after, _ = step(state, batch)
     return cfg, spec, before, jax.tree.map(np.asarray, after), batch
 

@@ -25,8 +25,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.manager import read_config, save_params, write_config
+from jaxmoe.checkpoints.manager import save_params, write_config
 from jaxmoe.cli import main as jaxmoe_main
+from jaxmoe.config.loading import with_overrides
+from jaxmoe.config.stored import read_config
 from jaxmoe.data.tokenizer import open_tokenizer, train_sentencepiece
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference.evaluate import evaluate
@@ -202,9 +204,8 @@ def received(tmp_path_factory) -> Path:
     lines = PROSE
     model_file.write_bytes(train_sentencepiece(iter(lines), VOCAB))
     config = tiny_config("model.moe.num_experts=0", f"model.vocab_size={VOCAB}",
-                         "train.seq_len=32", f"data.tokenizer={model_file}")  # fmt: skip
-    with config.unlocked():
-        config.model.max_len = 32
+                         "train.seq_len=32", f"data.tokenizer={model_file}",
+                         "model.max_len=32")  # fmt: skip
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))
     save_params(str(tmp / "ckpt"), jax.device_get(params), config)
     model_file.unlink()  # the checkpoint's own copy is all there is
@@ -356,8 +357,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_conversion_and_use(
 ):
     big = tmp_path / "big.model"
     big.write_bytes(train_sentencepiece(iter(PROSE), 1024))
-    config = read_config(str(bare))
-    config.data.tokenizer = str(big)
+    config = with_overrides(read_config(str(bare)), [f"data.tokenizer={big}"])
     with pytest.raises(ConfigError) as refused:
         write_config(tmp_path / "converted", config)
     last = open_tokenizer(str(big)).token_of_id(1023)
@@ -376,8 +376,7 @@ def test_tokenizer_larger_than_the_vocabulary_is_refused_at_conversion_and_use(
 
 def test_conversion_copies_a_named_tokenizer_into_the_checkpoint(received, bare, tmp_path):
     own = received / "tokenizer" / "tokenizer.model"
-    config = read_config(str(bare))
-    config.data.tokenizer = str(own)
+    config = with_overrides(read_config(str(bare)), [f"data.tokenizer={own}"])
     write_config(tmp_path / "converted", config)
     assert (tmp_path / "converted/tokenizer/tokenizer.model").read_bytes() == own.read_bytes()
     stored = json.loads((tmp_path / "converted/config/config.json").read_text())

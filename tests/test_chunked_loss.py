@@ -14,6 +14,7 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params, model_rngs, model_spec
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.parallel.sharding import batch_spec
 from jaxmoe.training.chunked_loss import chunked_output_losses
 from jaxmoe.training.loop import to_global
@@ -52,7 +53,7 @@ def padded_batch(config, pad: int):
 
 
 def one_device():
-    return make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    return make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
 
 
 def hidden_and_head(config, batch):
@@ -100,7 +101,7 @@ def test_train_loss_with_chunks_equals_numpy_and_its_gradient_the_unchunked_one(
     total = jnp.sum(batch["weights"])
 
     def loss_of(cfg):
-        fns = step_fns(cfg, spec, None, None)
+        fns = step_fns(cfg.train, cfg.optimizer, cfg.model, spec, None, None)
         return jax.jit(
             jax.value_and_grad(lambda p: _loss(p, batch, total, None, fns), has_aux=True)
         )
@@ -141,7 +142,11 @@ def train_losses(config, devices, n_steps=3):
     }
     losses = []
     with jax.set_mesh(mesh):
-        step = jit_train_step(step_fns(config, spec, optimizer, schedule), shardings, batch_sh)
+        step = jit_train_step(
+            step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule),
+            shardings,
+            batch_sh,
+        )
         for batch in synthetic_batches(config, n_steps):
             state, metrics = step(state, to_global(batch, batch_sh))
             losses.append(float(metrics["loss"]))

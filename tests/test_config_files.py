@@ -158,7 +158,7 @@ def test_derived_key_set_on_the_command_line_is_refused(override, source):
 
 def test_derived_keys_follow_uptrain():
     config = load_config(UPTRAIN, [INIT, "--config.uptrain.alpha=0.5"])
-    assert config.train.steps == round(0.5 * config.uptrain.original_steps)
+    assert config.train.steps == round(0.5 * config.extra["uptrain"]["original_steps"])
 
 
 def test_any_finalize_replacing_an_override_is_refused(tmp_path):

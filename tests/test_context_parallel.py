@@ -12,6 +12,7 @@ from flax import nnx
 
 from jaxmoe.models.context_parallel import load_balanced_order
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 
 LENGTH, BATCH, VOCAB = 32, 2, 64
 
@@ -45,8 +46,7 @@ def _model_config(kind: str):
     elif kind == "mla":
         m.attention, m.kv_lora_rank, m.qk_nope_head_dim = "mla", 16, 8
         m.qk_rope_head_dim, m.v_head_dim, m.q_lora_rank = 4, 8, 12
-    typed(c)
-    return c.model
+    return typed(c).model
 
 
 def _loss_fn(cfg, segments: bool):
@@ -76,7 +76,7 @@ def _loss_fn(cfg, segments: bool):
 
 
 def _split_run(step, params, context: int):
-    mesh = make_mesh({"data": -1, "fsdp": 1, "context": context, "tensor": 1, "expert": 1})
+    mesh = make_mesh(MeshOptions(context=context))
     with jax.set_mesh(mesh):
         return step(params)
 

@@ -384,10 +384,12 @@ def test_scoring_pass_measures_every_example_at_the_epoch_boundary(text_source, 
 
     # Router jitter on: the pass must measure without it (train=False, training gate).
     config = small_config(
-        text_source, "data.curriculum=magnitude", "model.vocab_size=512", "model.moe.jitter=0.5"
+        text_source,
+        "data.curriculum=magnitude",
+        "model.vocab_size=512",
+        "model.moe.jitter=0.5",
+        "data.curriculum_source=scoring_pass",
     )
-    with config.unlocked():
-        config.data.curriculum_source = "scoring_pass"
     mesh = make_mesh(config.mesh)  # 8 devices, data parallel
     data = build_data(config)
     shardings = {

@@ -11,27 +11,29 @@ import pydoc_data.topics
 import subprocess
 import sys
 
-import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
 from jaxmoe.config.defaults import base_config
+from jaxmoe.config.schema import JobConfig
+from jaxmoe.config.validation import validate
 from jaxmoe.data import corpus, packing, pipeline, sources, tfds_text
 from jaxmoe.data import tokenizer as tokenizer_lib
 
 TOPICS = pydoc_data.topics.topics
 
 
-def make_config(cache_dir, **overrides) -> ml_collections.ConfigDict:
-    """The complete default config (as every command gets one), with this file's data."""
+def make_config(cache_dir, **overrides) -> JobConfig:
+    """The complete default config (as every command gets one), with this file's data;
+    `section__key=value` overrides."""
     config = base_config()
     config.data.cache_dir = str(cache_dir)
     config.train.update(seq_len=64, batch_size=8, seed=0)
     for dotted, value in overrides.items():
         section, key = dotted.split("__")
         config[section][key] = value
-    return config
+    return validate(config)
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +192,7 @@ def test_tfds_source_by_name(bundle, tmp_path):
 
 
 def _overrides(config):
-    return {f"data__{k}": v for k, v in config.data.items()}
+    return {f"data__{k}": v for k, v in config.data.to_dict().items()}
 
 
 # --- packing ------------------------------------------------------------------------

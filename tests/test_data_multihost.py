@@ -70,8 +70,7 @@ class Barrier:
 def test_only_process_zero_prepares(tmp_path, monkeypatch):
     from tests.test_data import make_config
 
-    config = make_config(tmp_path / "cache")
-    config.data.prepare_timeout_s = 5
+    config = make_config(tmp_path / "cache", data__prepare_timeout_s=5)
     prepared, lines = [], []
     monkeypatch.setattr(multihost, "prepare", lambda c: prepared.append(c))
     barrier = Barrier()
@@ -117,8 +116,7 @@ def test_prepare_command_caches_what_train_opens(tmp_path):
     # Opening the data afterwards prepares nothing new.
     from tests.test_data import make_config
 
-    config = make_config(tmp_path)
-    config.data.vocab_size = 1024
+    config = make_config(tmp_path, data__vocab_size=1024)
     before = {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens}
     pipeline.build_data(config)
     assert sorted(os.listdir(tmp_path / "tokens")) == tokens

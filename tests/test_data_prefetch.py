@@ -54,8 +54,7 @@ def test_an_error_while_building_reaches_the_training_loop():
 
 def test_build_data_prefetches_unless_told_not_to(tmp_path):
     on = pipeline.build_data(make_config(tmp_path))
-    config = make_config(tmp_path)
-    config.data.prefetch = 0
+    config = make_config(tmp_path, data__prefetch=0)
     off = pipeline.build_data(config)
     assert isinstance(on.train, Prefetch) and isinstance(off.train, pipeline.TrainBatches)
     assert ids(on.train, 5) == ids(off.train, 5)

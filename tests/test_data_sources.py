@@ -204,8 +204,8 @@ def test_t5_sentinels_come_from_the_tokenizer(tmp_path):
         tmp_path / "cache",
         data__source=f"jsonl:{tmp_path}/data/*.jsonl",
         data__tokenizer=str(tmp_path / "tok"),
+        model__arch="encoder_decoder",
     )
-    config.model = {"arch": "encoder_decoder"}
     bundle = pipeline.build_data(config)
     assert bundle.vocab_size == tok.vocab_size  # no ids added above the vocabulary
     batch = next(bundle.train)

@@ -235,7 +235,7 @@ def test_resume_and_two_processes_reproduce_the_one_process_batches(files, kind)
 
 def test_bad_combinations_name_the_culprit(files):
     cfg = kind_config(files, "mixture")
-    cfg.data.curriculum = "paper"
+    cfg = cfg.replace(data=cfg.data.replace(curriculum="paper"))
     with pytest.raises(ValueError, match=r"cannot be combined with data\.mixture"):
         pipeline.build_data(cfg)
     cfg = config(files, "train.batch_size=64")

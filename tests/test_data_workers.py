@@ -41,7 +41,7 @@ def config_for(source: str, cache: str, arch: str, workers: int):
     config.data.workers = workers
     config.model.arch = arch
     config.train.update(seq_len=24, batch_size=4, seed=SEED)
-    return config
+    return validate(config)
 
 
 def take(batches, n: int) -> list[dict]:
@@ -170,5 +170,5 @@ def test_bad_workers_values_fail_at_load_with_one_line(overrides, message):
     config = base_config()
     config.data.update(**overrides)
     with pytest.raises(ConfigError) as error:
-        validate(config)
+        validate(config)  # a ConfigDict as a config file builds it
     assert message in str(error.value) and "\n" not in str(error.value)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.cli import main as cli_main
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.decode import (
     Generator,
@@ -23,6 +24,7 @@ from jaxmoe.inference.decode_text import decode_main
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.helpers import tiny_config
 
 
@@ -59,7 +61,7 @@ def sharded_generation():
     cfg = decoder_config()
     model = build_model(cfg, rngs=nnx.Rngs(2))
     _, params = model_params(model)
-    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 2, "expert": 1})
+    mesh = make_mesh(MeshOptions(data=4, fsdp=1, tensor=2, expert=1))
     generator = Generator(cfg, params, mesh, eos_id=-1)
     prompts = [[5, 9, 17, 3], [40, 2, 77, 8, 8, 101, 6, 30, 12]]
     return full_forward(model), generator, prompts
@@ -146,7 +148,7 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
         "mesh.data=-1",
         f"data.cache_dir={tmp_path / 'cache'}",
     )
-    config.data.tokenizer = load_tokenizer(config).path  # copied into the checkpoint
+    config = with_overrides(config, [f"data.tokenizer={load_tokenizer(config).path}"])  # copied in
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
     save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
     (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")

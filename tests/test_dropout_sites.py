@@ -173,7 +173,7 @@ def test_each_expert_drops_its_hidden_units_with_one_mask_for_all_its_tokens(gat
     config = tiny_config(
         "model.dropout_rate=0.5", "model.moe.num_experts=4", f"model.ffn_gated={gated}"
     )
-    layer = MoE(config.model, rngs=model_rngs(jax.random.key(0)))
+    layer = MoE.of_model(config.model, rngs=model_rngs(jax.random.key(0)))
     experts, ffn = 4, config.model.moe.ffn_dim
     rng = np.random.default_rng(2)
     keep_E1F = keep_mask(rng, (experts, 1, ffn))
@@ -262,11 +262,11 @@ def test_every_site_is_on_in_training_and_off_at_eval_and_in_cached_decoding(arc
 def test_expert_rate_follows_dropout_rate_unless_set():
     from jaxmoe.models.moe.layer import expert_dropout_rate
 
-    config = tiny_config("model.dropout_rate=0.1")
-    assert expert_dropout_rate(config.model) == 0.1
-    config = tiny_config("model.dropout_rate=0.1", "model.moe.expert_dropout_rate=0.4")
-    assert expert_dropout_rate(config.model) == 0.4
-    layer = MoE(
+    m = tiny_config("model.dropout_rate=0.1").model
+    assert expert_dropout_rate(m.moe, m.dropout_rate) == 0.1
+    m = tiny_config("model.dropout_rate=0.1", "model.moe.expert_dropout_rate=0.4").model
+    assert expert_dropout_rate(m.moe, m.dropout_rate) == 0.4
+    layer = MoE.of_model(
         tiny_config("model.moe.expert_dropout_rate=0.0").model, rngs=model_rngs(jax.random.key(0))
     )
     assert layer.expert_dropout is None

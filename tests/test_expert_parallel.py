@@ -56,9 +56,9 @@ def single_device(inputs):
     x, r = inputs
     results = {}
     for name, overrides in CONFIGS.items():
-        graphdef, params = nnx.split(MoE(moe_config(**overrides), rngs=nnx.Rngs(3)))
+        graphdef, params = nnx.split(MoE.of_model(moe_config(**overrides), rngs=nnx.Rngs(3)))
         dense_cfg = moe_config(**{**overrides, "dispatch": "dense"})
-        dense = nnx.graphdef(MoE(dense_cfg, rngs=nnx.Rngs(3)))
+        dense = nnx.graphdef(MoE.of_model(dense_cfg, rngs=nnx.Rngs(3)))
         results[name] = (graphdef, params, make_step(dense, r)(params, x))
     return results
 

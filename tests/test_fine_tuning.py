@@ -22,8 +22,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from jaxmoe.checkpoints.manager import read_config
 from jaxmoe.cli import main
+from jaxmoe.config.stored import read_config
 from jaxmoe.errors import ConfigError
 from tests import tiny_chat_model
 
@@ -126,7 +126,7 @@ def test_init_from_refuses_a_model_key_that_disagrees(hf_source, tmp_path):
     jaxmoe("convert", "hf", hf_source, tmp_path / "ckpt")
     init = f"train.init_from={tmp_path / 'ckpt'}"
     config = config_from_checkpoint([init, "model.moe.gating=adaptive", "train.steps=3"])
-    assert (config.model.d_model, config.model.moe.gating, config.train.steps) == (
+    assert (config.model.d_model, config.model.moe.gate.gating, config.train.steps) == (
         32,
         "adaptive",
         3,
@@ -137,8 +137,8 @@ def test_init_from_refuses_a_model_key_that_disagrees(hf_source, tmp_path):
     file_config = load_config("configs/default.py", [init, "model.num_layers=3"])
     with pytest.raises(ConfigError, match=r"^model.num_layers=3 disagrees .* \(2\)"):
         adopt_checkpoint_model(file_config, {"model.num_layers"})
-    file_config = load_config("configs/default.py", [init])
-    adopt_checkpoint_model(file_config, set())  # defaults take the checkpoint's values
+    # Defaults take the checkpoint's values.
+    file_config = adopt_checkpoint_model(load_config("configs/default.py", [init]), set())
     vocab = json.loads((hf_source / "config.json").read_text())["vocab_size"]
     assert (file_config.model.num_layers, file_config.model.vocab_size) == (2, vocab)
 

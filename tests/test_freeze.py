@@ -98,7 +98,11 @@ def test_frozen_parameters_keep_their_values_and_get_no_state():
     abstract, shardings = state_shardings(mesh, spec, optimizer)
     state = init_state(config.model, 0, optimizer, shardings, mesh)
     before = jax.device_get(flatten(state["params"]))
-    step = jit_train_step(step_fns(config, spec, optimizer, schedule, frozen), shardings, None)
+    step = jit_train_step(
+        step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule, frozen),
+        shardings,
+        None,
+    )
     with jax.set_mesh(mesh):
         for batch in synthetic_batches(config, 2):
             state, metrics = step(state, batch)
@@ -140,5 +144,5 @@ def test_upcycle_random_init_draws_experts_like_a_fresh_moe_layer(dense):  # noq
     # Copies combine with weights summing to one (the dense function kept); random experts
     # keep the config's rule, router probabilities the router learns through.
     random_moe = upcycle_config(config, 4, init="random").model.moe
-    assert (random_moe.renormalize, random_moe.single_weight) == (False, "prob")
-    assert moe_config.model.moe.single_weight == "one"
+    assert (random_moe.gate.renormalize, random_moe.gate.single_weight) == (False, "prob")
+    assert moe_config.model.moe.gate.single_weight == "one"

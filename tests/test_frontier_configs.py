@@ -49,10 +49,10 @@ def as_hf(config) -> dict:
         "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim, "n_routed_experts": moe.num_experts,
-        "n_shared_experts": moe.num_shared_experts, "num_experts_per_tok": moe.top_k,
-        "first_k_dense_replace": moe.first_dense_layers, "n_group": moe.n_group,
-        "topk_group": moe.topk_group, "norm_topk_prob": moe.renormalize,
-        "routed_scaling_factor": moe.routed_scaling_factor, "rms_norm_eps": m.norm_eps,
+        "n_shared_experts": moe.num_shared_experts, "num_experts_per_tok": moe.gate.top_k,
+        "first_k_dense_replace": moe.first_dense_layers, "n_group": moe.router.n_group,
+        "topk_group": moe.router.topk_group, "norm_topk_prob": moe.gate.renormalize,
+        "routed_scaling_factor": moe.router.routed_scaling_factor, "rms_norm_eps": m.norm_eps,
         "tie_word_embeddings": m.tie_embeddings, "rope_theta": m.rope_theta,
         "num_nextn_predict_layers": m.mtp_depth,
     }  # fmt: skip
@@ -83,7 +83,7 @@ def test_full_configs_have_the_published_sizes(path, published):
     config = load_config(path)
     assert as_hf(config) == published
     m = config.model
-    assert (m.attention, m.rope_type, m.moe.router_scoring, m.moe.selection_bias) == (
+    assert (m.attention, m.rope_type, m.moe.router.router_scoring, m.moe.router.selection_bias) == (
         "mla", "yarn", "sigmoid", True,
     )  # fmt: skip
     assert (m.rope_factor, m.rope_original_max_len, m.rope_beta_fast, m.rope_beta_slow) == ROPE[
@@ -91,7 +91,7 @@ def test_full_configs_have_the_published_sizes(path, published):
     ]
     main, mtp = hf_counts(published)
     with_mtp = abstract_param_count(config)
-    config.model.mtp_depth = 0
+    config = config.replace(model=config.model.replace(mtp_depth=0))
     assert abstract_param_count(config) == main
     assert with_mtp - main == mtp * published["num_nextn_predict_layers"]
     if path.endswith("deepseek3_671b.py"):  # the report: 671B main model, 11.5B MTP module
@@ -100,10 +100,15 @@ def test_full_configs_have_the_published_sizes(path, published):
 
 @pytest.mark.parametrize("path", ["configs/deepseek3_671b.py", "configs/kimi_k2.py"])
 def test_tiny_variants_train(path):
-    config = load_config(path + ":tiny")
-    config.model.moe.block_size = 8
-    config.train.batch_size, config.train.seq_len = 4, 16
-    config.optimizer.warmup_steps = 1
+    config = load_config(
+        path + ":tiny",
+        [
+            "model.moe.block_size=8",
+            "train.batch_size=4",
+            "train.seq_len=16",
+            "optimizer.warmup_steps=1",
+        ],
+    )
     mesh = make_mesh(config.mesh, jax.devices()[:1])
     spec = model_spec(config.model, mesh)
     optimizer, schedule = make_optimizer(config.optimizer, 10, spec.param_axes)
@@ -112,7 +117,11 @@ def test_tiny_variants_train(path):
     batch = synthetic_batches(config, 1)[0]
     losses = []
     with jax.set_mesh(mesh):
-        step = jit_train_step(step_fns(config, spec, optimizer, schedule), shardings, None)
+        step = jit_train_step(
+            step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule),
+            shardings,
+            None,
+        )
         for _ in range(4):
             state, metrics = step(state, batch)
             losses.append(float(metrics["loss"]))

@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 
 from jaxmoe.models.moe import gates
-from jaxmoe.models.moe.gates import GateConfig
+from jaxmoe.models.moe.gates import GateOptions
 
 # ---------------------------------------------------------------------------------------
 # Independent reference: one token at a time, plain Python / numpy, no jax.
 
 
-def ref_choose(p: np.ndarray, cfg: GateConfig) -> list[int]:
+def ref_choose(p: np.ndarray, cfg: GateOptions) -> list[int]:
     """The experts one token goes to, most probable first (ties: lower index first)."""
     order = sorted(range(len(p)), key=lambda e: (-p[e], e))
     if cfg.gating in ("top1", "top2", "topk"):
@@ -32,14 +32,14 @@ def ref_choose(p: np.ndarray, cfg: GateConfig) -> list[int]:
     return chosen
 
 
-def ref_weights(p: np.ndarray, chosen: list[int], cfg: GateConfig) -> list[float]:
+def ref_weights(p: np.ndarray, chosen: list[int], cfg: GateOptions) -> list[float]:
     if len(chosen) == 1:
         return [p[chosen[0]] if cfg.single_weight == "prob" else 1.0]
     total = sum(p[e] for e in chosen)
     return [p[e] / total if cfg.renormalize else p[e] for e in chosen]
 
 
-def ref_route(probs: np.ndarray, cfg: GateConfig) -> list[list[tuple[int, float]]]:
+def ref_route(probs: np.ndarray, cfg: GateOptions) -> list[list[tuple[int, float]]]:
     """Per token: [(expert, weight), ...] in slot order."""
     out = []
     for p in probs:
@@ -73,17 +73,17 @@ def random_probs(seed: int, tokens: int = 256, experts: int = 8, temperature: fl
 # ---------------------------------------------------------------------------------------
 
 CASES = [
-    GateConfig(gating="top1"),
-    GateConfig(gating="top1", single_weight="one"),
-    GateConfig(gating="top2"),
-    GateConfig(gating="top2", renormalize=True),
-    GateConfig(gating="topk", top_k=3),
-    GateConfig(gating="topk", top_k=3, renormalize=True),
-    GateConfig(gating="adaptive"),
-    GateConfig(gating="adaptive", threshold=0.3, renormalize=True, single_weight="one"),
-    GateConfig(gating="adaptive", threshold=0.05, gap_normalization="none"),
-    GateConfig(gating="top_p", top_p=0.4, max_k=3),
-    GateConfig(gating="top_p", top_p=0.5, max_k=2, renormalize=True),
+    GateOptions(gating="top1"),
+    GateOptions(gating="top1", single_weight="one"),
+    GateOptions(gating="top2"),
+    GateOptions(gating="top2", renormalize=True),
+    GateOptions(gating="topk", top_k=3),
+    GateOptions(gating="topk", top_k=3, renormalize=True),
+    GateOptions(gating="adaptive"),
+    GateOptions(gating="adaptive", threshold=0.3, renormalize=True, single_weight="one"),
+    GateOptions(gating="adaptive", threshold=0.05, gap_normalization="none"),
+    GateOptions(gating="top_p", top_p=0.4, max_k=3),
+    GateOptions(gating="top_p", top_p=0.5, max_k=2, renormalize=True),
 ]
 
 
@@ -115,14 +115,14 @@ def test_adaptive_hand_made_gaps():
         ],
         np.float32,
     )
-    got = as_token_lists(gates.route(probs, GateConfig(gating="adaptive", threshold=0.1)))
+    got = as_token_lists(gates.route(probs, GateOptions(gating="adaptive", threshold=0.1)))
     assert_same_routing(got, [[(0, 0.50), (1, 0.45)], [(1, 0.60)], [(2, 0.35)]])
     # Raw gaps 0.05, 0.3, 0.1 against threshold 0.08: only the first takes two experts.
-    raw = GateConfig(gating="adaptive", threshold=0.08, gap_normalization="none")
+    raw = GateOptions(gating="adaptive", threshold=0.08, gap_normalization="none")
     got = as_token_lists(gates.route(probs, raw))
     assert_same_routing(got, [[(0, 0.50), (1, 0.45)], [(1, 0.60)], [(2, 0.35)]])
     # Renormalised weights and weight one for a single expert.
-    opts = GateConfig(gating="adaptive", threshold=0.1, renormalize=True, single_weight="one")
+    opts = GateOptions(gating="adaptive", threshold=0.1, renormalize=True, single_weight="one")
     got = as_token_lists(gates.route(probs, opts))
     assert_same_routing(got, [[(0, 0.50 / 0.95), (1, 0.45 / 0.95)], [(1, 1.0)], [(2, 1.0)]])
 
@@ -130,10 +130,10 @@ def test_adaptive_hand_made_gaps():
 def test_adaptive_threshold_limits_are_top1_and_top2():
     probs = random_probs(seed=2, temperature=0.5)
     for opts in ({}, {"renormalize": True}, {"single_weight": "one"}):
-        top1 = gates.route(probs, GateConfig(gating="top1", **opts))
-        top2 = gates.route(probs, GateConfig(gating="top2", **opts))
-        zero = gates.route(probs, GateConfig(gating="adaptive", threshold=0.0, **opts))
-        one = gates.route(probs, GateConfig(gating="adaptive", threshold=1.0, **opts))
+        top1 = gates.route(probs, GateOptions(gating="top1", **opts))
+        top2 = gates.route(probs, GateOptions(gating="top2", **opts))
+        zero = gates.route(probs, GateOptions(gating="adaptive", threshold=0.0, **opts))
+        one = gates.route(probs, GateOptions(gating="adaptive", threshold=1.0, **opts))
         assert_same_routing(as_token_lists(zero), as_token_lists(top1), atol=0)
         assert_same_routing(as_token_lists(one), as_token_lists(top2), atol=0)
 
@@ -148,10 +148,10 @@ def test_top_p_hand_made():
         ],
         np.float32,
     )
-    got = as_token_lists(gates.route(probs, GateConfig(gating="top_p", top_p=0.4, max_k=3)))
+    got = as_token_lists(gates.route(probs, GateOptions(gating="top_p", top_p=0.4, max_k=3)))
     assert_same_routing(got, [[(0, 0.45)], [(2, 0.45)], [(0, 0.35), (1, 0.33)], [(2, 0.605)]])
     # p = 0.9 needs all three for token 2 but max_k = 2 caps the set.
-    got = as_token_lists(gates.route(probs, GateConfig(gating="top_p", top_p=0.9, max_k=2)))
+    got = as_token_lists(gates.route(probs, GateOptions(gating="top_p", top_p=0.9, max_k=2)))
     assert [len(t) for t in got] == [2, 2, 2, 2]
 
 
@@ -160,13 +160,13 @@ def test_balance_loss_hand_computed():
     probs = probs.astype(np.float32)
     mean_p = [1.7 / 4, 1.3 / 4, 1.0 / 4]
     # Adaptive (T = 0.1): top-1 experts are 0, 0, 1, 2 -> f1 = [1/2, 1/4, 1/4].
-    adaptive = GateConfig(gating="adaptive", threshold=0.1)
+    adaptive = GateOptions(gating="adaptive", threshold=0.1)
     want = 3 * (0.5 * mean_p[0] + 0.25 * mean_p[1] + 0.25 * mean_p[2])
     routing = gates.route(probs, adaptive)
     assert math.isclose(float(gates.balance_loss(probs, routing, "adaptive")), want, rel_tol=1e-6)
     # Top-2: assignments {0,1}, {0,1}, {1,2}, {2, 0} (token 3: 0.4 then 0.3 tie -> expert 0)
     # -> counts [3, 3, 2] of 8.
-    routing = gates.route(probs, GateConfig(gating="top2"))
+    routing = gates.route(probs, GateOptions(gating="top2"))
     want = 3 * (3 / 8 * mean_p[0] + 3 / 8 * mean_p[1] + 2 / 8 * mean_p[2])
     assert math.isclose(float(gates.balance_loss(probs, routing, "top2")), want, rel_tol=1e-6)
     # The same top-2 routing counted on top-1 choices only (GShard's implementation):
@@ -175,7 +175,7 @@ def test_balance_loss_hand_computed():
     got = float(gates.balance_loss(probs, routing, "top2", fractions="top1"))
     assert math.isclose(got, want_top1, rel_tol=1e-6)
     # Top-1 (Switch): f = [2/4, 1/4, 1/4], the same as the adaptive top-1 fractions.
-    routing = gates.route(probs, GateConfig(gating="top1"))
+    routing = gates.route(probs, GateOptions(gating="top1"))
     want = 3 * (0.5 * mean_p[0] + 0.25 * mean_p[1] + 0.25 * mean_p[2])
     assert math.isclose(float(gates.balance_loss(probs, routing, "top1")), want, rel_tol=1e-6)
     # Perfect balance gives exactly 1.
@@ -188,7 +188,7 @@ def test_balance_loss_hand_computed():
 
 def test_balance_loss_counts_only_unmasked_assignments():
     probs = random_probs(seed=3, tokens=64, experts=4)
-    cfg = GateConfig(gating="top_p", top_p=0.4, max_k=3)
+    cfg = GateOptions(gating="top_p", top_p=0.4, max_k=3)
     counts = np.zeros(4)
     for token in ref_route(probs, cfg):
         for e, _ in token:
@@ -206,10 +206,10 @@ def test_z_loss_and_balance_gradient():
 
     # d balance / d probs[t, e] = E * f_e / T: the hard fractions carry no gradient.
     probs = random_probs(seed=5, tokens=16, experts=4)
-    routing = gates.route(probs, GateConfig(gating="top2"))
+    routing = gates.route(probs, GateOptions(gating="top2"))
     grad = jax.grad(lambda p: gates.balance_loss(p, routing, "top2"))(probs)
     counts = np.zeros(4)
-    for token in ref_route(probs, GateConfig(gating="top2")):
+    for token in ref_route(probs, GateOptions(gating="top2")):
         for e, _ in token:
             counts[e] += 1
     want = np.broadcast_to(4 * (counts / counts.sum()) / 16, (16, 4))
@@ -229,7 +229,7 @@ def test_z_loss_and_balance_gradient():
 )
 def test_bad_options_name_the_key(field, value):
     with pytest.raises(ValueError, match=f"model.moe.{field}"):
-        GateConfig(**{field: value})
+        GateOptions(**{field: value})
 
 
 def test_paper_config_says_what_the_paper_did():
@@ -237,11 +237,11 @@ def test_paper_config_says_what_the_paper_did():
 
     adaptive = load_config("configs/moe16_gpt2_medium.py")
     moe = adaptive.model.moe
-    assert (moe.gating, moe.threshold, moe.z_loss_weight, moe.eval_gating) == (
+    assert (moe.gate.gating, moe.gate.threshold, moe.z_loss_weight, moe.eval_gating) == (
         "adaptive",
         0.1,
         0.0,
         "top1",
     )
     top2 = load_config("configs/moe16_gpt2_medium.py:top2").model.moe
-    assert (top2.gating, top2.balance_fractions, top2.eval_gating) == ("top2", "top1", "top1")
+    assert (top2.gate.gating, top2.balance_fractions, top2.eval_gating) == ("top2", "top1", "top1")

@@ -98,8 +98,7 @@ def gpt_oss_like(moe_every: int = 1, **changes):
     m.moe.update(num_experts=4, ffn_dim=16, gating="topk", top_k=2, renormalize=True)
     m.moe.update(router_bias=True, expert_bias=True, every=moe_every)
     m.update(**changes)
-    validate(config)
-    return m
+    return validate(config).model
 
 
 def randomized(model, seed=0):
@@ -143,7 +142,7 @@ def test_expert_biases_match_numpy_loop():
     m = gpt_oss_like(num_layers=1, sliding_window=0, layer_types="", attention_sinks=False)
     from jaxmoe.models.moe.layer import MoE
 
-    moe = randomized(MoE(m, rngs=nnx.Rngs(1)), seed=2)
+    moe = randomized(MoE.of_model(m, rngs=nnx.Rngs(1)), seed=2)
     x = np.random.default_rng(4).normal(size=(2, 5, 32)).astype(np.float32)
     got, _ = nnx.jit(lambda moe, x: moe(x, train=False))(moe, jnp.asarray(x))
     p = {k: np.asarray(v[...], np.float64) for k, v in nnx.state(moe, nnx.Param).items()}
@@ -184,7 +183,7 @@ def test_biased_clamped_experts_under_expert_parallelism():
     from jaxmoe.parallel.mesh import MESH_AXES
 
     m = gpt_oss_like(num_layers=1, sliding_window=0, layer_types="", attention_sinks=False)
-    moe = randomized(MoE(m, rngs=nnx.Rngs(1)), seed=5)
+    moe = randomized(MoE.of_model(m, rngs=nnx.Rngs(1)), seed=5)
     graphdef, params = nnx.split(moe, nnx.Param)
     rest = nnx.state(moe, nnx.Not(nnx.Param))
     x = jnp.asarray(np.random.default_rng(6).normal(size=(8, 6, 32)), jnp.float32)

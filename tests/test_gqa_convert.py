@@ -11,7 +11,8 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.manager import restore_params, save_params
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.surgery import convert_gqa, gqa_params, pool_kv_heads
 from jaxmoe.models import build_model
 from jaxmoe.models.attention import Attention
@@ -40,8 +41,9 @@ def load(path):
 
 def _mesh():
     from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.parallel.options import MeshOptions
 
-    return make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    return make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -154,8 +156,7 @@ def test_bad_group_counts_are_one_line_errors(source, tmp_path):
     with pytest.raises(ValueError) as info:
         convert_gqa(str(root / "mha"), str(tmp_path / "x"), num_kv_heads=3)
     assert "\n" not in str(info.value)
-    gqa2 = config.model.copy_and_resolve_references()
-    gqa2.num_kv_heads = 2
+    gqa2 = config.model.replace(num_kv_heads=2)
     with pytest.raises(ValueError, match=r"model.num_kv_heads=2 \(layers"):
         gqa_params(params, gqa2, 4)  # widening 2 -> 4 cannot be a pool
     with pytest.raises(ValueError, match="already exists"):

@@ -32,8 +32,9 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 
-from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.manager import restore_params, save_params
 from jaxmoe.cli import build_parser
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import abstract_params, convert_hf
@@ -209,7 +210,12 @@ def test_mixtral_converts_to_same_logits(mixtral, tmp_path):
     assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in names
     convert_hf(str(src), str(tmp_path / "ckpt"))
     moe = read_config(str(tmp_path / "ckpt")).model.moe
-    assert (moe.num_experts, moe.gating, moe.renormalize, moe.every) == (4, "top2", True, 1)
+    assert (moe.num_experts, moe.gate.gating, moe.gate.renormalize, moe.every) == (
+        4,
+        "top2",
+        True,
+        1,
+    )
     got = jaxmoe_logits(load_converted(tmp_path / "ckpt"), IDS)
     assert_close(got, hf_logits(model, IDS))
 

@@ -26,11 +26,13 @@ from transformers import (
     DeepseekV3ForCausalLM,
 )
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.inference.decode import Generator
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.test_hf import VOCAB, hf_logits, jaxmoe_logits, load_converted, randomize
 from tests.test_hf_moe_families import ROUTER_SCALE, nll_per_example
 
@@ -112,8 +114,13 @@ def test_nll_matches_transformers(converted):
     )
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
     if name == "v3_low_rank_q_yarn":
-        assert (m.rope_type, m.q_lora_rank, m.moe.n_group, m.moe.topk_group) == ("yarn", 12, 4, 2)
-        assert (m.rope_mscale_all_dim, m.moe.renormalize) == (0.8, False)
+        assert (m.rope_type, m.q_lora_rank, m.moe.router.n_group, m.moe.router.topk_group) == (
+            "yarn",
+            12,
+            4,
+            2,
+        )
+        assert (m.rope_mscale_all_dim, m.moe.gate.renormalize) == (0.8, False)
 
 
 def test_export_loads_with_transformers_own_class(converted, tmp_path):
@@ -139,7 +146,7 @@ def test_adaptive_gating_trains_after_convert(tmp_path):
     overrides = ["--config.model.moe.gating=adaptive"]
     convert_hf(str(tmp_path / "src"), str(tmp_path / "adaptive"), overrides=overrides)
     loaded = load_converted(tmp_path / "adaptive")
-    assert loaded.cfg.moe.gating == "adaptive"
+    assert loaded.cfg.moe.gate.gating == "adaptive"
     ids = jnp.asarray(IDS)
 
     def loss(params):
@@ -186,6 +193,6 @@ def test_greedy_decoding_with_latent_cache_matches_generate(converted):
             out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
         want.append(out[0, len(prompt) :].tolist())
     loaded = load_converted(dst)
-    mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 2, "expert": 1})
+    mesh = make_mesh(MeshOptions(data=-1, fsdp=1, tensor=2, expert=1))
     generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
     assert generator.generate(prompts, new).tokens == want

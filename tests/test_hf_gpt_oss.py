@@ -19,7 +19,7 @@ import torch
 from flax import nnx
 from transformers import AutoModelForCausalLM, GptOssConfig, GptOssForCausalLM
 
-from jaxmoe.checkpoints.manager import read_config
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.models.kv_cache import init_cache
@@ -74,7 +74,7 @@ def test_convert_keys(converted):
         "yarn",
         False,
     )
-    assert m.moe.router_bias and m.moe.expert_bias and m.moe.renormalize
+    assert m.moe.router_bias and m.moe.expert_bias and m.moe.gate.renormalize
 
 
 def test_convert_matches_transformers_nll(converted):
@@ -130,7 +130,7 @@ def test_adaptive_gating_trains_after_convert(converted, tmp_path):
     overrides = ["--config.model.moe.gating=adaptive"]
     convert_hf(str(tmp / "src"), str(tmp_path / "adaptive"), overrides=overrides)
     loaded = load_converted(tmp_path / "adaptive")
-    assert loaded.cfg.moe.gating == "adaptive"
+    assert loaded.cfg.moe.gate.gating == "adaptive"
     ids = jnp.asarray(IDS)
 
     def loss(params):
@@ -152,10 +152,11 @@ def test_sharded_generator_with_left_padding_equals_generate(converted):
     the cache rows split over a data x tensor mesh, each row as transformers alone gives."""
     from jaxmoe.inference.decode import Generator
     from jaxmoe.parallel.mesh import make_mesh
+    from jaxmoe.parallel.options import MeshOptions
 
     model, ckpt, _ = converted
     loaded = load_converted(ckpt)
-    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 2, "expert": 1})
+    mesh = make_mesh(MeshOptions(data=4, fsdp=1, tensor=2, expert=1))
     generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
     prompts = [[5, 9, 17, 3, 22, 41, 7], [40, 2, 57]]
     result = generator.generate(prompts, 10)

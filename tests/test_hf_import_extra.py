@@ -20,13 +20,14 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from jaxmoe.checkpoints.manager import read_config
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.conversions.surgery import gqa_params
 from jaxmoe.errors import ConfigError
 from jaxmoe.inference.decode import Generator
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.helpers import tiny_config
 from tests.test_hf import (
     TOL,
@@ -61,8 +62,7 @@ def _llama(rope: dict, seed: int) -> LlamaForCausalLM:
 
 def _plain_rope_logits(ckpt) -> np.ndarray:
     """The converted model with the scaling switched off: what ignoring it would give."""
-    cfg = read_config(str(ckpt)).model
-    cfg.rope_type = "default"
+    cfg = read_config(str(ckpt)).model.replace(rope_type="default")
     return jaxmoe_logits(load_converted(cfg, load_converted(ckpt).params), IDS)
 
 
@@ -189,7 +189,7 @@ def test_kv_cache_decoding_matches_transformers(kind, tmp_path):
     convert_hf(str(tmp_path / "src"), str(tmp_path / "ckpt"))
     loaded = load_converted(tmp_path / "ckpt")
     # Tensor-parallel: the heads (and so the q/k/v biases) split over 2 devices.
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 2, "expert": 1}, jax.devices()[:2])
+    mesh = make_mesh(MeshOptions(data=1, fsdp=1, tensor=2, expert=1), jax.devices()[:2])
     generator = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1)
     prompts = [IDS[0, :30].tolist(), IDS[1, :17].tolist()]  # positions up to 40
     result = generator.generate(prompts, 10)

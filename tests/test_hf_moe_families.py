@@ -29,7 +29,8 @@ from transformers import (
     Qwen3MoeForCausalLM,
 )
 
-from jaxmoe.checkpoints.manager import read_config, save_params
+from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
@@ -126,7 +127,7 @@ def test_qwen3_moe_converts_and_exports(norm, tie, k, tmp_path):
     config, *_ = check_family(model, tmp_path / "src", tmp_path, "Qwen3MoeForCausalLM")
     m = config.model
     assert (m.qk_norm, m.head_dim, m.tie_embeddings, m.qkv_bias) == ("head", 16, tie, False)
-    assert (m.moe.num_experts, m.moe.top_k, m.moe.renormalize) == (8, k, norm)
+    assert (m.moe.num_experts, m.moe.gate.top_k, m.moe.gate.renormalize) == (8, k, norm)
     assert (m.moe.ffn_dim, m.moe.dense_layers, m.moe.balance_loss_weight) == (24, "1", 0.02)
     exported = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert exported["mlp_only_layers"] == [1] and exported["norm_topk_prob"] is norm
@@ -143,12 +144,12 @@ def test_regating_a_top4_qwen3_moe_keeps_up_to_its_4_experts(tmp_path):
     model.save_pretrained(tmp_path / "src")
     always = ("model.moe.gating=adaptive_k", "model.moe.threshold=10.0")
     config = convert_hf(str(tmp_path / "src"), str(tmp_path / "regated"), overrides=always)
-    assert (config.model.moe.gating, config.model.moe.max_k) == ("adaptive_k", 4)
+    assert (config.model.moe.gate.gating, config.model.moe.gate.max_k) == ("adaptive_k", 4)
     got = jaxmoe_logits(load_converted(tmp_path / "regated"), IDS)
     assert_same_nll(got, hf_logits(model, IDS))
     own = ("model.moe.gating=adaptive_k", "model.moe.max_k=3")
     config = convert_hf(str(tmp_path / "src"), str(tmp_path / "own"), overrides=own)
-    assert config.model.moe.max_k == 3
+    assert config.model.moe.gate.max_k == 3
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,7 @@ def test_qwen2_moe_shared_expert_and_tokenizer(qwen2_moe, tmp_path):
     model, src = qwen2_moe
     config, *_ = check_family(model, src, tmp_path, "Qwen2MoeForCausalLM")
     m = config.model
-    assert (m.qk_norm, m.qkv_bias, m.moe.every, m.moe.top_k) == ("none", True, 2, 4)
+    assert (m.qk_norm, m.qkv_bias, m.moe.every, m.moe.gate.top_k) == ("none", True, 2, 4)
     assert (m.moe.num_shared_experts, m.moe.shared_ffn_dim, m.moe.shared_expert_gate) == (
         1, 40, True,
     )  # fmt: skip
@@ -249,7 +250,7 @@ def test_olmoe_converts_and_exports(norm, tmp_path):
     model.save_pretrained(tmp_path / "src")
     config, *_ = check_family(model, tmp_path / "src", tmp_path, "OlmoeForCausalLM")
     m = config.model
-    assert (m.qk_norm, m.moe.ffn_dim, m.moe.every, m.moe.renormalize) == (
+    assert (m.qk_norm, m.moe.ffn_dim, m.moe.every, m.moe.gate.renormalize) == (
         "projection", 24, 1, norm,
     )  # fmt: skip
 

@@ -9,7 +9,8 @@ import pytest
 from flax import nnx
 from transformers import AutoModelForCausalLM
 
-from jaxmoe.checkpoints.manager import read_config, save_params
+from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from tests.helpers import tiny_config, unit_scale_params
@@ -80,7 +81,12 @@ def test_convert_hf_reads_an_exported_gate_back(tmp_path):
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
     convert_hf(str(tmp_path / "hf"), str(tmp_path / "back"))
     moe = read_config(str(tmp_path / "back")).model.moe
-    assert (moe.gating, moe.top_p, moe.max_k, moe.renormalize) == ("top_p", 0.5, 3, False)
+    assert (moe.gate.gating, moe.gate.top_p, moe.gate.max_k, moe.gate.renormalize) == (
+        "top_p",
+        0.5,
+        3,
+        False,
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
     assert_close(jaxmoe_logits(load_converted(tmp_path / "back"), IDS), hf_logits(model, IDS))
     hf_config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -19,11 +19,11 @@ from transformers import AutoModelForCausalLM
 from jaxmoe.checkpoints.leafwise import StoredParams
 from jaxmoe.checkpoints.manager import (
     TrainCheckpoints,
-    read_config,
     restore_params,
     save_params,
 )
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf, parse_size, plan_shards
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.models.spec import abstract_params

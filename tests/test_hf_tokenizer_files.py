@@ -14,7 +14,9 @@ import sentencepiece as spm
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.manager import CheckpointError, inherit_tokenizer, read_config, save_params
+from jaxmoe.checkpoints.manager import CheckpointError, save_params
+from jaxmoe.config.loading import with_overrides
+from jaxmoe.config.stored import inherit_tokenizer, read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.conversions.surgery import convert_gqa
@@ -98,8 +100,7 @@ def test_converted_checkpoint_keeps_and_uses_its_tokenizer(hf_llama_with_tokeniz
     own = tmp_path / "other" / "tokenizer" / "tokenizer.model"
     assert read_config(str(tmp_path / "other")).data.tokenizer == str(own)
     assert own.read_bytes() == named.read_bytes()
-    train = tiny_config(f"train.init_from={tmp_path / 'ckpt'}")
-    inherit_tokenizer(train)
+    train = inherit_tokenizer(tiny_config(f"train.init_from={tmp_path / 'ckpt'}"))
     assert train.data.tokenizer == str(kept)
 
 
@@ -155,7 +156,7 @@ def test_exported_jaxmoe_model_generates_as_jaxmoe_decode(tmp_path, data_cache, 
     exported: AutoTokenizer + AutoModelForCausalLM give `jaxmoe decode`'s greedy tokens."""
     config = tiny_config("model.vocab_size=512", f"data.cache_dir={data_cache}", *overrides)
     sp = load_tokenizer(config)
-    config.data.tokenizer = sp.path
+    config = with_overrides(config, [f"data.tokenizer={sp.path}"])
     params = unit_scale_params(config.model, seed=5)
     save_params(str(tmp_path / "ckpt"), params, config)
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
@@ -234,8 +235,7 @@ def test_moved_checkpoint_keeps_its_tokenizer(hf_llama_with_tokenizer, tmp_path)
     result = generate_eval(str(moved), f"jsonl:{data}", max_new_tokens=8, overrides=MESH)
     assert result["new_tokens"] == 4 and result["exact_match"] == 100.0
     # Training from the moved checkpoint inherits the tokenizer where it now is.
-    train = tiny_config(f"train.init_from={moved}")
-    inherit_tokenizer(train)
+    train = inherit_tokenizer(tiny_config(f"train.init_from={moved}"))
     assert train.data.tokenizer == str(moved / "tokenizer")
 
 

@@ -19,10 +19,10 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RotaryEmbedding,
 )
 
-from jaxmoe.config.defaults import base_config
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.mla import LatentAttention
+from jaxmoe.models.options import ModelOptions
 from tests.helpers import tiny_config
 
 D, H, RANK, ROPE, NOPE, V = 32, 4, 16, 8, 10, 12
@@ -36,15 +36,13 @@ YARN = {
 }
 
 
-def mla_model_config(q_rank: int, yarn: bool):
-    m = base_config().model
-    m.d_model, m.num_heads, m.attention = D, H, "mla"
-    m.q_lora_rank, m.kv_lora_rank, m.qk_rope_head_dim = q_rank, RANK, ROPE
-    m.qk_nope_head_dim, m.v_head_dim = NOPE, V
+def mla_model_config(q_rank: int, yarn: bool) -> ModelOptions:
+    keys = dict(d_model=D, num_heads=H, attention="mla", q_lora_rank=q_rank, kv_lora_rank=RANK)
+    keys |= dict(qk_rope_head_dim=ROPE, qk_nope_head_dim=NOPE, v_head_dim=V)
     if yarn:
-        m.rope_type, m.rope_factor, m.rope_original_max_len = "yarn", 4.0, 32
-        m.rope_mscale, m.rope_mscale_all_dim = 1.0, 0.707
-    return m
+        keys |= dict(rope_type="yarn", rope_factor=4.0, rope_original_max_len=32)
+        keys |= dict(rope_mscale=1.0, rope_mscale_all_dim=0.707)
+    return ModelOptions(**keys)
 
 
 def hf_attention(q_rank: int, yarn: bool):
@@ -125,11 +123,8 @@ def test_mla_decoder_trains(scan):
 )
 def test_bad_mla_keys_are_one_line(overrides, needle):
     config = tiny_config()
-    from jaxmoe.config.loading import apply_overrides
-
     with pytest.raises((ConfigError, ValueError)) as info:
-        apply_overrides(config, overrides)
-        validate(config)
+        with_overrides(config, overrides)
     assert needle in str(info.value) and "\n" not in str(info.value)
 
 

@@ -7,23 +7,20 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from ml_collections import ConfigDict
 
-from jaxmoe.config.defaults import base_config
 from jaxmoe.models.moe import dispatch
-from jaxmoe.models.moe.layer import MoE, gate_config
+from jaxmoe.models.moe.layer import MoE
+from jaxmoe.models.options import ModelOptions
 from tests.test_gates import ref_choose, ref_weights
 
 B, L, D, F, E = 4, 16, 16, 32, 8
 
 
-def moe_config(**moe) -> ConfigDict:
+def moe_config(**moe) -> ModelOptions:
     """The complete default model config (as every command gets one) at this file's sizes."""
-    model = base_config().model
-    model.update(d_model=D, activation="silu", ffn_gated=True)
-    model.moe.update(num_experts=E, ffn_dim=F, block_size=8, dispatch="blocks")
-    model.moe.update(moe)
-    return model
+    model = ModelOptions(d_model=D, activation="silu", ffn_gated=True)
+    defaults = dict(num_experts=E, ffn_dim=F, block_size=8, dispatch="blocks")
+    return model.replace(moe=model.moe.replace(**(defaults | moe)))
 
 
 # ---------------------------------------------------------------------------------------
@@ -147,7 +144,7 @@ def ref_layer(params, x, r, cfg, capacity=None, balance_coef=0.3, z_coef=0.7):
 
 def layer_and_grads(cfg, x, r, *, train=True, seed=0):
     """Jitted y, aux and grads (params, x) of sum(y * r) + 0.3 balance + 0.7 z."""
-    model = MoE(cfg, rngs=nnx.Rngs(seed))
+    model = MoE.of_model(cfg, rngs=nnx.Rngs(seed))
     graphdef, params = nnx.split(model)
 
     @jax.jit
@@ -174,7 +171,7 @@ def data():
 def check_against_reference(cfg, data, *, capacity=None):
     x, r = data
     params, y, aux, dparams, dx = layer_and_grads(cfg, x, r)
-    gate = gate_config(cfg.moe, cfg.moe.gating)
+    gate = cfg.moe.gate
     want_y, want_aux, want_grads, want_dx = ref_layer(params, x, r, gate, capacity)
     tol = dict(rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(np.asarray(y), want_y, **tol, err_msg="y")
@@ -273,7 +270,7 @@ def test_block_dispatch_with_skewed_routing():
 def test_eval_gating_and_jitter(data):
     x, _ = data
     cfg = moe_config(eval_gating="top1", jitter=0.1, dispatch="dense")
-    model = MoE(cfg, rngs=nnx.Rngs(params=0, jitter=1))
+    model = MoE.of_model(cfg, rngs=nnx.Rngs(params=0, jitter=1))
     run = nnx.jit(lambda m, x, train: m(x, train=train), static_argnames="train")
     y1, aux_train = run(model, x, True)
     y2, _ = run(model, x, True)
@@ -298,7 +295,7 @@ def test_bfloat16_compute(impl, data, monkeypatch):
     assert y.dtype == dx.dtype == jnp.bfloat16
     assert aux["balance_loss"].dtype == jnp.float32
     x16 = np.asarray(x.astype(jnp.bfloat16), np.float64)
-    gate = gate_config(cfg.moe, cfg.moe.gating)
+    gate = cfg.moe.gate
     want_y, _, want_grads, want_dx = ref_layer(params, x16, r, gate)
     scale = np.abs(want_y).max()
     np.testing.assert_allclose(np.asarray(y, np.float32), want_y, atol=0.03 * scale)
@@ -327,7 +324,7 @@ def test_bfloat16_compute(impl, data, monkeypatch):
 )
 def test_bad_config_names_the_key(override, key):
     with pytest.raises(ValueError, match=f"model.moe.{key}"):
-        MoE(moe_config(**override), rngs=nnx.Rngs(0))
+        MoE.of_model(moe_config(**override), rngs=nnx.Rngs(0))
 
 
 def test_few_tokens_with_large_blocks_match_dense():
@@ -340,11 +337,11 @@ def test_few_tokens_with_large_blocks_match_dense():
     cfg = tiny_config(
         "model.moe.block_size=256", "model.moe.dispatch=blocks", "model.moe.num_experts=2"
     ).model
-    layer = MoE(cfg, rngs=nnx.Rngs(0))
+    layer = MoE.of_model(cfg, rngs=nnx.Rngs(0))
     x = jax.random.normal(jax.random.key(0), (1, dispatch.ALL_EXPERTS_MAX_ROWS + 1, cfg.d_model))
     got = layer(x, train=False)[0]
-    cfg.moe.dispatch = "dense"
-    dense = MoE(cfg, rngs=nnx.Rngs(0))
+    cfg = cfg.replace(moe=cfg.moe.replace(dispatch="dense"))
+    dense = MoE.of_model(cfg, rngs=nnx.Rngs(0))
     np.testing.assert_allclose(np.asarray(got), np.asarray(dense(x, train=False)[0]), atol=1e-5)
     assert jnp.isfinite(got).all()
 

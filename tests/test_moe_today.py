@@ -13,12 +13,11 @@ import pytest
 import torch
 from flax import nnx
 
-from jaxmoe.config.loading import apply_overrides
-from jaxmoe.config.validation import validate
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.attention import Attention
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
 from jaxmoe.models.moe import router
 from jaxmoe.models.moe.layer import MoE
 from tests import test_one_forward
@@ -32,7 +31,7 @@ def moe_model_cfg(*overrides):
 
 
 def moe_layer(*overrides, seed=0):
-    layer = MoE(moe_model_cfg(*overrides), rngs=nnx.Rngs(seed))
+    layer = MoE.of_model(moe_model_cfg(*overrides), rngs=nnx.Rngs(seed))
     if hasattr(layer, "selection_bias"):  # a bias that changes choices (scores are in [0, 1])
         bias = np.random.default_rng(seed + 1).normal(0, 0.3, E)
         layer.selection_bias[...] = jnp.asarray(bias, jnp.float32)
@@ -178,10 +177,10 @@ def test_router_matches_a_per_token_loop(scoring, biased, n_group, topk_group, k
     rng = np.random.default_rng(k)
     logits = rng.normal(size=(40, E)).astype(np.float32)
     bias = rng.normal(0, 0.3, E).astype(np.float32) if biased else None
-    rcfg = router.RouterConfig(scoring, biased, n_group, topk_group, scale)
-    from jaxmoe.models.moe.gates import GateConfig
+    rcfg = router.RouterOptions(scoring, scale, biased, n_group, topk_group)
+    from jaxmoe.models.moe.gates import GateOptions
 
-    gate = GateConfig(gating="topk", top_k=k, renormalize=renorm)
+    gate = GateOptions(gating="topk", top_k=k, renormalize=renorm)
     scores = router.router_scores(jnp.asarray(logits), scoring)
     routing = router.route(scores, None if bias is None else jnp.asarray(bias), rcfg, gate)
     expected = ref_route(logits, bias, scoring, n_group, topk_group, k, renorm, scale)
@@ -288,7 +287,7 @@ def test_sequence_balance_loss_reaches_the_train_loss():
     graphdef, params = nnx.split(model, nnx.Param)
     params = nnx.to_pure_dict(params)
     spec = type("Spec", (), {"graphdef": graphdef, "rest": None})()
-    fns = step_fns(cfg, spec, None, lambda s: 0.0)
+    fns = step_fns(cfg.train, cfg.optimizer, cfg.model, spec, None, lambda s: 0.0)
     rng = np.random.default_rng(0)
     inputs = rng.integers(0, 128, (2, 16)).astype(np.int32)
     batch = {"inputs": inputs, "targets": inputs, "weights": np.ones((2, 16), np.float32)}
@@ -387,9 +386,7 @@ def test_option_checks(overrides, message):
 
 def test_qk_norm_decoder_only():
     with pytest.raises(ConfigError, match=r"model\.qk_norm='head' is implemented for decoder"):
-        config = tiny_config()
-        apply_overrides(config, ["model.arch=encoder_decoder", "model.qk_norm=head"])
-        validate(config)
+        with_overrides(tiny_config(), ["model.arch=encoder_decoder", "model.qk_norm=head"])
 
 
 # ---------------------------------------------------------------------------------------

@@ -22,7 +22,8 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import (
     DeepseekV3RMSNorm,
 )
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config
+from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
 from jaxmoe.inference.decode import Generator, Sampling
@@ -31,6 +32,7 @@ from jaxmoe.models import build_model
 from jaxmoe.models.layers import head_logits
 from jaxmoe.models.spec import merge_model, model_params, model_rngs, model_spec
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import init_state, state_shardings
 from jaxmoe.training.steps import _loss, jit_train_step, mtp_totals, step_fns
@@ -153,10 +155,9 @@ def test_training_loss_is_main_plus_lambda_mtp(converted):
     _, model, mtp, dst = converted
     loaded = load_converted(dst)
     cfg = tiny_config()
-    cfg.model = read_config(str(dst)).model
-    cfg.model.mtp_weight = LAMBDA
+    cfg = cfg.replace(model=read_config(str(dst)).model.replace(mtp_weight=LAMBDA))
     spec = model_spec(cfg.model, make_mesh(cfg.mesh, jax.devices()[:1]))
-    fns = step_fns(cfg, spec, None, lambda step: 0.0)
+    fns = step_fns(cfg.train, cfg.optimizer, cfg.model, spec, None, lambda step: 0.0)
     ids = jnp.asarray(IDS)
     batch = {
         "inputs": ids[:, :-1],
@@ -215,7 +216,7 @@ def test_copies_that_differ_and_unannounced_layers_are_refused(converted, tmp_pa
 def test_speculative_decoding_of_the_converted_model(converted):
     _, _, _, dst = converted
     loaded = load_converted(dst)
-    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    mesh = make_mesh(MeshOptions(data=1), jax.devices()[:1])
     prompts = [list(map(int, IDS[0, :5])), list(map(int, IDS[1, :9]))]
     plain = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1).generate(prompts, 10)
     drafted = MTPGenerator(loaded.cfg, loaded.params, mesh, eos_id=-1).generate(prompts, 10)
@@ -257,7 +258,11 @@ def half_trained():
     rng = np.random.default_rng(0)
     losses = []
     with jax.set_mesh(mesh):
-        step = jit_train_step(step_fns(cfg, spec, optimizer, schedule), shardings, None)
+        step = jit_train_step(
+            step_fns(cfg.train, cfg.optimizer, cfg.model, spec, optimizer, schedule),
+            shardings,
+            None,
+        )
         for _ in range(6):
             state, metrics = step(state, pattern_batch(rng))
             losses.append((float(metrics["loss"]), float(metrics["mtp_loss"])))
@@ -288,7 +293,7 @@ def test_packed_documents_score_as_if_alone():
     cfg = tiny_config("model.mtp_depth=2", "model.moe.num_experts=0")
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     spec = model_spec(cfg.model, mesh)
-    fns = step_fns(cfg, spec, None, lambda step: 0.0)
+    fns = step_fns(cfg.train, cfg.optimizer, cfg.model, spec, None, lambda step: 0.0)
     _, params = model_params(build_model(cfg.model, rngs=model_rngs(jax.random.key(0))))
     rng = np.random.default_rng(1)
     first, second = rng.integers(1, 128, 7), rng.integers(1, 128, 9)
@@ -339,7 +344,7 @@ def test_model_flops_count_the_modules():
     block = 2 * d * h * dh + 2 * d * k * dh + 3 * d * f  # q/out, k/v, wi_0/wi_1/wo
     module = length * (block + 2 * d * d + d * v) + 2 * h * dh * length * length
     without = train_flops_per_step(cfg, 8, length)
-    cfg.mtp_depth = 1
+    cfg = cfg.replace(mtp_depth=1)
     assert train_flops_per_step(cfg, 8, length) - without == 3 * 2 * 8 * module
 
 

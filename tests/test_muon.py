@@ -130,10 +130,15 @@ def test_update_matches_numpy_reference():
 
 def test_matrices_of_a_deepseek_model():
     """Which parameters of a scanned MLA + shared/routed-expert model Muon takes, and how."""
-    cfg = load_config("configs/deepseek2_16b.py:tiny")
-    cfg.model.q_lora_rank = 16
-    cfg.model.scan_layers = True
-    cfg.model.moe.router_scoring, cfg.model.moe.selection_bias = "sigmoid", True
+    cfg = load_config(
+        "configs/deepseek2_16b.py:tiny",
+        [
+            "model.q_lora_rank=16",
+            "model.scan_layers=true",
+            "model.moe.router_scoring=sigmoid",
+            "model.moe.selection_bias=true",
+        ],
+    )
     mesh = make_mesh(cfg.mesh, jax.devices()[:1])
     dims = dimension_numbers(model_spec(cfg.model, mesh).param_axes)
     period = dims["layers"]["period"]["0"]

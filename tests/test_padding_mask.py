@@ -11,7 +11,7 @@ from flax import nnx
 
 from jaxmoe.models import build_model
 from jaxmoe.models.moe import gates
-from jaxmoe.models.moe.gates import GateConfig
+from jaxmoe.models.moe.gates import GateOptions
 from jaxmoe.training.steps import forward
 from tests.helpers import TINY_T5, tiny_config
 
@@ -28,16 +28,16 @@ def test_balance_loss_ignores_padding_hand_computed():
     # Top-1 / adaptive (T = 0.1): real top-1 experts 0, 0, 1, 2 -> f = [1/2, 1/4, 1/4].
     want_top1 = 3 * (0.5 * MEAN_P[0] + 0.25 * MEAN_P[1] + 0.25 * MEAN_P[2])
     for gating in ("top1", "adaptive"):
-        routing = gates.route(PROBS, GateConfig(gating=gating, threshold=0.1))
+        routing = gates.route(PROBS, GateOptions(gating=gating, threshold=0.1))
         got = float(gates.balance_loss(PROBS, routing, gating, token_mask_T=MASK))
         assert math.isclose(got, want_top1, rel_tol=1e-6), gating
     # Top-2: real assignments {0,1}, {0,1}, {1,2}, {2,0} -> counts [3, 3, 2] of 8.
-    routing = gates.route(PROBS, GateConfig(gating="top2"))
+    routing = gates.route(PROBS, GateOptions(gating="top2"))
     want = 3 * (3 / 8 * MEAN_P[0] + 3 / 8 * MEAN_P[1] + 2 / 8 * MEAN_P[2])
     got = float(gates.balance_loss(PROBS, routing, "top2", token_mask_T=MASK))
     assert math.isclose(got, want, rel_tol=1e-6)
     # Without the mask the padding counts (expert 2 gets both padding tokens).
-    unmasked = float(gates.balance_loss(PROBS, gates.route(PROBS, GateConfig("top1")), "top1"))
+    unmasked = float(gates.balance_loss(PROBS, gates.route(PROBS, GateOptions("top1")), "top1"))
     assert not math.isclose(unmasked, want_top1, rel_tol=1e-3)
 
 

@@ -152,7 +152,11 @@ def test_train_step_clips_large_logits(attention):
 
     with jax.set_mesh(mesh):
         before = largest(state["params"])
-        step = jit_train_step(step_fns(cfg, spec, optimizer, schedule), shardings, None)
+        step = jit_train_step(
+            step_fns(cfg.train, cfg.optimizer, cfg.model, spec, optimizer, schedule),
+            shardings,
+            None,
+        )
         state, metrics = step(state, batch)
         after = largest(state["params"])
     assert before[0].max() > 2 * TAU

@@ -141,8 +141,7 @@ def _tiny(quantization, dispatch="auto"):
     m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = 64, 32, 2, 4, 2
     m.head_dim, m.ffn_dim, m.moe.ffn_dim, m.moe.num_experts = 8, 64, 32, 4
     m.quantization, m.moe.dispatch = quantization, dispatch
-    typed(c)
-    return c
+    return typed(c)
 
 
 def test_blocks_dispatch_refused_with_quantization():

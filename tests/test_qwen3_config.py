@@ -57,8 +57,8 @@ def _as_hf(config) -> dict:
         "moe_intermediate_size": m.moe.ffn_dim,
         "intermediate_size": m.ffn_dim,
         "num_experts": m.moe.num_experts,
-        "num_experts_per_tok": m.moe.top_k,
-        "norm_topk_prob": m.moe.renormalize,
+        "num_experts_per_tok": m.moe.gate.top_k,
+        "norm_topk_prob": m.moe.gate.renormalize,
         "rms_norm_eps": m.norm_eps,
         "rope_theta": m.rope_theta,
         "tie_word_embeddings": m.tie_embeddings,
@@ -72,7 +72,7 @@ def test_full_config_is_qwen3_30b_a3b():
     config = load_config(CONFIG)
     assert _as_hf(config) == QWEN3_30B_A3B
     m = config.model
-    assert (m.qk_norm, m.activation, m.moe.gating, m.moe.router_scoring) == (
+    assert (m.qk_norm, m.activation, m.moe.gate.gating, m.moe.router.router_scoring) == (
         "head", "silu", "topk", "softmax",
     )  # fmt: skip
     assert m.moe.num_shared_experts == 0 and m.moe.z_loss_weight == 0.0

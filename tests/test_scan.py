@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params, model_spec
 from jaxmoe.models.stack import layer_layouts, stack_layers, unstack_layers
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.parallel.sharding import batch_spec, named
 from jaxmoe.training import steps
 from tests.helpers import synthetic_batches, tiny_config
@@ -66,11 +68,13 @@ def batch_for(config):
 def loss_and_grads(config, params, batch):
     """(loss with aux terms, MoE metrics, grads) of the train step's loss on config's mesh."""
     # The in-slice axes only: mesh.dcn_* count slices (dcn_data defaults to -1).
-    size = np.prod([config.mesh[a] for a in ("data", "fsdp", "tensor", "expert")])
+    size = np.prod([getattr(config.mesh, a) for a in ("data", "fsdp", "tensor", "expert")])
     devices = jax.devices()[: int(size)]
     mesh = make_mesh(config.mesh, devices)
     spec = model_spec(config.model, mesh)
-    fns = steps.step_fns(config, spec, optimizer=None, schedule=None)
+    fns = steps.step_fns(
+        config.train, config.optimizer, config.model, spec, optimizer=None, schedule=None
+    )
     params = jax.device_put(params, named(mesh, spec.param_specs))
     batch_sharding = named(mesh, batch_spec(mesh, 2, config.train.batch_size))
     batch = jax.device_put(batch, batch_sharding)
@@ -136,7 +140,7 @@ def test_scanned_matches_unrolled(case, mesh_name):
     # The scanned model's own parameter tree has exactly this layout and shapes.
     spec = model_spec(
         scanned_cfg.model,
-        make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1]),
+        make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1]),
     )
     assert jax.tree.map(np.shape, stacked) == jax.tree.map(lambda a: a.shape, spec.abstract_params)
 
@@ -206,7 +210,8 @@ def test_checkpoint_restores_into_the_other_layout(tmp_path, saved_scanned):
 
 def _restore_unrolled(path, config):
     """A checkpoint's parameters with per-layer paths, whatever layout it was saved in."""
-    from jaxmoe.checkpoints.manager import read_config, restore_params
+    from jaxmoe.checkpoints.manager import restore_params
+    from jaxmoe.config.stored import read_config
     from jaxmoe.models.stack import unrolled_config
 
     cfg = read_config(path).model
@@ -270,14 +275,14 @@ def test_routing_probes_see_every_layer_of_a_scanned_stack():
 
 
 def test_remat_takes_a_policy_and_the_old_booleans():
-    from jaxmoe.checkpoints.manager import merge_into_defaults
+    from jaxmoe.config.stored import complete_stored
     from jaxmoe.errors import ConfigError
 
     assert tiny_config("model.remat=true").model.remat == "full"
     assert tiny_config("model.remat=false").model.remat == "none"
     assert tiny_config("model.remat=dots_saveable").model.remat == "dots_saveable"
     # A checkpoint written when model.remat was a bool still loads its config.
-    assert merge_into_defaults({"model": {"remat": True}}).model.remat == "full"
+    assert complete_stored({"model": {"remat": True}}).model.remat == "full"
     with pytest.raises(ConfigError, match=r"model\.remat='everything' is not one of"):
         tiny_config("model.remat=everything")
 
@@ -303,7 +308,7 @@ def test_aux_and_routing_vectors_follow_numeric_layer_order(scan):
     config = tiny_config(
         *CASES["t5"], "model.num_layers=12", "model.num_encoder_layers=1", "model.moe.every=1"
     )
-    config.model.scan_layers = scan
+    config = config.replace(model=config.model.replace(scan_layers=scan))
     batch = batch_for(config)
     order = []
 
@@ -368,7 +373,7 @@ def test_router_jitter_runs_in_the_scan():
     params = init_params(scanned_cfg)  # built in the scanned layout
     batch = batch_for(scanned_cfg)
     plain, _, _ = loss_and_grads(scanned_cfg, params, batch)
-    scanned_cfg.model.moe.jitter = 0.5
+    scanned_cfg = with_overrides(scanned_cfg, ["model.moe.jitter=0.5"])
     noisy, _, grads = loss_and_grads(scanned_cfg, params, batch)
     assert np.isfinite(noisy) and noisy != plain
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grads))

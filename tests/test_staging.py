@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from jaxmoe.checkpoints.manager import read_config
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf import importer
 from tests.test_hf import randomize
 

@@ -15,6 +15,7 @@ from jaxmoe.inference.stop_strings import StopStrings, cut_at_strings
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 
@@ -76,7 +77,7 @@ def generator_and_tokenizer(tmp_path_factory, embedded_data_cache):
     cfg = tiny_config("model.moe.num_experts=0", "model.vocab_size=512").model
     _, params = model_params(build_model(cfg, rngs=nnx.Rngs(3)))
     params = jax.tree.map(lambda a: a * 4, params)  # peaked logits: varied, repeated text
-    mesh = make_mesh({"data": 4, "fsdp": 1, "tensor": 2, "expert": 1})
+    mesh = make_mesh(MeshOptions(data=4, fsdp=1, tensor=2, expert=1))
     generator = Generator(cfg, params, mesh, eos_id=-1, vocab_limit=tokenizer.vocab_size)
     return generator, tokenizer
 

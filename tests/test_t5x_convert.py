@@ -17,8 +17,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from jaxmoe.checkpoints.manager import CheckpointError, read_config
+from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.cli import build_parser
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.inference.evaluate import evaluate
@@ -155,7 +156,7 @@ def test_inferred_config(converted):
         activation="gelu", rope_theta=0.0, norm_eps=1e-6, tie_embeddings=False,
         relpos_buckets=32, relpos_max_distance=128,
     )  # fmt: skip
-    assert {key: m[key] for key in expected} == expected
+    assert {key: getattr(m, key) for key in expected} == expected
     assert m.moe.num_experts == 0
 
 

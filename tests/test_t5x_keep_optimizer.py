@@ -19,6 +19,7 @@ import pytest
 
 from jaxmoe.checkpoints.manager import restore_opt_state
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.validation import validate
 from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.conversions.t5x.reader import open_t5x
 from jaxmoe.training.loop import train
@@ -228,7 +229,7 @@ def test_init_optimizer_from_a_jaxmoe_run_continues_adam_and_offsets_the_schedul
     apply_overrides(config, ["train.init_optimizer=true", "uptrain.alpha=0.25"])
     uptrain.finalize(config)
     assert (config.train.steps, config.optimizer.start_step) == (1, 4)
-    train(config, str(tmp_path / "up"), progress=False)
+    train(validate(config), str(tmp_path / "up"), progress=False)
 
     step_dir = tmp_path / "up" / "checkpoints" / "1"
     with ocp.StandardCheckpointer() as checkpointer:

@@ -248,8 +248,7 @@ def _batch(seed=1, b=3, s=20, l=11):
 
 
 def _converted_logits(dst, config, encoder, decoder, **moe):
-    model_cfg = config.model.copy_and_resolve_references()
-    model_cfg.moe.update(moe)
+    model_cfg = config.model.replace(moe=config.model.moe.replace(**moe))
     graphdef, _, rest = nnx.split(build_model(model_cfg, rngs=nnx.Rngs(0)), nnx.Param, ...)
     with ocp.StandardCheckpointer() as checkpointer:
         params = checkpointer.restore(dst / "params")
@@ -270,11 +269,15 @@ def test_switch_checkpoint_converts_to_moe_layers_matching_numpy(tmp_path, route
     config = convert_t5x(src, dst)
     m = config.model
     assert (m.moe.num_experts, m.moe.every, m.moe.ffn_dim, m.ffn_dim) == (E, 2, FE, F)
-    assert m.moe.router_bias is router_bias and m.moe.gating == "top1"
+    assert m.moe.router_bias is router_bias and m.moe.gate.gating == "top1"
     assert (m.ffn_gated, m.tie_embeddings, m.activation) == (
         (False, True, "relu") if base else (True, False, "gelu")
     )
-    assert (m.num_layers, m.num_encoder_layers, config.source.step) == (LAYERS, LAYERS, 7000)
+    assert (m.num_layers, m.num_encoder_layers, config.extra["source"]["step"]) == (
+        LAYERS,
+        LAYERS,
+        7000,
+    )
     stored = json.loads((dst / "config" / "config.json").read_text())
     assert stored["model"]["moe"]["num_experts"] == E
 
@@ -326,7 +329,7 @@ def test_regated_switch_base_uptrains_with_the_adaptive_gate(tmp_path):
     convert_t5x(src, dst, overrides=["model.moe.gating=adaptive", "model.moe.threshold=0.3"])
     config = tiny_uptrain(dst, tmp_path)
     assert (config.train.steps, config.optimizer.start_step) == (2, 40)
-    assert config.model.moe.gating == "adaptive" and not config.model.ffn_gated
+    assert config.model.moe.gate.gating == "adaptive" and not config.model.ffn_gated
     train(config, str(tmp_path / "run"), progress=False)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(line) for line in lines if '"top2_fraction"' in line]

@@ -22,16 +22,19 @@ from flax import nnx
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.trees import flatten
-from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.schema import JobConfig
+from jaxmoe.config.validation import validate
 from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout
 from jaxmoe.models.spec import model_params, model_rngs, model_spec
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.training.loop import train
 from jaxmoe.training.optimizer import learning_rate_schedule
+from jaxmoe.training.options import OptimizerOptions
 from jaxmoe.training.steps import _loss, forward, step_fns
 from tests.helpers import synthetic_batches, tiny_config
 
@@ -40,11 +43,8 @@ TINY = FIXTURES / "test_t5_tiny.checkpoint_0"
 REPO = Path(__file__).resolve().parents[1]
 
 
-def optimizer_config(**values) -> ConfigDict:
-    o = base_config().optimizer
-    for key, value in values.items():
-        o[key] = value
-    return o
+def optimizer_config(**values) -> OptimizerOptions:
+    return OptimizerOptions(**values)
 
 
 def values(schedule, steps) -> np.ndarray:
@@ -56,18 +56,18 @@ def test_t5x_rsqrt_is_flat_then_inverse_sqrt_and_continues_from_start_step():
     steps = [0, 1, 9_999, 10_000, 40_000]
     want = [0.01, 0.01, 0.01, 0.01, 0.005]  # 1 / sqrt(max(step, 10k)) by hand
     np.testing.assert_allclose(values(learning_rate_schedule(o, 600), steps), want, rtol=1e-6)
-    o.start_step = 1_000_000  # T5.1.1 uptraining resumes at 1M: lr 1e-3, no new warmup
+    o = o.replace(start_step=1_000_000)  # T5.1.1 uptraining resumes at 1M: lr 1e-3, no warmup
     got = values(learning_rate_schedule(o, 50_000), [0, 50_000])
     np.testing.assert_allclose(got, [1e-3, 1 / math.sqrt(1_050_000)], rtol=1e-6)
 
 
 def test_continued_cosine_keeps_the_original_length():
     o = optimizer_config(schedule="cosine", learning_rate=3e-3, warmup_steps=50, min_lr_ratio=0.1)
-    o.start_step, o.schedule_steps = 600, 600  # after a finished 600-step run: at the floor
+    o = o.replace(start_step=600, schedule_steps=600)  # after a finished 600-step run: floor
     np.testing.assert_allclose(
         values(learning_rate_schedule(o, 30), [0, 15, 29]), [3e-4] * 3, rtol=1e-6
     )
-    o.start_step = 300  # mid-run: the cosine at step 300 of (600 - 50) decay steps
+    o = o.replace(start_step=300)  # mid-run: the cosine at step 300 of (600 - 50) decay steps
     cos = 0.5 * (1 + math.cos(math.pi * (300 - 50) / 550))
     want = 3e-3 * (0.1 + 0.9 * cos)
     np.testing.assert_allclose(values(learning_rate_schedule(o, 30), [0]), [want], rtol=1e-5)
@@ -96,7 +96,7 @@ def test_logits_z_loss_equals_numpy_and_adds_to_the_loss():
     batch = synthetic_batches(config, 1)[0]
     batch["weights"][:, -5:] = 0.0  # padding is not a target
     batch = jax.tree.map(jnp.asarray, batch)
-    fns = step_fns(config, spec, None, None)
+    fns = step_fns(config.train, config.optimizer, config.model, spec, None, None)
     weight = jnp.sum(batch["weights"])
     loss, extra = _loss(params, batch, weight, jax.random.key(0), fns)
 
@@ -111,7 +111,7 @@ def test_logits_z_loss_equals_numpy_and_adds_to_the_loss():
 
 
 def one_device():
-    return make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    return make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
 
 
 def init_params(config):
@@ -236,7 +236,7 @@ def rms(x) -> float:
     return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
 
 
-def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> ConfigDict:
+def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> JobConfig:
     """configs/uptrain_gqa.py on `checkpoint`, with small batches of the embedded corpus."""
     uptrain = uptrain_module()
     config = uptrain.get_config(str(checkpoint))
@@ -253,7 +253,7 @@ def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> ConfigDic
         ],
     )
     uptrain.finalize(config)
-    return config
+    return validate(config)
 
 
 def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(converted, tmp_path):

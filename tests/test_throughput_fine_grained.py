@@ -28,8 +28,8 @@ def test_fine_grained_is_a_tiny_qwen3_moe_of_hugging_faces_size():
     pytest.importorskip("transformers")
     config = throughput_jaxmoe.variant_config("fine_grained", [])
     moe = config.model.moe
-    assert (moe.num_experts, moe.ffn_dim, moe.gating, moe.top_k) == (64, 128, "topk", 8)
-    assert moe.renormalize and config.model.qk_norm == "head"
+    assert (moe.num_experts, moe.ffn_dim, moe.gate.gating, moe.gate.top_k) == (64, 128, "topk", 8)
+    assert moe.gate.renormalize and config.model.qk_norm == "head"
     # Hand count: untied embeddings 2 x 8192 x 256; per layer q/out 2 x 256 x 256, k/v
     # 2 x 256 x 64, two norms 2 x 256, q/k norms 2 x 32, router 256 x 64, experts
     # 64 x 3 x 256 x 128; the final norm 256.

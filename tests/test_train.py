@@ -69,7 +69,7 @@ def test_resume_matches_uninterrupted(uninterrupted, tmp_path):
 
 
 def test_checkpoint_carries_config(uninterrupted):
-    from jaxmoe.checkpoints.manager import read_config
+    from jaxmoe.config.stored import read_config
 
     _, workdir, _ = uninterrupted
     stored = read_config(str(workdir))
@@ -116,7 +116,7 @@ def test_cli_reports_mesh_mismatch_in_one_line(tmp_path):
     )
     assert result.returncode == 2
     err = result.stderr.strip().splitlines()[-1]
-    assert "data*fsdp*tensor*expert = 3 but there are 8 devices" in err
+    assert "data*fsdp*context*tensor*expert = 3 but there are 8 devices" in err
 
 
 def test_cli_rejects_unwritable_workdir(tmp_path):

@@ -9,6 +9,7 @@ from flax import nnx
 import jaxmoe
 from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.checkpoints.trees import flatten
+from jaxmoe.config.loading import with_overrides
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
@@ -24,7 +25,7 @@ def saved(tmp_path_factory, embedded_data_cache):
     tmp = tmp_path_factory.mktemp("trained_model")
     copy_data_cache(embedded_data_cache, tmp / "cache")  # its tokenizer, trained once
     config = tiny_config("model.vocab_size=512", f"data.cache_dir={tmp / 'cache'}")
-    config.data.tokenizer = load_tokenizer(config).path
+    config = with_overrides(config, [f"data.tokenizer={load_tokenizer(config).path}"])
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(7)))
     params = jax.device_get(params)
     run = tmp / "run" / "checkpoints" / "12"

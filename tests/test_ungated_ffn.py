@@ -51,8 +51,8 @@ def test_ungated_moe_matches_plain_loop(impl, act):
     cfg = moe_config(
         gating="top2", dispatch=impl, capacity_factor=4.0 if impl == "capacity" else 0.0
     )
-    cfg.activation, cfg.ffn_gated = act, False
-    model = MoE(cfg, rngs=nnx.Rngs(0))
+    cfg = cfg.replace(activation=act, ffn_gated=False)
+    model = MoE.of_model(cfg, rngs=nnx.Rngs(0))
     graphdef, params = nnx.split(model)
     plain = {k: v[...] for k, v in nnx.to_pure_dict(params).items()}
     assert set(plain) == {"router", "wi", "wo"}

@@ -7,18 +7,21 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.manager import read_config, restore_params, save_params
+from jaxmoe.checkpoints.manager import restore_params, save_params
+from jaxmoe.config.loading import with_overrides
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.surgery import convert_upcycle, upcycle_config, upcycle_params
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params, model_spec
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 from tests.helpers import tiny_config
 
 E = 4
 
 
 def one_device_mesh():
-    return make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "expert": 1}, jax.devices()[:1])
+    return make_mesh(MeshOptions(data=1, fsdp=1, tensor=1, expert=1), jax.devices()[:1])
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +68,9 @@ def test_upcycled_moe_at_init_equals_dense(dense, gating, every):
 def test_weights_not_summing_to_one_would_change_the_function(dense):
     """The equality above is not automatic: raw top-2 probabilities scale the FFN down."""
     config, params, tokens, want = dense
-    moe_config = upcycle_config(config, E, gating="top2")
-    moe_config.model.moe.renormalize = False
+    moe_config = with_overrides(
+        upcycle_config(config, E, gating="top2"), ["model.moe.renormalize=false"]
+    )
     got, _, _ = upcycled_logits(moe_config, params, tokens)
     assert np.max(np.abs(got - want)) > 1e-2
 
@@ -79,7 +83,7 @@ def test_convert_upcycle_writes_checkpoint_and_config(dense, tmp_path):
     moe = stored.model.moe
     assert stored.to_dict() == returned.to_dict()
     assert (moe.num_experts, moe.every, moe.ffn_dim) == (E, 2, config.model.ffn_dim)
-    assert (moe.renormalize, moe.single_weight) == (True, "one")
+    assert (moe.gate.renormalize, moe.gate.single_weight) == (True, "one")
     restored = restore_params(
         str(tmp_path / "moe"), model_spec(stored.model, one_device_mesh()).abstract_params
     )

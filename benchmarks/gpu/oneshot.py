@@ -137,8 +137,7 @@ def make_config(settings: dict):
 
     config = base_config()
     apply_overrides(config, [f"{key}={value}" for key, value in settings.items()])
-    validate(config)
-    return config
+    return validate(config)
 
 
 def parameter_count(config) -> int:
@@ -155,10 +154,9 @@ def flops_per_step(config, top2_fraction: float | None) -> float:
     from jaxmoe.models.flops import train_flops_per_step
 
     m, t = config.model, config.train
-    if not m.moe.num_experts or m.moe.gating != "adaptive":
+    if not m.moe.num_experts or m.moe.gate.gating != "adaptive":
         return train_flops_per_step(m, t.batch_size, t.seq_len)
-    one, two = m.copy_and_resolve_references(), m.copy_and_resolve_references()
-    one.moe.gating, two.moe.gating = "top1", "top2"
+    one, two = (m.replace(moe=m.moe.replace(gating=g)) for g in ("top1", "top2"))
     share = 1.0 if top2_fraction is None else top2_fraction
     low = train_flops_per_step(one, t.batch_size, t.seq_len)
     return low + share * (train_flops_per_step(two, t.batch_size, t.seq_len) - low)
@@ -184,7 +182,7 @@ class JaxSteps:
         optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
         _, shardings = state_shardings(self.mesh, spec, optimizer)
         self.state = init_state(config.model, seed, optimizer, shardings, self.mesh)
-        fns = step_fns(config, spec, optimizer, schedule)
+        fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule)
         replicated = NamedSharding(self.mesh, PartitionSpec())
         self.step_fn = jax.jit(
             functools.partial(train_step, fns=fns),

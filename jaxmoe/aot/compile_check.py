@@ -61,18 +61,17 @@ def model_vocab_size(config) -> int:
 
 def for_tpu(config):
     """A copy of `config` with what `jaxmoe train` decides at run time fixed as on a TPU."""
-    config = config.copy_and_resolve_references()
-    with config.unlocked():
-        config.model.vocab_size = model_vocab_size(config)
-        moe = config.model.moe
-        if moe.num_experts and moe.dispatch == "auto":
-            # "auto" picks by the default backend, which here is this host's CPU.
-            from jaxmoe.models.moe.dispatch import resolve_dispatch
+    model = config.model.replace(vocab_size=model_vocab_size(config))
+    moe = model.moe
+    if moe.num_experts and moe.dispatch == "auto":
+        # "auto" picks by the default backend, which here is this host's CPU.
+        from jaxmoe.models.moe.dispatch import resolve_dispatch
 
-            moe.dispatch = resolve_dispatch("auto", moe.capacity_factor, backend="tpu")
-        if config.model.attention_block == AUTO:
-            config.model.attention_block = 0  # what AUTO picks on a TPU: dense attention
-    return config
+        dispatch = resolve_dispatch("auto", moe.capacity_factor, backend="tpu")
+        model = model.replace(moe=moe.replace(dispatch=dispatch))
+    if model.attention_block == AUTO:
+        model = model.replace(attention_block=0)  # what AUTO picks on a TPU: dense attention
+    return config.replace(model=model)
 
 
 def batch_lengths(config) -> tuple[int, int | None]:
@@ -84,8 +83,8 @@ def batch_lengths(config) -> tuple[int, int | None]:
     # decoder length follows from the noise settings, computed as the pipeline does.
     from jaxmoe.data.seq2seq import corrupted_lengths, raw_length_for
 
-    density = float(config.data.noise_density)
-    span = float(config.data.mean_noise_span)
+    density = config.data.noise_density
+    span = config.data.mean_noise_span
     return corrupted_lengths(raw_length_for(t.seq_len, density, span), density, span)[1], t.seq_len
 
 
@@ -225,7 +224,10 @@ def jitted_train_step(config, mesh: Mesh):
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
     batch = abstract_batch(config, mesh)
     step = jax.jit(
-        functools.partial(train_step, fns=step_fns(config, spec, optimizer, schedule)),
+        functools.partial(
+            train_step,
+            fns=step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule),
+        ),
         in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
         out_shardings=(shardings, None),
         donate_argnums=0,
@@ -358,14 +360,13 @@ def moe_grouping(config, mesh, length: int) -> str | None:
     from jaxmoe.models.moe.dispatch import resolve_dispatch
     from jaxmoe.models.moe.gates import num_slots
     from jaxmoe.models.moe.grouping import grouping_summary
-    from jaxmoe.models.moe.layer import gate_config
 
     t = config.train
     tokens = t.batch_size * length // (data_parallel_size(mesh) * max(t.grad_accum, 1))
     return grouping_summary(
         resolve_dispatch(moe.dispatch, moe.capacity_factor, backend="tpu"),
         tokens=max(tokens, 1),
-        slots=num_slots(gate_config(moe, moe.gating)),
+        slots=num_slots(moe.gate),
         num_experts=moe.num_experts,
         block_size=moe.block_size,
     )

@@ -11,15 +11,16 @@ interrupted save is never mistaken for a checkpoint.
 """
 
 import contextlib
+import copy
 import json
 import logging
 import os
+from typing import Protocol
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.safe_paths import check_no_symlink_out
 from jaxmoe.checkpoints.tokenizer_item import (
@@ -39,17 +40,24 @@ from jaxmoe.storage.received import read_text
 log = logging.getLogger(__name__)
 
 
+class StorableConfig(Protocol):
+    """What checkpoints store of a config: its keys as nested plain dicts (a JobConfig, or
+    the ConfigDict a converter builds; jaxmoe/config reads them back, typed)."""
+
+    def to_dict(self) -> dict: ...
+
+
 class CheckpointMismatch(CheckpointError):
     """A readable checkpoint of another model (tensor names or shapes differ): never treated
     as damage, since setting it aside would silently restart the run from step 0."""
 
 
-def _args_save(state, meta: dict, config: ConfigDict, tokenizer: dict | None):
+def _args_save(state, meta: dict, config: dict, tokenizer: dict | None):
     items = {
         "params": ocp.args.StandardSave(state["params"]),
         "opt_state": ocp.args.StandardSave(state["opt_state"]),
         "meta": ocp.args.JsonSave(meta),
-        "config": ocp.args.JsonSave(config.to_dict()),
+        "config": ocp.args.JsonSave(config),
     }
     if tokenizer:
         items["tokenizer"] = TokenizerFilesSave(tokenizer)
@@ -94,13 +102,13 @@ class TrainCheckpoints:
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state, meta: dict, config: ConfigDict, force: bool = False):
+    def save(self, step: int, state, meta: dict, config: StorableConfig, force: bool = False):
+        stored = config.to_dict()
         if self._tokenizer:  # the copy saved with the step, not the path it came from
-            config = ConfigDict(config.to_dict())
-            config.data.tokenizer = stored_name(self._tokenizer)
+            stored["data"] = stored["data"] | {"tokenizer": stored_name(self._tokenizer)}
             if self._template_file:
-                config.data.chat_template = ""  # the copy beside the tokenizer
-        self.manager.save(step, args=_args_save(state, meta, config, self._tokenizer), force=force)
+                stored["data"]["chat_template"] = ""  # the copy beside the tokenizer
+        self.manager.save(step, args=_args_save(state, meta, stored, self._tokenizer), force=force)
 
     def restore(self, step: int, abstract_state) -> tuple[dict, dict]:
         """(state with the shardings of `abstract_state`, meta dict) of checkpoint `step`."""
@@ -271,10 +279,11 @@ def _newest_step(root: epath.Path, path: str) -> epath.Path:
 CONFIG_FILES = ("config/metadata", "config/config.json")
 
 
-def read_config(path: str, *, tokenizer: bool = True) -> ConfigDict:
-    """The model/run config stored with a checkpoint; its `data.tokenizer` resolved against
-    the checkpoint's directory (stored_tokenizer.py), or left as stored with
-    `tokenizer=False` (a caller that replaces it: --config.data.tokenizer)."""
+def read_stored_config(path: str, *, tokenizer: bool = True) -> dict:
+    """The config stored with a checkpoint, as stored (jaxmoe/config/stored.py completes
+    and types it); its `data.tokenizer` resolved against the checkpoint's directory
+    (stored_tokenizer.py), or left as stored with `tokenizer=False` (a caller that replaces
+    it: --config.data.tokenizer)."""
     step_dir = resolve_checkpoint(path)
     for name in CONFIG_FILES:
         candidate = step_dir / name
@@ -286,37 +295,32 @@ def read_config(path: str, *, tokenizer: bool = True) -> ConfigDict:
                 raise CheckpointError(f"{candidate}: damaged config ({error})") from error
             if not isinstance(stored, dict):
                 raise CheckpointError(f"{candidate}: damaged config (not a JSON object)")
-            config = merge_into_defaults(stored, str(candidate))
-            if tokenizer:
-                _resolve_tokenizer(config, step_dir, candidate)
-            return config
+            data = stored.get("data")
+            if tokenizer and isinstance(data, dict) and data.get("tokenizer"):
+                stored["data"] = data | {"tokenizer": _resolve_tokenizer(data, step_dir, candidate)}
+            return stored
     raise CheckpointError(f"checkpoint {str(step_dir)!r} carries no config")
 
 
-def _resolve_tokenizer(config: ConfigDict, step_dir, culprit) -> None:
+def stored_config_origin(path: str) -> str:
+    """The file a checkpoint's config is read from (names it in messages)."""
+    step_dir = resolve_checkpoint(path)
+    for name in CONFIG_FILES:
+        if (step_dir / name).exists():
+            return str(step_dir / name)
+    return str(step_dir)
+
+
+def _resolve_tokenizer(data: dict, step_dir, culprit) -> str:
     from jaxmoe.checkpoints.stored_tokenizer import resolve_stored_tokenizer
 
     try:
-        config.data.tokenizer = resolve_stored_tokenizer(step_dir, config.data.tokenizer)
+        return resolve_stored_tokenizer(step_dir, data["tokenizer"])
     except ValueError as error:
         raise CheckpointError(
             f"{culprit}: data.tokenizer: {error}; a checkpoint's tokenizer must lie inside "
             f"it (--config.data.tokenizer=FILE names one)"
         ) from None
-
-
-def inherit_tokenizer(config: ConfigDict) -> None:
-    """Training from a checkpoint (`train.init_from`) with no `data.tokenizer` of its own
-    takes the checkpoint's (a converted model's copied files): its ids are the ones that
-    model's embeddings were trained on. Set in `config` before the data is opened (the
-    train and prepare commands call this), so later checkpoints record it."""
-    init_from = config.train.init_from
-    if config.data.tokenizer or not init_from:
-        return
-    inherited = read_config(init_from).data.tokenizer
-    if inherited:
-        log.info("data.tokenizer=%s, from train.init_from", inherited)
-        config.data.tokenizer = inherited
 
 
 def describe_error(error: BaseException) -> str:
@@ -327,14 +331,6 @@ def describe_error(error: BaseException) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     text = lines[0] if lines else type(error).__name__
     return text if len(text) <= 400 else text[:397] + "..."
-
-
-def merge_into_defaults(stored: dict, origin: str = "stored config") -> ConfigDict:
-    """The stored config on top of today's defaults, so keys added since it was written
-    exist (with their defaults) and can be overridden (jaxmoe/config/stored.py)."""
-    from jaxmoe.config.stored import complete_stored
-
-    return complete_stored(stored, origin)
 
 
 @contextlib.contextmanager
@@ -428,7 +424,7 @@ def check_opt_state_match(step_dir: epath.Path, abstract_opt_state) -> None:
     have = f"{stored[name]} in the checkpoint" if name in stored else "not in the checkpoint"
     want = f"{expected[name]} in this run" if name in expected else "not in this run"
     try:
-        saved_with = read_config(str(step_dir), tokenizer=False).optimizer.name
+        saved_with = read_stored_config(str(step_dir), tokenizer=False)["optimizer"]["name"]
         was = f"saved with optimizer.name={saved_with}; "
     except (CheckpointError, ValueError, KeyError, AttributeError):
         was = ""
@@ -515,7 +511,7 @@ def restore_opt_state(path: str, abstract_opt_state):
     )
 
 
-def save_params(path: str, params, config: ConfigDict) -> None:
+def save_params(path: str, params, config: StorableConfig) -> None:
     """Write a parameters-only checkpoint (what converters produce) of the tree `params`,
     in the layer layout it has (converters of a scanned model stack theirs first:
     models.stack.stack_layers; restore_params reads either).
@@ -536,23 +532,24 @@ def save_params(path: str, params, config: ConfigDict) -> None:
     write_config(root, config)
 
 
-def write_config(root: epath.Path, config: ConfigDict) -> None:
+def write_config(root: epath.Path, config: StorableConfig) -> None:
     """The config file of a converted checkpoint (the last of CONFIG_FILES), with the
     checkpoint's tokenizer: one named by path (`--config.data.tokenizer=FILE` at
     conversion) is copied into root/tokenizer/ and stored by that name, after it is opened
     and refused if its ids exceed the model's vocabulary."""
     from jaxmoe.data.tokenizer import open_tokenizer
 
-    stored = ConfigDict(config.to_dict())
-    path = stored.data.tokenizer
+    stored = copy.deepcopy(config.to_dict())
+    data = stored["data"]
+    path = data["tokenizer"]
     inside = not (is_remote(path) or os.path.isabs(path))
     # A copy of its own (convert hf, gqa, upcycle) is written after the parameters by the
     # converter, which checks it: only a tokenizer named by path is opened and copied here.
     if path and not inside:
-        tokenizer = open_tokenizer(path, eos_token=stored.data.eos_token)
-        check_tokenizer_fits(tokenizer, stored.model.vocab_size, f"data.tokenizer={path}")
+        tokenizer = open_tokenizer(path, eos_token=data["eos_token"])
+        check_tokenizer_fits(tokenizer, stored["model"]["vocab_size"], f"data.tokenizer={path}")
         files = tokenizer_files(tokenizer)
         write_tokenizer_files(root / TOKENIZER_DIR, files)
-        stored.data.tokenizer = stored_name(files)
+        data["tokenizer"] = stored_name(files)
     (root / "config").mkdir(parents=True, exist_ok=True)
-    (root / "config" / "config.json").write_text(json.dumps(stored.to_dict(), indent=1))
+    (root / "config" / "config.json").write_text(json.dumps(stored, indent=1))

@@ -58,16 +58,14 @@ def _own_copy(step_dir, stored: str) -> str | None:
     return None
 
 
-def inherited_tokenizer(config, src_step_dir) -> str | None:
+def inherited_tokenizer(path: str, src_step_dir) -> tuple[str, str] | None:
     """For a checkpoint derived from the local one in `src_step_dir` (convert gqa /
-    upcycle): the source's own tokenizer folder when `config.data.tokenizer` lies in it, to
-    be copied into the new checkpoint (`config.data.tokenizer` made relative again for that
-    copy); else None, and the path stays as it is."""
+    upcycle) whose `data.tokenizer` is `path`: (the source's own tokenizer folder, to be
+    copied into the new checkpoint; `data.tokenizer` relative to that copy) when `path`
+    lies in that folder, else None (the path stays as it is)."""
     if is_remote(src_step_dir):
         return None
     own = join_inside(src_step_dir, TOKENIZER_DIR)
-    path = config.data.tokenizer
     if path != own and not path.startswith(own + "/"):
         return None
-    config.data.tokenizer = TOKENIZER_DIR + path[len(own) :]
-    return own
+    return own, TOKENIZER_DIR + path[len(own) :]

@@ -98,7 +98,7 @@ def run_t5x(args) -> int:
         "ffn_dim": m.ffn_dim,
         "experts": m.moe.num_experts,
         "moe_every": m.moe.every if m.moe.num_experts else 0,
-        "source_step": config.source.step,
+        "source_step": config.extra["source"]["step"],
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))
@@ -125,7 +125,7 @@ def convert_hf_summary(src: str, dst: str, dtype: str = "float32", overrides=())
         "d_model": m.d_model,
         "layers": m.num_layers,
         "heads": [m.num_heads, m.num_kv_heads, m.head_dim],
-        "experts": [m.moe.num_experts, m.moe.gating] if m.moe.num_experts else 0,
+        "experts": [m.moe.num_experts, m.moe.gate.gating] if m.moe.num_experts else 0,
         "parameters": sum(
             math.prod(a.shape) for a in flatten(abstract_params(unrolled_config(m))).values()
         ),
@@ -213,7 +213,7 @@ def _summary(dst: str, config, start: float) -> None:
                 "encoder_num_kv_heads": m.encoder_num_kv_heads,
                 "num_experts": m.moe.num_experts,
                 "moe_every": m.moe.every,
-                "gating": m.moe.gating,
+                "gating": m.moe.gate.gating,
                 "seconds": round(time.perf_counter() - start, 2),
             }
         )

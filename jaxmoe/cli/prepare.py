@@ -26,8 +26,8 @@ def add_parser(subparsers) -> None:
 
 
 def run(args) -> int:
-    from jaxmoe.checkpoints.manager import inherit_tokenizer
     from jaxmoe.checkpoints.staging import check_writable
+    from jaxmoe.config.stored import inherit_tokenizer
     from jaxmoe.data.mixture import source_configs
     from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
@@ -39,7 +39,7 @@ def run(args) -> int:
     from jaxmoe.training.init_from import run_config
 
     config = run_config(args.config, args.overrides)  # what train will run
-    inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's own
+    config = inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's
     check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
     if config.data.shards:
         from jaxmoe.data.shards import check_shards, prepare_shards

@@ -5,17 +5,16 @@ from the section schemas (schema.py lists where each lives, with its one-line do
 so the installed package never needs the repository's `configs/` directory at run time.
 """
 
-import dataclasses
-
 from ml_collections import ConfigDict
 
 from jaxmoe.config.schema import JobConfig, leaf_fields
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import value_type
 
 
 def base_config() -> ConfigDict:
     """Every config key with its default value (`python -m jaxmoe.config` lists their docs)."""
-    return ConfigDict(dataclasses.asdict(JobConfig()))
+    return ConfigDict(JobConfig().to_dict())
 
 
 def complete(config: ConfigDict) -> ConfigDict:
@@ -35,7 +34,7 @@ def complete(config: ConfigDict) -> ConfigDict:
                     raise ConfigError(f"{key.rpartition('.')[0]}={node!r}: expected a section")
             if leaf not in node:
                 node[leaf] = default[leaf]
-            elif f.type is float and type(node[leaf]) is int:
+            elif value_type(f) is float and type(node[leaf]) is int:
                 value = float(node[leaf])
                 del node[leaf]  # a ConfigDict keeps a field's first type: replace the field
                 node[leaf] = value

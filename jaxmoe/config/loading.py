@@ -9,6 +9,9 @@ prefixes it names in `EXTRA_KEYS` (its own top-level section, e.g. configs/uptra
 `uptrain`; inside the schema's sections every key is the schema's). Keys it leaves out take
 their defaults. An optional `finalize(config, overridden)` derives keys after the overrides;
 `overridden` holds the keys set on the command line, which it must not replace.
+
+ConfigDict lives here, for config files, overrides and `finalize`; what leaves is the typed
+`JobConfig` (schema.py), and `with_overrides` derives one with `--config.KEY=VALUE` set.
 """
 
 import ast
@@ -19,14 +22,19 @@ from pathlib import Path
 from ml_collections import ConfigDict
 
 from jaxmoe.config.defaults import base_config, complete
-from jaxmoe.config.schema import key_type, unknown_key_message
+from jaxmoe.config.schema import JobConfig, key_type, unknown_key_message
 from jaxmoe.config.validation import get, validate
 from jaxmoe.errors import ConfigError
-from jaxmoe.storage.paths import absolute_config_paths, absolute_path
+from jaxmoe.storage.paths import absolute_data_spec, absolute_mixture, absolute_path
+
+# Config keys holding one path each ("" keeps the key's default).
+PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
+# Config keys holding a path or one of these names (data.chat_template: chat_template.py).
+PATH_OR_NAME_KEYS = {"data.chat_template": ("chatml",)}
 
 
-def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> ConfigDict:
-    """Load `file.py[:variant]`, apply `key=value` overrides, validate, return it."""
+def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load `file.py[:variant]`, apply `key=value` overrides; the typed, checked config."""
     path_text, _, variant = spec.partition(":")
     path = Path(absolute_path(path_text))
     if not path.is_file():
@@ -56,8 +64,16 @@ def load_config(spec: str, overrides: list[str] | tuple[str, ...] = ()) -> Confi
                     f"--config.{key}={value}: {path_text}'s finalize() derives {key} "
                     f"(it would set {get(config, key)!r}); set what it derives it from"
                 )
-    validate(config)
-    return config
+    return validate(config)
+
+
+def with_overrides(config: JobConfig, overrides) -> JobConfig:
+    """`config` with `key=value` (or `--config.key=value`) overrides applied, checked."""
+    if not overrides:
+        return config
+    values = ConfigDict(config.to_dict())
+    apply_overrides(values, overrides)
+    return validate(values)
 
 
 def _import(path: Path, path_text: str):
@@ -65,9 +81,9 @@ def _import(path: Path, path_text: str):
     name = f"jaxmoe_config_{path.stem}"
     # An explicit source loader: a config named .yaml or .txt is read as Python, not skipped.
     loader = importlib.machinery.SourceFileLoader(name, str(path))
-    module = importlib.util.module_from_spec(
-        importlib.util.spec_from_file_location(name, path, loader=loader)
-    )
+    spec = importlib.machinery.ModuleSpec(name, loader, origin=str(path))
+    spec.has_location = True  # the module's __file__ is the config file
+    module = importlib.util.module_from_spec(spec)
     try:
         loader.exec_module(module)
     except SyntaxError as error:
@@ -167,5 +183,23 @@ def apply_overrides(config: ConfigDict, overrides) -> list[str]:
             node = node[parent]
         node[leaf] = _parse(key, value_text, node[leaf])
         keys.append(key)
-    absolute_config_paths(config)
+    _absolute_paths(config)
     return keys
+
+
+def _absolute_paths(config: ConfigDict) -> None:
+    """Every path-valued key made absolute, in place: where paths a user typed enter."""
+    with config.unlocked():
+        for key in PATH_KEYS:
+            section, leaf = key.split(".")
+            if section in config and leaf in config[section]:
+                config[section][leaf] = absolute_path(config[section][leaf])
+        for key, names in PATH_OR_NAME_KEYS.items():
+            section, leaf = key.split(".")
+            present = section in config and leaf in config[section]
+            if present and config[section][leaf] not in names:
+                config[section][leaf] = absolute_path(config[section][leaf])
+        if "data" in config and "source" in config.data:
+            config.data.source = absolute_data_spec(config.data.source)
+        if "data" in config and config.data.mixture:
+            config.data.mixture = absolute_mixture(config.data.mixture)

@@ -1,89 +1,120 @@
-"""The config schema: one frozen dataclass per section, each owned by the package it
-configures (its keys' types, defaults, one-line docs and checks), and `typed(config)`, the
-checked typed view of a ConfigDict.
+"""The config schema: `JobConfig`, one frozen section per package it configures (its keys'
+types, defaults, one-line docs and checks), and `typed(values)`, a JobConfig from a config
+file's or a stored config's nested mapping.
 
-| section     | schema                                         |
-|-------------|------------------------------------------------|
-| `model`     | jaxmoe/models/options.py `ModelOptions`        |
-| `model.moe` | jaxmoe/models/options.py `MoEOptions`          |
-| `train`     | jaxmoe/training/options.py `TrainOptions`      |
-| `optimizer` | jaxmoe/training/options.py `OptimizerOptions`  |
-| `mesh`      | jaxmoe/parallel/options.py `MeshOptions`       |
-| `data`      | jaxmoe/data/options.py `DataOptions`           |
+| section     | schema                                                               |
+|-------------|----------------------------------------------------------------------|
+| `model`     | jaxmoe/models/options.py `ModelOptions`                              |
+| `model.moe` | jaxmoe/models/options.py `MoEOptions`, with its gate and router keys |
+|             | (models/moe/gates.py `GateOptions`, router.py `RouterOptions`)       |
+| `train`     | jaxmoe/training/options.py `TrainOptions`                            |
+| `optimizer` | jaxmoe/training/options.py `OptimizerOptions`                        |
+| `mesh`      | jaxmoe/parallel/options.py `MeshOptions`                             |
+| `data`      | jaxmoe/data/options.py `DataOptions`                                 |
 
-Checks that span sections (the expert axis against the experts) live here, in
-`_check_across`. A config file's own top-level sections (its EXTRA_KEYS, a converter's
-`source`) are not part of the schema and pass through untyped.
+Each section checks its own keys when it is made; checks that span sections (the expert
+axis against the experts) are JobConfig's. A config file's own top-level sections (its
+EXTRA_KEYS, a converter's `source`) are not part of the schema: they travel as plain dicts
+in `JobConfig.extra`, stored with the checkpoints as they were set.
 """
 
 import dataclasses
 import difflib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxmoe.data.options import DataOptions
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import (
+    Options,
+    as_dict,
+    choices,
+    is_section,
+    need,
+    section,
+    section_class,
+    value_type,
+)
 from jaxmoe.models.options import ModelOptions
 from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.training.options import OptimizerOptions, TrainOptions
 
 
 @dataclass(frozen=True)
-class JobConfig:
-    """The typed, checked view of a whole config (see `typed`)."""
+class JobConfig(Options):
+    """A whole config, typed and checked; each part of jaxmoe takes its own section."""
 
-    model: ModelOptions = field(default_factory=ModelOptions)
-    train: TrainOptions = field(default_factory=TrainOptions)
-    optimizer: OptimizerOptions = field(default_factory=OptimizerOptions)
-    mesh: MeshOptions = field(default_factory=MeshOptions)
-    data: DataOptions = field(default_factory=DataOptions)
+    model: ModelOptions = section(ModelOptions, "the architecture")
+    train: TrainOptions = section(TrainOptions, "the run: steps, batches, evaluations")
+    optimizer: OptimizerOptions = section(OptimizerOptions, "the update rule and schedule")
+    mesh: MeshOptions = section(MeshOptions, "the device mesh")
+    data: DataOptions = section(DataOptions, "the text, its tokenizer and batches")
+    # A config file's own sections (EXTRA_KEYS) and a converter's `source`, as plain dicts.
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
-
-SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig))
-
-
-def typed(config) -> JobConfig:
-    """`config` (a ConfigDict or nested dict) as frozen dataclasses, checked as it is built:
-    an unknown key, a value of the wrong type, a value outside its choices or its range, or
-    an impossible combination is a one-line ConfigError naming the key. Keys it lacks take
-    their defaults."""
-    job = _build(JobConfig, {s: config[s] for s in SECTIONS if s in config}, "")
-    for section in (job.model, job.train, job.optimizer, job.mesh, job.data):
-        section.check()
-    _check_across(job)
-    return job
-
-
-def _check_across(job: JobConfig) -> None:
-    experts, expert_axis = job.model.moe.num_experts, job.mesh.expert
-    if experts and expert_axis not in (-1, 1) and experts % expert_axis:
-        raise ConfigError(
-            f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}"
+    def __post_init__(self) -> None:
+        experts, expert_axis = self.model.moe.num_experts, self.mesh.expert
+        need(
+            not experts or expert_axis in (-1, 1) or experts % expert_axis == 0,
+            f"mesh.expert={expert_axis} does not divide model.moe.num_experts={experts}",
         )
-    _check_context(job)
-    data, arch = job.data, job.model.arch
-    if arch == "encoder_decoder" and data.format not in ("text", "seq2seq"):
-        raise ConfigError(
-            f"data.format={data.format!r} is for decoder-only models; model.arch=encoder_decoder "
-            f"reads data.format=seq2seq (inputs/targets) or text (span corruption)"
-        )
-    if arch != "encoder_decoder" and data.format == "seq2seq":
-        raise ConfigError(
-            "data.format='seq2seq' needs model.arch=encoder_decoder (a decoder-only model "
-            "reads data.format=prompt_completion)"
-        )
-    if arch == "encoder_decoder" and data.format == "text" and data.packing == "documents":
-        raise ConfigError(
-            "data.packing=documents packs whole examples: span corruption (model.arch="
-            "encoder_decoder, data.format=text) reads windows of one stream (data.packing=concat)"
-        )
-    if job.optimizer.qk_clip:
-        if job.model.arch != "decoder":
-            raise ConfigError("optimizer.qk_clip > 0 is implemented for decoder models only")
-        if job.model.qk_norm != "none":
+        _check_context(self)
+        self._check_data_and_optimizer()
+
+    def _check_data_and_optimizer(self) -> None:
+        """The data format and the optimizer's qk_clip against the model."""
+        data, arch = self.data, self.model.arch
+        if arch == "encoder_decoder" and data.format not in ("text", "seq2seq"):
             raise ConfigError(
-                f"optimizer.qk_clip > 0 with model.qk_norm={job.model.qk_norm!r}: the norm "
-                "undoes any rescaling of the query/key weights (use one or the other)"
+                f"data.format={data.format!r} is for decoder-only models; "
+                f"model.arch=encoder_decoder reads data.format=seq2seq (inputs/targets) or "
+                f"text (span corruption)"
             )
+        if arch != "encoder_decoder" and data.format == "seq2seq":
+            raise ConfigError(
+                "data.format='seq2seq' needs model.arch=encoder_decoder (a decoder-only model "
+                "reads data.format=prompt_completion)"
+            )
+        if arch == "encoder_decoder" and data.format == "text" and data.packing == "documents":
+            raise ConfigError(
+                "data.packing=documents packs whole examples: span corruption (model.arch="
+                "encoder_decoder, data.format=text) reads windows of one stream "
+                "(data.packing=concat)"
+            )
+        if self.optimizer.qk_clip:
+            if arch != "decoder":
+                raise ConfigError("optimizer.qk_clip > 0 is implemented for decoder models only")
+            if self.model.qk_norm != "none":
+                raise ConfigError(
+                    f"optimizer.qk_clip > 0 with model.qk_norm={self.model.qk_norm!r}: the norm "
+                    "undoes any rescaling of the query/key weights (use one or the other)"
+                )
+
+    def to_dict(self) -> dict:
+        """Every key as nested plain dicts (what a checkpoint stores), extras included."""
+        out = {name: as_dict(getattr(self, name)) for name in SECTIONS}
+        return out | {name: _plain(value) for name, value in self.extra.items()}
+
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(JobConfig) if is_section(f))
+
+
+def typed(values: Mapping) -> JobConfig:
+    """A JobConfig from a nested mapping of keys (a ConfigDict or dicts): an unknown key, a
+    value of the wrong type, a value outside its choices or its range, or an impossible
+    combination is a one-line ConfigError naming the key. Keys it lacks take their
+    defaults; top-level sections outside the schema go to `extra`."""
+    extra = {name: _plain(values[name]) for name in values if name not in SECTIONS}
+    sections = {name: values[name] for name in SECTIONS if name in values}
+    return dataclasses.replace(_build(JobConfig, sections, ""), extra=extra)
+
+
+def _plain(value):
+    """A ConfigDict (or dict) section as plain nested dicts."""
+    if hasattr(value, "items"):
+        return {key: _plain(child) for key, child in value.items()}
+    return value
 
 
 def _check_context(job: JobConfig) -> None:
@@ -115,13 +146,14 @@ def _check_context(job: JobConfig) -> None:
         )
 
 
-def leaf_fields(cls=JobConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
+def leaf_fields(cls: type = JobConfig, prefix: str = "") -> dict[str, dataclasses.Field]:
     """'model.moe.num_experts' -> its dataclass field, for every key of the schema."""
     out = {}
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type):
-            out.update(leaf_fields(f.type, f"{prefix}{f.name}."))
-        else:
+        if is_section(f):
+            inner = prefix if f.metadata["flat"] else f"{prefix}{f.name}."
+            out.update(leaf_fields(section_class(f), inner))
+        elif "doc" in f.metadata:  # a key (JobConfig.extra is none)
             out[prefix + f.name] = f
     return out
 
@@ -130,7 +162,7 @@ def key_type(key: str) -> type | None:
     """The schema's type of `key` (int, float, bool or str); None for a key it does not know
     (one of a config file's own EXTRA_KEYS)."""
     found = _LEAVES.get(key)
-    return None if found is None else found.type
+    return None if found is None else value_type(found)
 
 
 def unknown_key_message(key: str, known: list[str]) -> str:
@@ -140,27 +172,30 @@ def unknown_key_message(key: str, known: list[str]) -> str:
     return f"unknown config key {key!r}{hint}"
 
 
-def _build(cls, values, prefix: str):
-    """`cls` from a mapping of its keys: nested sections recursively, leaves type-checked."""
-    names = {f.name: f for f in dataclasses.fields(cls)}
+def _build(cls: type, values: Mapping, prefix: str):
+    """`cls` from a mapping of its keys (a flat section's among them): nested sections
+    recursively, leaves type-checked; the sections check their values as they are made."""
+    own = list(leaf_fields(cls, prefix)) + [
+        f"{prefix}{f.name}" for f in dataclasses.fields(cls) if is_section(f)
+    ]
     for name in values:
-        if name not in names:
+        if prefix + name not in own:
             raise ConfigError(unknown_key_message(prefix + name, list(_LEAVES)))
     kwargs = {}
-    for name, f in names.items():
-        if name not in values:
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        if is_section(f) and f.metadata["flat"]:
+            names = {g.name for g in dataclasses.fields(section_class(f))}
+            own_values = {k: v for k, v in values.items() if k in names}
+            kwargs[f.name] = _build(section_class(f), own_values, prefix)
+        elif f.name not in values:
             continue
-        value, key = values[name], prefix + name
-        if dataclasses.is_dataclass(f.type):
-            if not hasattr(value, "keys"):
-                raise ConfigError(f"{key}={value!r}: expected a section of keys")
-            kwargs[name] = _build(f.type, value, key + ".")
-            continue
-        value = _as_type(key, value, f.type)
-        allowed = f.metadata["choices"]
-        if allowed and value not in allowed:
-            raise ConfigError(f"{key}={value!r} is not one of {list(allowed)}")
-        kwargs[name] = value
+        elif is_section(f):
+            if not hasattr(values[f.name], "keys"):
+                raise ConfigError(f"{key}={values[f.name]!r}: expected a section of keys")
+            kwargs[f.name] = _build(section_class(f), values[f.name], key + ".")
+        else:
+            kwargs[f.name] = _as_type(key, values[f.name], value_type(f))
     return cls(**kwargs)
 
 
@@ -180,7 +215,8 @@ def describe() -> list[str]:
     """One line per key: `key (type, default): doc [choices]`, in the schema's order."""
     lines = []
     for key, f in _LEAVES.items():
-        choices = f.metadata["choices"]
-        tail = f" [{' | '.join(repr(c) for c in choices)}]" if choices else ""
-        lines.append(f"{key} ({f.type.__name__}, {f.default!r}): {f.metadata['doc']}{tail}")
+        allowed = choices(f)
+        tail = f" [{' | '.join(repr(c) for c in allowed)}]" if allowed else ""
+        kind = value_type(f).__name__
+        lines.append(f"{key} ({kind}, {f.default!r}): {f.metadata['doc']}{tail}")
     return lines

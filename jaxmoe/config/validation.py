@@ -5,7 +5,6 @@ lists them); this module runs them on a ConfigDict through `typed`."""
 from ml_collections import ConfigDict
 
 from jaxmoe.config.schema import JobConfig, typed
-from jaxmoe.errors import ConfigError
 
 
 def get(config: ConfigDict, key: str):
@@ -23,16 +22,3 @@ def validate(config: ConfigDict) -> JobConfig:
     if "model" in config and "remat" in config.model:
         config.model.remat = remat_name(config.model.remat)  # true/false of older configs
     return typed(config)
-
-
-def resolve_vocab_size(config: ConfigDict, tokenizer_vocab: int) -> None:
-    """model.vocab_size = 0 (a training config) takes the tokenizer's size, as training
-    does; a smaller explicit size cannot embed the tokenizer's ids."""
-    with config.unlocked():
-        if config.model.vocab_size == 0:
-            config.model.vocab_size = tokenizer_vocab
-    if config.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(
-            f"model.vocab_size={config.model.vocab_size} is smaller than the tokenizer's "
-            f"vocabulary ({tokenizer_vocab})"
-        )

@@ -26,12 +26,10 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
-from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import (
     CheckpointError,
-    read_config,
     resolve_checkpoint,
     save_params,
 )
@@ -39,16 +37,19 @@ from jaxmoe.checkpoints.restore import restore_on_mesh
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR, inherited_tokenizer
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.schema import JobConfig
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.choices import METHODS
 from jaxmoe.models.layers import fan_in_init
 from jaxmoe.models.spec import model_spec
 from jaxmoe.models.stack import layer_layouts, stack_layers, unrolled_config
 from jaxmoe.parallel.mesh import make_mesh
+from jaxmoe.parallel.options import MeshOptions
 
 log = logging.getLogger(__name__)
 
 # The mesh conversions run on: every device along fsdp, so no device holds a full copy.
-_CONVERT_MESH = {"data": 1, "fsdp": -1, "tensor": 1, "expert": 1}
+_CONVERT_MESH = MeshOptions(data=1, fsdp=-1)
 _EXPERT_KERNELS = ("wi_0", "wi_1", "wi", "wo")
 UPCYCLE_INITS = ("copy", "random")  # convert upcycle --init
 
@@ -145,24 +146,23 @@ def gqa_params(
     return out
 
 
-def gqa_config(config: ConfigDict, num_kv_heads: int, include_encoder: bool) -> ConfigDict:
-    config = ConfigDict(config.to_dict())
-    config.model.num_kv_heads = num_kv_heads
+def gqa_config(config: JobConfig, num_kv_heads: int, include_encoder: bool) -> JobConfig:
+    heads = {"num_kv_heads": num_kv_heads}
     if include_encoder:
-        config.model.encoder_num_kv_heads = num_kv_heads
-    return config
+        heads["encoder_num_kv_heads"] = num_kv_heads
+    return config.replace(model=config.model.replace(**heads))
 
 
 # --- Upcycling: dense FFN -> MoE ---------------------------------------------------------
 
 
 def upcycle_config(
-    config: ConfigDict,
+    config: JobConfig,
     num_experts: int,
     every: int = 1,
     gating: str | None = None,
     init: str = "copy",
-) -> ConfigDict:
+) -> JobConfig:
     """The MoE config of an upcycled dense model; one-line errors for impossible requests.
     Copies (`init="copy"`) combine with weights summing to one; random experts keep the
     config's combine rule (weights the router's probabilities, which it learns through)."""
@@ -177,17 +177,19 @@ def upcycle_config(
     layers = m.num_layers
     if every < 1 or every > layers:
         raise ValueError(f"--every={every} must be in [1, model.num_layers={layers}]")
-    config = ConfigDict(config.to_dict())
-    moe = config.model.moe
-    moe.num_experts, moe.every, moe.ffn_dim = num_experts, every, m.ffn_dim
-    if gating:
-        moe.gating = gating
+    gate = m.moe.gate
+    gate = gate.replace(
+        gating=gating or gate.gating,
+        top_k=min(gate.top_k, num_experts),
+        max_k=min(gate.max_k, num_experts),
+    )
     if init == "copy":
         # Combine weights that sum to one for every gate: identical experts then add up to
         # the dense FFN exactly (renormalize covers multi-expert tokens, single_weight the
         # others). Random experts have no function to keep.
-        moe.renormalize, moe.single_weight = True, "one"
-    moe.top_k, moe.max_k = min(moe.top_k, num_experts), min(moe.max_k, num_experts)
+        gate = gate.replace(renormalize=True, single_weight="one")
+    moe = m.moe.replace(num_experts=num_experts, every=every, ffn_dim=m.ffn_dim, gate=gate)
+    config = config.replace(model=m.replace(moe=moe))
     if moe.capacity_factor > 0 and init == "copy":
         log.warning(
             "model.moe.capacity_factor=%s drops tokens: the upcycled model matches the dense "
@@ -252,10 +254,7 @@ def upcycle_params(
 
 def _restore(src: str):
     """(stored config, params with per-layer paths on the conversion mesh, mesh)."""
-    from jaxmoe.config.validation import validate
-
     config = read_config(src)
-    validate(config)
     mesh = make_mesh(_CONVERT_MESH)
     spec = model_spec(unrolled_config(config.model), mesh)
     params = restore_on_mesh(src, spec, mesh, layer_layouts(config.model))
@@ -264,15 +263,12 @@ def _restore(src: str):
     return config, params, mesh
 
 
-def _write(src: str, dst: str, params: dict, config: ConfigDict, mesh) -> None:
+def _write(src: str, dst: str, params: dict, config: JobConfig, mesh) -> None:
     """Check params against the model `config` builds, then write DST atomically (with a
     copy of SRC's own tokenizer folder, if it has one and `config` uses it)."""
-    from jaxmoe.config.validation import validate
-
-    validate(config)
     # Only parameters are written: uptraining the result starts a fresh optimizer state (a
     # kept T5X Adafactor state would not fit pooled K/V kernels, see configs/uptrain_gqa.py).
-    config.train.init_optimizer = False
+    config = config.replace(train=config.train.replace(init_optimizer=False))
     if config.model.scan_layers:  # converters work per layer; a scanned model stores stacks
         params = stack_layers(params, config.model)
     spec = model_spec(config.model, mesh)
@@ -283,11 +279,13 @@ def _write(src: str, dst: str, params: dict, config: ConfigDict, mesh) -> None:
             found = tuple(got[path].shape) if path in got else "missing"
             raise CheckpointError(f"{'.'.join(path)}: model needs {tuple(leaf.shape)}, got {found}")
     params = jax.device_get(params)  # save_params writes host arrays
-    tokenizer = inherited_tokenizer(config, resolve_checkpoint(src))
+    inherited = inherited_tokenizer(config.data.tokenizer, resolve_checkpoint(src))
+    if inherited:
+        config = config.replace(data=config.data.replace(tokenizer=inherited[1]))
     with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         save_params(str(staging), params, config)
-        if tokenizer:
-            shutil.copytree(tokenizer, staging / TOKENIZER_DIR)
+        if inherited:
+            shutil.copytree(inherited[0], staging / TOKENIZER_DIR)
 
 
 def _check_dst(src: str, dst: str) -> None:
@@ -296,7 +294,7 @@ def _check_dst(src: str, dst: str) -> None:
         raise CheckpointError(f"{target}: DST is the source checkpoint")
 
 
-def _check_fits_host(config: ConfigDict, num_experts: int) -> None:
+def _check_fits_host(config: JobConfig, num_experts: int) -> None:
     """The upcycled parameters are gathered on the host whole before they are written
     (`_write`): refuse an expert count whose parameters would not fit in its RAM, before
     any is made, instead of a crash (or the OOM killer) after the restore."""
@@ -319,7 +317,7 @@ def convert_gqa(
     method: str = "mean",
     include_encoder: bool = False,
     seed: int = 0,
-) -> ConfigDict:
+) -> JobConfig:
     """Write DST: SRC with KV heads pooled into `num_kv_heads` groups. Returns DST's config."""
     _check_dst(src, dst)
     config = read_config(src)
@@ -339,7 +337,7 @@ def convert_upcycle(
     gating: str | None = None,
     seed: int = 0,
     init: str = "copy",
-) -> ConfigDict:
+) -> JobConfig:
     """Write DST: dense SRC with every `every`-th FFN made `num_experts` experts (copies of
     it, or random with `init="random"`)."""
     _check_dst(src, dst)

@@ -111,7 +111,7 @@ class TrainBatches:
             examples = split_examples(config, tokenizer, "train_split", partial_last=False)
         self.examples = examples
         self.num_examples = len(self.examples)
-        self.global_batch_size = int(config.train.batch_size)
+        self.global_batch_size = config.train.batch_size
         self._rows = _local_rows(
             self.global_batch_size, process_index, process_count, "train.batch_size"
         )
@@ -125,8 +125,8 @@ class TrainBatches:
         self.epoch_order = epoch_order or functools.partial(
             default_epoch_order,
             num_examples=self.num_examples,
-            seed=int(config.train.seed),
-            shuffle=bool(config.data.shuffle),
+            seed=config.train.seed,
+            shuffle=config.data.shuffle,
         )
         self._epoch = 0
         self._position = 0  # batches already yielded in this epoch
@@ -219,10 +219,8 @@ def eval_batches(
     and the last batch are padded with weight 0 (example_ids -1 on padding rows).
     """
     examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
-    rows = _local_rows(
-        int(config.train.batch_size), process_index, process_count, "train.batch_size"
-    )
-    return _padded_batches(examples, int(config.train.batch_size), rows, max_batches)
+    rows = _local_rows(config.train.batch_size, process_index, process_count, "train.batch_size")
+    return _padded_batches(examples, config.train.batch_size, rows, max_batches)
 
 
 def _padded_batches(

@@ -71,11 +71,7 @@ def parse_mixture(text: str) -> list[Component]:
 
 def component_config(config, source: str):
     """A copy of `config` reading `source` alone."""
-    copy = config.copy_and_resolve_references()
-    with copy.unlocked():
-        copy.data.source = source
-        copy.data.mixture = ""
-    return copy
+    return config.replace(data=config.data.replace(source=source, mixture=""))
 
 
 def source_configs(config) -> list:

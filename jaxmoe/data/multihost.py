@@ -53,7 +53,7 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
     If process 0 fails, it still reaches the barrier, so the others stop at once, naming
     its error, instead of waiting out the timeout.
     """
-    timeout = float(config.data.prepare_timeout_s)
+    timeout = config.data.prepare_timeout_s
     marker = os.path.join(cache_dir(config), "prepared", f"{data_key(config)}.json")
     failure = None
     if process_index == 0:
@@ -124,7 +124,7 @@ def data_key(config) -> str:
         "data_dir",
         *FORMAT_KEYS,
     )
-    text = "|".join(f"{k}={data.get(k)!r}" for k in keys)
+    text = "|".join(f"{k}={getattr(data, k)!r}" for k in keys)
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

@@ -1,6 +1,5 @@
 """The `data` config section: every key's type, default and one-line doc, and the checks of
-their values (jaxmoe/config builds the ConfigDict defaults from these and runs the checks
-through `jaxmoe.config.typed`).
+their values, run when the section is made.
 
 The curriculum option lists live here, not in curriculum.py: that module imports the whole
 pipeline (and through it the checkpoint reader), which the config schema must not.
@@ -8,7 +7,7 @@ pipeline (and through it the checkpoint reader), which the config schema must no
 
 from dataclasses import dataclass
 
-from jaxmoe.config.fields import need, option
+from jaxmoe.fields import Options, check_choices, need, option
 
 CURRICULUM_POLICIES = ("none", "paper", "magnitude")  # data.curriculum (curriculum.py)
 # data.curriculum_source (training/curriculum_hooks.py): where complexities come from.
@@ -37,7 +36,7 @@ def packs_documents(packing: str, format: str) -> bool:
 
 
 @dataclass(frozen=True)
-class DataOptions:
+class DataOptions(Options):
     """data: where the text comes from, its tokenizer, and how it is batched and ordered."""
 
     source: str = option("embedded", "embedded | text:GLOB | jsonl:GLOB | parquet:GLOB | tfds:NAME")
@@ -120,7 +119,8 @@ class DataOptions:
     def packed_documents(self) -> bool:
         return packs_documents(self.packing, self.format)
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_choices(self, "data.")
         need(self.vocab_size >= 260, f"data.vocab_size={self.vocab_size} < 260 (byte fallback)")
         need(self.prefetch >= 0, f"data.prefetch={self.prefetch} must be >= 0 (0 = off)")
         need(self.shards >= 0, f"data.shards={self.shards} must be >= 0 (0 = one stream)")

@@ -56,7 +56,7 @@ def wrapped(batches, config, process_index: int):
     """`batches` built ahead: in `data.workers` grain processes (workers.py), else on a thread
     (`data.prefetch` batches; not with a curriculum, which reorders epochs as they start);
     traced when JAXMOE_DATA_TRACE names a folder."""
-    depth, workers = int(config.data.prefetch), int(config.data.get("workers", 0))
+    depth, workers = config.data.prefetch, config.data.workers
     if workers:
         batches = WorkerBatches(batches, workers, depth)
     elif depth and config.data.curriculum == "none":
@@ -113,7 +113,7 @@ def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_cou
             f"data.curriculum={config.data.curriculum!r} orders one source's examples; it "
             f"cannot be combined with data.mixture"
         )
-    batch_size = int(config.train.batch_size)
+    batch_size = config.train.batch_size
     rows = _local_rows(batch_size, process_index, process_count, "train.batch_size")
     parts, eval_sets, eval_tokens, eval_examples = [], {}, 0, 0
     for component in components:
@@ -129,7 +129,7 @@ def _build_mixture(config, tokenizer: Tokenizer, process_index: int, process_cou
         eval_sets[component.name] = _padded_batches(evals, batch_size, rows, None)
         eval_tokens += evals.num_tokens
         eval_examples += len(evals)
-    train = MixtureBatches(components, parts, batch_size, int(config.train.seed), rows)
+    train = MixtureBatches(components, parts, batch_size, config.train.seed, rows)
     return DataBundle(
         tokenizer=tokenizer,
         train=wrapped(train, config, process_index),

@@ -250,13 +250,13 @@ def span_corruption_split(config, tokenizer, split_key: str, partial_last: bool)
     data = config.data
     examples = SpanCorruptionExamples(
         token_stream(config, tokenizer, split_key),
-        encoder_len=int(config.train.seq_len),
-        seed=int(config.train.seed),
+        encoder_len=config.train.seq_len,
+        seed=config.train.seed,
         tokenizer_vocab=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         sentinels=tokenizer_sentinels(tokenizer),
-        noise_density=float(data.get("noise_density", 0.15)),
-        mean_noise_span=float(data.get("mean_noise_span", 3.0)),
+        noise_density=data.noise_density,
+        mean_noise_span=data.mean_noise_span,
         partial_last=partial_last,
     )
     if len(examples) == 0:

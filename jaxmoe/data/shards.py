@@ -55,12 +55,12 @@ def own_shards(shards: int, process_index: int, process_count: int) -> range:
 
 def check_shards(config, process_count: int) -> int:
     """data.shards, checked against the batch, the process count and the other options."""
-    shards, batch_size = int(config.data.shards), int(config.train.batch_size)
+    shards, batch_size = config.data.shards, config.train.batch_size
     for culprit, unsupported in (
-        ("data.streaming=True", bool(config.data.streaming)),
+        ("data.streaming=True", config.data.streaming),
         (f"data.mixture={config.data.mixture!r}", bool(config.data.mixture.strip())),
         (f"data.curriculum={config.data.curriculum!r}", config.data.curriculum != "none"),
-        (f"data.workers={config.data.get('workers', 0)}", config.data.get("workers", 0) > 0),
+        (f"data.workers={config.data.workers}", config.data.workers > 0),
     ):
         if unsupported:
             raise ValueError(
@@ -134,16 +134,16 @@ def shard_examples(config, tokenizer, tokens_N: np.ndarray, shard: int):
     encoder-decoder span-corrupted raw windows, masks drawn from (train.seed, shard, window
     of the shard)."""
     if not core.is_encoder_decoder(config):
-        return PackedWindows(tokens_N, int(config.train.seq_len), tokenizer.pad_id, False)
+        return PackedWindows(tokens_N, config.train.seq_len, tokenizer.pad_id, False)
     return SpanCorruptionExamples(
         tokens_N,
-        encoder_len=int(config.train.seq_len),
-        seed=int(config.train.seed) + (int(shard) << 32),
+        encoder_len=config.train.seq_len,
+        seed=config.train.seed + (int(shard) << 32),
         tokenizer_vocab=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         sentinels=tokenizer_sentinels(tokenizer),
-        noise_density=float(config.data.noise_density),
-        mean_noise_span=float(config.data.mean_noise_span),
+        noise_density=config.data.noise_density,
+        mean_noise_span=config.data.mean_noise_span,
     )
 
 
@@ -181,7 +181,7 @@ def sharded_train(
             from jax.experimental.multihost_utils import process_allgather as allgather
         else:
             allgather = local_allgather
-    seq_len = int(config.train.seq_len)
+    seq_len = config.train.seq_len
     mine = own_shards(shards, process_index, process_count)
     failure, parts = None, {}
     counts = np.full((len(mine), 2), -1, np.int64)  # -1: this process failed
@@ -208,9 +208,9 @@ def sharded_train(
         parts,
         sizes[:, 0],
         sizes[:, 1],
-        int(config.train.batch_size),
-        int(config.train.seed),
-        bool(config.data.shuffle),
+        config.train.batch_size,
+        config.train.seed,
+        config.data.shuffle,
     )
 
 

@@ -72,7 +72,7 @@ def validation_fraction(config) -> float:
 
 def _split_key(config, key: str) -> str:
     """The split named by config key `key` ("train_split"/"eval_split"), checked."""
-    split = config.data[key]
+    split = getattr(config.data, key)
     spec = corpus.parse_source(config.data.source)
     if spec.is_local and split not in corpus.LOCAL_SPLITS:
         raise ValueError(
@@ -134,7 +134,7 @@ def load_tokenizer(config) -> Tokenizer:
     tokenizer.json or a folder holding one), or one trained on the train split (of the
     mixture's first source when `data.mixture` is set). A `train.init_from` checkpoint's
     own tokenizer is named in `data.tokenizer` before this, by the command (training:
-    checkpoints.manager.inherit_tokenizer): data never reads checkpoints."""
+    config.stored.inherit_tokenizer): data never reads checkpoints."""
     if config.data.tokenizer:
         return open_tokenizer(absolute_path(config.data.tokenizer), config.data.eos_token)
     from jaxmoe.data.mixture import primary_config
@@ -143,7 +143,7 @@ def load_tokenizer(config) -> Tokenizer:
     return cached_tokenizer(
         train.documents,
         train.fingerprint,
-        int(config.data.vocab_size),
+        config.data.vocab_size,
         cache_dir(config),
         cache_mirror(config, "tokenizers"),
     )
@@ -172,7 +172,7 @@ def _cached_stream(config, tokenizer: Tokenizer, split: SplitDocuments) -> np.nd
 def packed_split(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> PackedWindows:
     """Windows of train.seq_len + 1 tokens over the split named by `data.<split_key>`."""
     split = open_split(config, split_key)
-    seq_len = int(config.train.seq_len)
+    seq_len = config.train.seq_len
     if seq_len <= 0:
         raise ValueError(f"train.seq_len={seq_len} must be positive")
     tokens = _cached_stream(config, tokenizer, split)
@@ -216,7 +216,7 @@ def document_split(config, tokenizer, split_key: str, report=print):
     from jaxmoe.data.document_packing import PackedDocuments
 
     split = open_split(config, split_key)
-    seq_len = int(config.train.seq_len)
+    seq_len = config.train.seq_len
     if seq_len <= 1:
         raise ValueError(f"train.seq_len={seq_len} must be at least 2")
     data = config.data

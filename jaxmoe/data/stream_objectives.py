@@ -57,8 +57,8 @@ class SpanCorruption:
 
     def __init__(self, config, tokenizer):
         data = config.data
-        self.noise = (float(data.noise_density), float(data.mean_noise_span))
-        self.encoder_len = int(config.train.seq_len)
+        self.noise = (data.noise_density, data.mean_noise_span)
+        self.encoder_len = config.train.seq_len
         self.raw_len = raw_length_for(self.encoder_len, *self.noise)
         self.decoder_len = corrupted_lengths(self.raw_len, *self.noise)[1]
         self.eos_id = int(tokenizer.eos_id)
@@ -253,21 +253,21 @@ def open_stream(config, tokenizer, rows: slice, spans: SpanCorruption | None):
     """The train split of `config.data.source` as lanes (LM, span corruption, or whole
     examples with data.packing=documents)."""
     documents = open_split(config, "train_split").documents
-    batch_size, seed = int(config.train.batch_size), int(config.train.seed)
+    batch_size, seed = config.train.batch_size, config.train.seed
     data = config.data
     if packs_documents(data.packing, data.format):
         encoder = ExampleEncoder(data, tokenizer)
-        seq_len = int(config.train.seq_len)
+        seq_len = config.train.seq_len
         return StreamPackedDocuments(documents, encoder, seq_len, batch_size, seed, rows,
                                      data.truncation, data.targets_len)  # fmt: skip
     if spans is not None:
         return StreamSpanCorruption(documents, tokenizer, spans, batch_size, seed, rows)
-    return StreamBatches(documents, tokenizer, int(config.train.seq_len), batch_size, seed, rows)
+    return StreamBatches(documents, tokenizer, config.train.seq_len, batch_size, seed, rows)
 
 
 def build_stream(config, tokenizer, process_index: int, process_count: int):
     """The DataBundle of `data.streaming`: train read as it goes, eval from the cache."""
-    batch_size = int(config.train.batch_size)
+    batch_size = config.train.batch_size
     rows = core._local_rows(batch_size, process_index, process_count, "train.batch_size")
     spans = None
     if core.is_encoder_decoder(config) and config.data.format == "text":
@@ -280,7 +280,7 @@ def build_stream(config, tokenizer, process_index: int, process_count: int):
                 f"cannot be combined with data.mixture"
             )
         documents = open_split(config, "train_split").documents
-        seq_len, seed = int(config.train.seq_len), int(config.train.seed)
+        seq_len, seed = config.train.seq_len, config.train.seed
         examples = DocumentExamples(documents, tokenizer, seq_len, seed, spans)
         train = core.TrainBatches(
             config, tokenizer, process_index, process_count, examples=examples
@@ -298,7 +298,7 @@ def build_stream(config, tokenizer, process_index: int, process_count: int):
                 raise ValueError(f"data.mixture source {component.source!r}: {e}") from None
         train = streams[0]
         if components:
-            train = StreamMixture(components, streams, batch_size, int(config.train.seed), rows)
+            train = StreamMixture(components, streams, batch_size, config.train.seed, rows)
     evals = [core.split_examples(c, tokenizer, "eval_split", True) for c in configs]
     eval_sets = {
         c.name: core._padded_batches(e, batch_size, rows, None)

@@ -8,7 +8,6 @@ records of that format and scores what training scored: the completion and its E
 assistant turns, the seq2seq targets (`--per_example`: each example's mean over them).
 """
 
-import copy
 import functools
 import json
 import logging
@@ -255,19 +254,14 @@ def packed_batches(config, data_spec: str, tokenizer):
 
     check_eval_data(data_spec)
     data_spec = data_spec.removeprefix("tfds:")  # the kind training's data.source names
-    eval_config = copy.deepcopy(config)
-    with eval_config.unlocked():
-        if data_spec in ("embedded", "embedded/validation"):
-            eval_config.data.source = "embedded"
-            eval_config.data.eval_split = "validation"
-        else:
-            name, _, split = data_spec.rpartition("/")
-            if not name:
-                raise ValueError(
-                    f"--data {data_spec!r}: expected NAME/SPLIT, embedded or jsonl:FILE"
-                )
-            eval_config.data.source = f"tfds:{name}"
-            eval_config.data.eval_split = split
+    if data_spec in ("embedded", "embedded/validation"):
+        source, split = "embedded", "validation"
+    else:
+        name, _, split = data_spec.rpartition("/")
+        if not name:
+            raise ValueError(f"--data {data_spec!r}: expected NAME/SPLIT, embedded or jsonl:FILE")
+        source = f"tfds:{name}"
+    eval_config = config.replace(data=config.data.replace(source=source, eval_split=split))
     return [
         {k: v for k, v in b.items() if k != "example_ids"}
         for b in eval_batches(eval_config, tokenizer)

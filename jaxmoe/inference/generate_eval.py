@@ -176,7 +176,7 @@ def generate_eval(
         prompts, config.model.max_len, max_new_tokens, truncate, encoder_decoder, labels
     )
     dp = generator.batch_multiple
-    rows = -(-(batch_size or int(config.train.batch_size)) // dp) * dp
+    rows = -(-(batch_size or config.train.batch_size) // dp) * dp
     start = time.perf_counter()
     tokens, total = generate_all(
         generator,

@@ -193,7 +193,7 @@ class JaxmoeLM(TemplateLM):
         self.params = self.generator.params
         dp = data_parallel_size(self.mesh)
         self.rows = -(-_batch_size(batch_size) // dp) * dp
-        _check_context(max_length, int(config.model.max_len))
+        _check_context(max_length, config.model.max_len)
         self._max_length = int(max_length or config.train.seq_len)
         self._max_gen_toks = int(max_gen_toks)
         self._score = jax.jit(
@@ -430,11 +430,10 @@ def check_model_args(argv: list[str]) -> None:
         _check_positive(name, model_args.get(name))
     checkpoint = model_args.get("checkpoint")
     if checkpoint and model_args.get("max_length") and "model.max_len" not in model_args:
-        from jaxmoe.checkpoints.manager import read_config
+        from jaxmoe.config.stored import read_config
 
-        _check_context(
-            model_args["max_length"], int(read_config(checkpoint, tokenizer=False).model.max_len)
-        )
+        max_len = read_config(checkpoint, tokenizer=False).model.max_len
+        _check_context(model_args["max_length"], max_len)
 
 
 def run_lm_eval(argv: list[str]) -> int:

@@ -54,7 +54,7 @@ def _data_batches(config, data_spec: str, tokenizer, data_parallel: int):
         examples = read_jsonl(
             data_spec.removeprefix("jsonl:"), tokenizer, encoder_decoder, config.model.vocab_size
         )
-        batch_size = -(-int(config.train.batch_size) // data_parallel) * data_parallel
+        batch_size = -(-config.train.batch_size // data_parallel) * data_parallel
         return batch_examples(examples, batch_size, encoder_decoder)
     if tokenizer is None:
         raise ValueError("--data: text data needs a tokenizer (--config.data.tokenizer=FILE)")
@@ -104,8 +104,8 @@ def analyze_routing(
         "checkpoint": model.checkpoint,
         "step": model.step,
         "data": data_spec,
-        "gate": moe.gating if gate == "train" else (moe.eval_gating or moe.gating),
-        "threshold": float(moe.threshold),
+        "gate": (moe.gate if gate == "train" else moe.eval_gate).gating,
+        "threshold": moe.gate.threshold,
         "num_batches": num_batches,
     }
     summary["files"] = write_report(summary, out_dir) if jax.process_index() == 0 else []

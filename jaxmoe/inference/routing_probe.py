@@ -23,7 +23,7 @@ class RoutingProbe(nnx.Module):
     """An MoE layer plus `top2_mask_BL` in its aux: bool [B, L], True where `gate_cfg` keeps
     two or more experts for the token (the layer's own output is unchanged)."""
 
-    def __init__(self, moe: MoE, gate_cfg: gates.GateConfig):
+    def __init__(self, moe: MoE, gate_cfg: gates.GateOptions):
         self.moe = moe
         self.gate_cfg = gate_cfg
 
@@ -85,7 +85,7 @@ def routing_masks(params, batch, graphdef, gate: str, rest=None) -> dict:
 
 def moe_layers(config) -> list[tuple[str, str]]:
     """(name, stack) of the model's MoE layers in model order (encoder first)."""
-    from jaxmoe.models.ffn import is_moe_layer
+    from jaxmoe.models.layer_kinds import is_moe_layer
 
     m = config.model
     if m.arch == "encoder_decoder":
@@ -120,7 +120,7 @@ def collect_counts(model, batches, gate: str, max_batches: int = 0):
             f"model.moe.num_experts={config.model.moe.num_experts}: the checkpoint's model "
             f"has no MoE layer to analyse"
         )
-    if int(config.model.vocab_size) < 1:
+    if config.model.vocab_size < 1:
         raise ValueError(
             f"model.vocab_size={config.model.vocab_size}: the analysis needs the trained size "
             f"(use the config stored with the checkpoint, or set --config.model.vocab_size)"
@@ -132,7 +132,7 @@ def collect_counts(model, batches, gate: str, max_batches: int = 0):
         out_shardings=NamedSharding(mesh, PartitionSpec()),
     )
     counts = RoutingCounts(
-        [name for name, _ in layers], [stack for _, stack in layers], int(config.model.vocab_size)
+        [name for name, _ in layers], [stack for _, stack in layers], config.model.vocab_size
     )
     pending, num_batches = None, 0
     with jax.set_mesh(mesh):

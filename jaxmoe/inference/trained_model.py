@@ -6,20 +6,66 @@
     result = model.generator().generate([ids], max_new_tokens=16)
     print(model.tokenizer.decode(result.tokens[0]))
 
-It holds the four things every inference command needs, opened the one way
-(checkpoints/restore.py): the stored config with the command line's overrides, the
-checkpoint's own tokenizer (or one named on the command line), the mesh, and the
-parameters read straight into their shards on it, on first use.
+It holds the four things every inference command needs, opened the one way: the stored
+config with the command line's overrides (config/stored.py), the checkpoint's own tokenizer
+(or one named on the command line), the mesh, and the parameters read straight into their
+shards on it, on first use (checkpoints/restore.py).
+
+A checkpoint is data, never instructions: what its stored config says about where to read
+or write (`data.source`, `data.mixture`, `data.cache_dir`, `data.data_dir`,
+`train.init_from`) is dropped, and its tokenizer is the copy inside it
+(checkpoints/tokenizer_item.py); only the command line names other places.
 """
 
 import functools
 
-from jaxmoe.checkpoints.restore import (
-    checkpoint_config,
-    checkpoint_step,
-    checkpoint_tokenizer,
-    restore_on_mesh,
-)
+from jaxmoe.checkpoints.manager import read_stored_config
+from jaxmoe.checkpoints.restore import checkpoint_step, restore_on_mesh
+from jaxmoe.checkpoints.tokenizer_item import check_tokenizer_fits
+from jaxmoe.config.schema import JobConfig
+from jaxmoe.config.stored import opened_config
+from jaxmoe.errors import ConfigError
+
+
+def _named(overrides, key: str) -> bool:
+    """True when `--config.KEY=...` is among `overrides`."""
+    return any(o.removeprefix("--").removeprefix("config.").startswith(key + "=")
+               for o in overrides)  # fmt: skip
+
+
+def checkpoint_config(checkpoint: str, overrides=()) -> JobConfig:
+    """The config stored with `checkpoint`, its places reset to the defaults, then the
+    `--config.KEY=VALUE` overrides applied. A tokenizer named there is not looked up in
+    the checkpoint (nor refused there)."""
+    named = _named(overrides, "data.tokenizer")
+    return opened_config(checkpoint, overrides, tokenizer=not named)
+
+
+def checkpoint_tokenizer(checkpoint: str, config: JobConfig, overrides=(), required=True):
+    """The tokenizer to use with `checkpoint`: the one named by `--config.data.tokenizer`,
+    else the checkpoint's own copy, else the one a `--config` file names.
+    Without either: a ConfigError saying how to name one, or None when not `required`
+    (token-id data needs none). A tokenizer with more ids than the model's embedding
+    table is refused: those ids would silently index past it."""
+    from jaxmoe.checkpoints.manager import resolve_checkpoint
+    from jaxmoe.data.tokenizer import open_tokenizer
+
+    if _named(overrides, "data.tokenizer"):
+        path, where = config.data.tokenizer, "--config.data.tokenizer"
+    else:
+        own = read_stored_config(checkpoint).get("data", {}).get("tokenizer")
+        path, where = own or config.data.tokenizer, "the checkpoint's own tokenizer"
+    if not path:
+        if not required:
+            return None
+        raise ConfigError(
+            f"checkpoint {str(resolve_checkpoint(checkpoint))!r} holds no tokenizer (saved "
+            f"before checkpoints carried one, or converted without tokenizer files): name "
+            f"one with --config.data.tokenizer=FILE (a .model, a tokenizer.json or its folder)"
+        )
+    tokenizer = open_tokenizer(path, eos_token=config.data.eos_token)
+    check_tokenizer_fits(tokenizer, config.model.vocab_size, where)
+    return tokenizer
 
 
 class TrainedModel:
@@ -27,7 +73,7 @@ class TrainedModel:
     the checkpoint has none), `mesh`, `spec` (models/spec.py), `params` (read on first
     access), and `checkpoint` / `step`, the step directory it came from."""
 
-    def __init__(self, checkpoint: str, config, tokenizer, mesh, spec):
+    def __init__(self, checkpoint: str, config: JobConfig, tokenizer, mesh, spec):
         self.config, self.tokenizer, self.mesh, self.spec = config, tokenizer, mesh, spec
         where = checkpoint_step(checkpoint)
         self.checkpoint, self.step = where["checkpoint"], where["step"]
@@ -38,7 +84,7 @@ class TrainedModel:
         path: str,
         mesh=None,
         *,
-        config=None,
+        config: JobConfig | None = None,
         overrides=(),
         tokenizer: bool = True,
         strict_mesh: bool = False,
@@ -51,8 +97,6 @@ class TrainedModel:
         refuse a mesh whose axes do not divide the tensors they split."""
         from jax.sharding import Mesh
 
-        from jaxmoe.config.validation import resolve_vocab_size
-        from jaxmoe.errors import ConfigError
         from jaxmoe.models.spec import model_spec
         from jaxmoe.parallel.mesh import make_mesh
         from jaxmoe.parallel.platforms import skip_absent_tpu
@@ -72,7 +116,7 @@ class TrainedModel:
                 raise ConfigError(
                     "model.vocab_size=0 needs a tokenizer: set --config.model.vocab_size"
                 )
-            resolve_vocab_size(config, opened.vocab_size)
+            config = config.replace(model=config.model.with_vocab(opened.vocab_size))
         mesh = make_mesh(config.mesh) if mesh is None else mesh
         spec = model_spec(config.model, mesh)
         if strict_mesh:

@@ -80,19 +80,19 @@ class RopeScaling:
             return None
         scaling = cls(
             rope_type,
-            float(cfg.rope_factor),
-            float(cfg.rope_low_freq_factor),
-            float(cfg.rope_high_freq_factor),
-            int(cfg.rope_original_max_len),
+            cfg.rope_factor,
+            cfg.rope_low_freq_factor,
+            cfg.rope_high_freq_factor,
+            cfg.rope_original_max_len,
         )
         if rope_type != "yarn":
             return scaling
         return dataclasses.replace(
             scaling,
-            beta_fast=float(cfg.rope_beta_fast),
-            beta_slow=float(cfg.rope_beta_slow),
-            truncate=bool(cfg.rope_truncate),
-            attention_factor=float(cfg.rope_attention_factor),
+            beta_fast=cfg.rope_beta_fast,
+            beta_slow=cfg.rope_beta_slow,
+            truncate=cfg.rope_truncate,
+            attention_factor=cfg.rope_attention_factor,
         )
 
     @property

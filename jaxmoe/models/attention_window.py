@@ -51,10 +51,10 @@ def parse_layer_types(spec: str, num_layers: int, window: int) -> tuple[str, ...
 
 def layer_window(cfg, layer_index: int) -> int:
     """The attention window of decoder layer `layer_index`: W for a sliding layer, else 0."""
-    window = int(cfg.sliding_window)
+    window = cfg.sliding_window
     if window <= 0:
         return 0
-    kinds = parse_layer_types(cfg.layer_types, int(cfg.num_layers), window)
+    kinds = parse_layer_types(cfg.layer_types, cfg.num_layers, window)
     return window if kinds[layer_index] == SLIDING else 0
 
 

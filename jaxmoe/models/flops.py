@@ -9,20 +9,15 @@ Why not XLA's cost analysis: it counts a while loop's body once (a `scan` over m
 or the MoE block loops with their traced trip counts), so it undercounts such programs.
 """
 
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
+from jaxmoe.models.moe.gates import num_slots
+from jaxmoe.models.options import MoEOptions
 
 
-def experts_per_token(moe_cfg) -> float:
+def experts_per_token(moe: MoEOptions) -> float:
     """Experts each token runs. Adaptive and top-p gates send a data-dependent share of tokens
     to a second (or k-th) expert; they are counted at their maximum, an upper bound."""
-    gating = moe_cfg.gating
-    if gating == "top1":
-        return 1.0
-    if gating == "topk":
-        return float(moe_cfg.top_k)
-    if gating in ("top_p", "adaptive_k"):
-        return float(moe_cfg.max_k)
-    return 2.0  # top2, adaptive (at most two experts)
+    return float(num_slots(moe.gate))
 
 
 def ffn_macs_per_token(cfg, layer_index: int) -> float:
@@ -34,7 +29,7 @@ def ffn_macs_per_token(cfg, layer_index: int) -> float:
         router = cfg.d_model * moe.num_experts
         routed = experts_per_token(moe) * matrices * cfg.d_model * moe.ffn_dim
         # Shared experts (one FFN every token runs) and Qwen2-MoE's [D, 1] gate on them.
-        shared_width = int(moe.num_shared_experts) * (int(moe.shared_ffn_dim) or moe.ffn_dim)
+        shared_width = moe.num_shared_experts * (moe.shared_ffn_dim or moe.ffn_dim)
         shared = matrices * cfg.d_model * shared_width
         if moe.shared_expert_gate:
             shared += cfg.d_model
@@ -79,7 +74,7 @@ def forward_macs_per_sequence(cfg, seq_len: int, encoder_seq_len: int | None = N
         macs = output_layer
         # Multi-token prediction (models/mtp.py): module k is one more block (layer
         # num_layers + k), its [2D, D] projection and another pass of the output layer.
-        depth = int(cfg.mtp_depth)
+        depth = cfg.mtp_depth
         for i in range(cfg.num_layers + depth):
             per_token = _projection_macs(cfg, cfg.num_kv_heads) + ffn_macs_per_token(cfg, i)
             macs += length * per_token + _score_macs(cfg, length, length)

@@ -1,9 +1,10 @@
 """Checks of the GPT-OSS model keys (options.py declares them): attention windows and kinds,
 sinks, the output bias, the clamped SwiGLU, expert biases and YaRN on GQA attention."""
 
-from jaxmoe.config.fields import need
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import need
 from jaxmoe.models.attention_window import parse_layer_types
+from jaxmoe.models.layer_kinds import is_moe_layer
 from jaxmoe.models.moe.glu import CLAMPED_SWIGLU
 
 
@@ -47,7 +48,6 @@ def check_gpt_oss_options(m) -> None:
         )
     if m.activation == CLAMPED_SWIGLU:
         need(m.swiglu_limit > 0, f"model.swiglu_limit={m.swiglu_limit} must be positive")
-        from jaxmoe.models.ffn import is_moe_layer
 
         need(
             m.ffn_gated

@@ -73,8 +73,8 @@ def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
     """Shapes of one decoder self-attention layer's cache (MLA: latent_cache.py's)."""
     if model_cfg.attention == "mla":  # latent_cache.py: rotary keys and latents, N = B rows
         return LayerCache(
-            k=(batch, length, int(model_cfg.qk_rope_head_dim)),
-            v=(batch, length, int(model_cfg.kv_lora_rank)),
+            k=(batch, length, model_cfg.qk_rope_head_dim),
+            v=(batch, length, model_cfg.kv_lora_rank),
         )
     rows, head_dim = batch * model_cfg.num_kv_heads, model_cfg.head_dim
     return LayerCache(k=(rows, head_dim, length), v=(rows, length, head_dim))

@@ -27,10 +27,10 @@ from jaxmoe.models.mla import LatentAttention
 def cache_bytes_per_token(model_cfg) -> int:
     """Bytes of decode cache one token adds, summed over the layers."""
     if model_cfg.attention == "mla":
-        per_layer = int(model_cfg.kv_lora_rank) + int(model_cfg.qk_rope_head_dim)
+        per_layer = model_cfg.kv_lora_rank + model_cfg.qk_rope_head_dim
     else:
-        per_layer = 2 * int(model_cfg.num_kv_heads) * int(model_cfg.head_dim)
-    return per_layer * int(model_cfg.num_layers) * jnp.dtype(model_cfg.dtype).itemsize
+        per_layer = 2 * model_cfg.num_kv_heads * model_cfg.head_dim
+    return per_layer * model_cfg.num_layers * jnp.dtype(model_cfg.dtype).itemsize
 
 
 def absorbed_attention(attn: LatentAttention, q_nope, q_rope, latent_BSr, rope_key_BSd, mask):

@@ -66,14 +66,14 @@ class Yarn:
     @classmethod
     def from_config(cls, cfg) -> "Yarn":
         return cls(
-            float(cfg.rope_factor),
-            int(cfg.rope_original_max_len),
-            float(cfg.rope_beta_fast),
-            float(cfg.rope_beta_slow),
-            float(cfg.rope_mscale),
-            float(cfg.rope_mscale_all_dim),
-            float(cfg.rope_attention_factor),
-            bool(cfg.rope_truncate),
+            cfg.rope_factor,
+            cfg.rope_original_max_len,
+            cfg.rope_beta_fast,
+            cfg.rope_beta_slow,
+            cfg.rope_mscale,
+            cfg.rope_mscale_all_dim,
+            cfg.rope_attention_factor,
+            cfg.rope_truncate,
         )
 
     def rotary_factor(self) -> float:
@@ -145,10 +145,10 @@ class LatentAttention(nnx.Module):
     def __init__(self, cfg, *, rngs: nnx.Rngs):
         d, h = cfg.d_model, cfg.num_heads
         self.num_heads = h
-        self.q_rank, self.rank = int(cfg.q_lora_rank), int(cfg.kv_lora_rank)
-        self.nope, self.rope = int(cfg.qk_nope_head_dim), int(cfg.qk_rope_head_dim)
-        self.v_dim = int(cfg.v_head_dim)
-        self.rope_theta = float(cfg.rope_theta)
+        self.q_rank, self.rank = cfg.q_lora_rank, cfg.kv_lora_rank
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        self.v_dim = cfg.v_head_dim
+        self.rope_theta = cfg.rope_theta
         self.rope_scaling = rope_scaling_of(cfg)
         self.causal_block = cfg.attention_block
         self.quant = Quantization.from_config(cfg)  # the projections' products
@@ -268,4 +268,4 @@ def _pad_last(x, width: int):
 
 def latent_cache_width(cfg) -> int:
     """Numbers one MLA layer caches per token: the latent and the shared rotary key."""
-    return int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim)
+    return cfg.kv_lora_rank + cfg.qk_rope_head_dim

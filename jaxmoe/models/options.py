@@ -1,58 +1,42 @@
 """The `model` and `model.moe` config sections: every key's type, default and one-line doc,
-and the checks of their values (jaxmoe/config builds the ConfigDict defaults from these and
-runs the checks through `jaxmoe.config.typed`).
+and the checks of their values, run when a section is made (`__post_init__`; jaxmoe/config
+builds sections from config files and stored configs).
 
 The option lists come from the modules that implement the options, so a new gate, dispatch
-or activation is a choice here without touching jaxmoe/config.
+or activation is a choice here without touching jaxmoe/config. The gate's and the router's
+keys are their own sections (models/moe/gates.py `GateOptions`, router.py `RouterOptions`),
+nested flat in `MoEOptions`: `model.moe.threshold` is `MoEOptions.gate.threshold`.
 """
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from ml_collections import ConfigDict
-
-from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import Options, check_choices, need, option, section
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
 from jaxmoe.models.attention_kernel import ATTENTION_KERNELS
-from jaxmoe.models.ffn import dense_layer_ids
 from jaxmoe.models.gpt_oss_options import check_gpt_oss_options
+from jaxmoe.models.layer_kinds import dense_layer_ids, is_moe_layer
 from jaxmoe.models.layers import ACTIVATIONS
 from jaxmoe.models.mla import ATTENTION_KINDS
-from jaxmoe.models.moe.dispatch import DISPATCHES
+from jaxmoe.models.moe.dispatch import DISPATCHES, resolve_dispatch
 from jaxmoe.models.moe.expert_parallel import EXCHANGES
-from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GAP_NORMALIZATIONS, GATES, SINGLE_WEIGHTS
+from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GATES, GateOptions, num_slots
 from jaxmoe.models.moe.glu import CLAMPED_SWIGLU
-from jaxmoe.models.moe.layer import check_moe_config
-from jaxmoe.models.moe.router import SCORINGS
+from jaxmoe.models.moe.router import TOPK_GATES, RouterOptions
 from jaxmoe.models.quantization import QUANTIZATIONS, SCALINGS
 from jaxmoe.models.stack import REMAT_POLICIES
 
 
 @dataclass(frozen=True)
-class MoEOptions:
-    """model.moe: the mixture-of-experts FFN layers and their router."""
+class MoEOptions(Options):
+    """model.moe: the mixture-of-experts FFN layers, their gate and their router."""
 
     num_experts: int = option(8, "experts per MoE layer; 0 = dense model")
     every: int = option(1, "an MoE FFN in every `every`-th layer (others dense)")
     ffn_dim: int = option(256, "hidden size of one expert")
-    gating: str = option("adaptive", "router policy", GATES)
-    threshold: float = option(
-        0.1,
-        "adaptive / adaptive_k: the next expert while its gap to the top-1 < threshold (>= 0; "
-        "sigmoid or biased routers: on the selection scores, docs/adaptive_k.md)",
-    )
-    top_k: int = option(2, "topk: experts per token")
-    top_p: float = option(0.4, "top_p: smallest expert set whose probabilities pass p")
-    max_k: int = option(2, "top_p: at most this many experts per token (static shapes)")
+    gate: GateOptions = section(GateOptions, "the gate: experts per token, weights", flat=True)
     eval_gating: str = option("", 'gate at evaluation time; "" = same as `gating`', ("", *GATES))
-    gap_normalization: str = option(
-        "top2", "adaptive gap on: top2 (p1,p2 renormalised) | none (raw)", GAP_NORMALIZATIONS
-    )
-    renormalize: bool = option(
-        False, "chosen weights / their sum (HF norm_topk_prob; sigmoid: / (sum + 1e-20))"
-    )
-    single_weight: str = option("prob", "weight of a one-expert token", SINGLE_WEIGHTS)
     capacity_factor: float = option(0.0, "0 = dropless; > 0 = fixed capacity that drops overflow")
     balance_loss_weight: float = option(0.01, "load-balancing loss coefficient")
     balance_fractions: str = option(
@@ -80,20 +64,8 @@ class MoEOptions:
         "ragged: receive buffer = this x the balanced load (local tokens x slots); overflow "
         "goes in further rounds through it (dropless) or is dropped (capacity)",
     )
-    # Today's designs (docs/moe.md "Today's designs"; defaults from moe/router.py).
-    router_scoring: str = option(
-        "softmax",
-        "expert scores: softmax | sigmoid (DeepSeek-V3: independent per expert)",
-        SCORINGS,
-    )
-    routed_scaling_factor: float = option(
-        1.0,
-        "routed experts' combine weights times this, after renormalize (DeepSeek)",
-    )
-    selection_bias: bool = option(
-        False,
-        "a per-expert bias [E] on the scores for choosing only, not trained (DeepSeek-V3)",
-    )
+    # Today's designs (docs/moe.md "Today's designs"; the routing rule: moe/router.py).
+    router: RouterOptions = section(RouterOptions, "scores and their choice", flat=True)
     bias_update_rate: float = option(
         0.0,
         "aux-loss-free balancing: bias += rate * sign(mean load - load) per step (0 = off)",
@@ -102,8 +74,6 @@ class MoEOptions:
         0.0,
         "DeepSeek-V3's sequence-wise balance loss coefficient (0 = off)",
     )
-    n_group: int = option(1, "group-limited routing: experts in n_group equal groups")
-    topk_group: int = option(1, "group-limited routing: groups a token may use")
     num_shared_experts: int = option(0, "always-on shared experts (one FFN), 0 = none")
     shared_ffn_dim: int = option(0, "hidden size of one shared expert; 0 = ffn_dim")
     shared_expert_gate: bool = option(
@@ -113,32 +83,107 @@ class MoEOptions:
     first_dense_layers: int = option(0, "layers 0..k-1 dense (DeepSeek first_k_dense)")
     dense_layers: str = option("", 'dense layer ids, e.g. "0,3" (Qwen mlp_only_layers)')
 
-    def check(self, depths: dict[str, int]) -> None:
-        """The MoE ranges; `depths` names the layer counts `every` must not exceed."""
-        need(self.num_experts >= 0, f"model.moe.num_experts={self.num_experts} must be >= 0")
-        if not self.num_experts:
+    @property
+    def eval_gate(self) -> GateOptions:
+        """The gate at evaluation time (`eval_gating`, "" = the training gate)."""
+        if not self.eval_gating or self.eval_gating == self.gate.gating:
+            return self.gate
+        return dataclasses.replace(self.gate, gating=self.eval_gating)  # type: ignore[arg-type]
+
+    def __post_init__(self) -> None:
+        """The ranges and combinations of the MoE keys (those against the model's depth:
+        ModelOptions). A dense model (num_experts=0) checks only its own keys' choices."""
+        check_choices(self, "model.moe.")
+        experts = self.num_experts
+        need(experts >= 0, f"model.moe.num_experts={experts} must be >= 0")
+        if not experts:
             return
+        need(
+            experts >= 2,
+            f"model.moe.num_experts={experts}: an MoE layer needs >= 2 experts "
+            "(model.moe.num_experts=0 is the dense model)",
+        )
         need(self.every >= 1, f"model.moe.every={self.every} must be >= 1")
+        for key in ("ffn_dim", "block_size"):
+            value = getattr(self, key)
+            need(value >= 1, f"model.moe.{key}={value} must be a positive integer")
+        for key in ("top_k", "max_k"):
+            value = getattr(self.gate, key)
+            need(
+                value <= experts,
+                f"model.moe.{key}={value} exceeds model.moe.num_experts={experts}",
+            )
         need(
             self.expert_dropout_rate == -1.0 or 0.0 <= self.expert_dropout_rate < 1.0,
             f"model.moe.expert_dropout_rate={self.expert_dropout_rate} not in [0, 1) or -1",
         )
-        # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
-        # is, and the run would silently train a dense model.
+        # An expert receives at most every token of a group once (capacity factor E / K): a
+        # larger factor only sizes unused buffers, and 1e9 overflows int32 at the first step.
         need(
-            self.every <= max(depths.values()),
-            f"model.moe.every={self.every} exceeds "
-            + " and ".join(f"{k}={v}" for k, v in depths.items())
-            + ": no layer would be MoE (model.moe.num_experts=0 is the dense model)",
+            0 <= self.capacity_factor <= experts,
+            f"model.moe.capacity_factor: expected a number in [0, model.moe.num_experts="
+            f"{experts}], got {self.capacity_factor!r} (0 = dropless)",
         )
-        try:  # the ranges the MoE layer checks itself, for models built without a config
-            check_moe_config(ConfigDict({"moe": dataclasses.asdict(self)}))
+        need(0 <= self.jitter < 1, f"model.moe.jitter={self.jitter} not in [0, 1)")
+        need(
+            self.ep_buffer_factor > 0,
+            f"model.moe.ep_buffer_factor={self.ep_buffer_factor} must be > 0",
+        )
+        try:
+            resolve_dispatch(self.dispatch, self.capacity_factor, backend="cpu")
         except ValueError as error:
             raise ConfigError(str(error)) from None
+        self._check_today()
+
+    def _check_today(self) -> None:
+        """The router's keys against the experts and the gates, and the shared experts."""
+        experts, router = self.num_experts, self.router
+        for key in ("bias_update_rate", "sequence_balance_weight"):
+            value = getattr(self, key)
+            need(value >= 0, f"model.moe.{key}={value} must be >= 0")
+        for key in ("num_shared_experts", "shared_ffn_dim", "first_dense_layers"):
+            value = getattr(self, key)
+            need(value >= 0, f"model.moe.{key}={value} must be >= 0")
+        need(
+            not self.shared_expert_gate or self.num_shared_experts > 0,
+            "model.moe.shared_expert_gate needs model.moe.num_shared_experts > 0",
+        )
+        need(
+            self.bias_update_rate == 0 or router.selection_bias,
+            "model.moe.bias_update_rate > 0 needs model.moe.selection_bias=True",
+        )
+        n_group, topk_group = router.n_group, router.topk_group
+        need(
+            experts % n_group == 0,
+            f"model.moe.n_group={n_group} must divide num_experts={experts}",
+        )
+        need(
+            n_group == 1 or experts // n_group >= 2,
+            f"model.moe.n_group={n_group}: a group is scored by its two best experts, so it "
+            f"needs >= 2 of the num_experts={experts}",
+        )
+        if router.plain:
+            return
+        # Sigmoid scores, a selection bias and group limits are defined for top-k choice,
+        # which the adaptive gates mask (router.py); top-p reads sums of softmax probabilities.
+        for key, gating in (("gating", self.gate.gating), ("eval_gating", self.eval_gating)):
+            need(
+                not gating or gating in TOPK_GATES,
+                f"model.moe.{key}={gating!r}: router_scoring=sigmoid, selection_bias and "
+                "n_group > 1 need a top-k gate (" + " | ".join(TOPK_GATES) + ")",
+            )
+        reachable = topk_group * (experts // n_group)
+        for gate in {self.gate, self.eval_gate}:
+            slots = num_slots(gate)
+            need(
+                slots <= reachable,
+                f"model.moe.top_k: {slots} experts per token exceed the {reachable} in "
+                f"topk_group={topk_group} of n_group={n_group} groups",
+            )
 
 
 @dataclass(frozen=True)
-class ModelOptions:
+class ModelOptions(Options):
     """model: the architecture (and its compute dtype, remat and attention blocking)."""
 
     arch: str = option("decoder", "the architecture", ("decoder", "encoder_decoder"))
@@ -262,10 +307,23 @@ class ModelOptions:
     mtp_weight: float = option(
         0.3, "mtp: the loss adds mtp_weight / D * sum of the modules' NLL (DeepSeek-V3: 0.3)"
     )
-    moe: MoEOptions = field(default_factory=MoEOptions)
+    moe: MoEOptions = section(MoEOptions, "the mixture-of-experts layers")
 
-    def check(self) -> None:
-        """Ranges and combinations of the model keys (and model.moe's)."""
+    def with_vocab(self, tokenizer_vocab: int) -> "ModelOptions":
+        """vocab_size = 0 (a training config) takes the tokenizer's size, as training does;
+        a smaller explicit size cannot embed the tokenizer's ids."""
+        if self.vocab_size == 0:
+            return dataclasses.replace(self, vocab_size=tokenizer_vocab)
+        need(
+            self.vocab_size >= tokenizer_vocab,
+            f"model.vocab_size={self.vocab_size} is smaller than the tokenizer's vocabulary "
+            f"({tokenizer_vocab})",
+        )
+        return self
+
+    def __post_init__(self) -> None:
+        """Ranges and combinations of the model keys (and of model.moe's against them)."""
+        check_choices(self, "model.")
         for key in ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "ffn_dim"):
             value = getattr(self, key)
             need(value > 0, f"model.{key}={value} must be positive")
@@ -290,10 +348,6 @@ class ModelOptions:
             f"model.attention_block={self.attention_block} must be -1 (auto), 0 (dense) or a "
             "block size",
         )
-        depths = {"model.num_layers": self.num_layers}
-        if self.arch == "encoder_decoder" and self.num_encoder_layers:
-            depths["model.num_encoder_layers"] = self.num_encoder_layers
-        self.moe.check(depths)
         self._check_quantization()
         self._check_today()
         need(
@@ -347,19 +401,25 @@ class ModelOptions:
         moe = self.moe
         if not moe.num_experts:
             return
+        depths = {"model.num_layers": self.num_layers}
+        if self.arch == "encoder_decoder" and self.num_encoder_layers:
+            depths["model.num_encoder_layers"] = self.num_encoder_layers
+        # Layer i is MoE when (i + 1) % every == 0: with every > the deepest stack no layer
+        # is, and the run would silently train a dense model.
+        need(
+            moe.every <= max(depths.values()),
+            f"model.moe.every={moe.every} exceeds "
+            + " and ".join(f"{k}={v}" for k, v in depths.items())
+            + ": no layer would be MoE (model.moe.num_experts=0 is the dense model)",
+        )
         need(
             moe.bias_update_rate == 0 or self.arch == "decoder",
             "model.moe.bias_update_rate > 0 is implemented for decoder models only",
-        )
-        need(
-            moe.first_dense_layers >= 0,
-            f"model.moe.first_dense_layers={moe.first_dense_layers} must be >= 0",
         )
         try:
             dense_layer_ids(moe.dense_layers, self.num_layers)
         except ValueError as error:
             raise ConfigError(str(error)) from None
-        from jaxmoe.models.ffn import is_moe_layer
         from jaxmoe.models.stack import check_scannable
 
         if self.arch == "decoder":

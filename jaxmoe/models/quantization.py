@@ -74,11 +74,8 @@ class Quantization:
 
     @classmethod
     def from_config(cls, cfg) -> "Quantization":
-        """The model section's setting (configs saved before these keys: none)."""
-        return cls(
-            str(getattr(cfg, "quantization", "none")),
-            str(getattr(cfg, "quantization_scaling", "channel")),
-        )
+        """The model section's setting."""
+        return cls(cfg.quantization, cfg.quantization_scaling)
 
     @property
     def enabled(self) -> bool:

@@ -52,14 +52,14 @@ def remat_name(value) -> str:
 
 def period_of(cfg) -> int:
     """Blocks per scan body: the MoE interleave `moe.every` (1 for dense models)."""
-    return int(cfg.moe.every) if cfg.moe.num_experts > 0 else 1
+    return cfg.moe.every if cfg.moe.num_experts > 0 else 1
 
 
 def _irregular_layers(cfg, num_layers: int | None) -> list[int]:
     """Layers the `moe.every` pattern makes MoE but first_dense_layers / dense_layers dense."""
-    from jaxmoe.models.ffn import is_moe_layer  # ffn imports the MoE options
+    from jaxmoe.models.layer_kinds import is_moe_layer
 
-    every = int(cfg.moe.every)
+    every = cfg.moe.every
     return [
         i
         for i in range(int(num_layers or cfg.num_layers))
@@ -74,7 +74,7 @@ def head_of(cfg, num_layers: int | None = None) -> int:
     refuses heads that are not all dense (DeepSeek's first_k_dense_replace = 1 gives h = 1)."""
     if cfg.moe.num_experts <= 0:
         return 0
-    every = int(cfg.moe.every)
+    every = cfg.moe.every
     irregular = _irregular_layers(cfg, num_layers)
     return (irregular[-1] // every + 1) * every if irregular else 0
 
@@ -86,7 +86,7 @@ def check_scannable(cfg, num_layers: int | None = None) -> None:
     unrolled."""
     if not cfg.scan_layers or cfg.moe.num_experts <= 0:
         return
-    from jaxmoe.models.ffn import is_moe_layer
+    from jaxmoe.models.layer_kinds import is_moe_layer
 
     if any(is_moe_layer(cfg, i) for i in range(head_of(cfg, num_layers))):
         raise ValueError(
@@ -360,10 +360,8 @@ def _take(leaf, p: int):
 
 
 def unrolled_config(model_cfg):
-    """A copy of the model config with `scan_layers` off: per-layer parameter paths."""
-    cfg = model_cfg.copy_and_resolve_references()
-    cfg.scan_layers = False
-    return cfg
+    """The model config with `scan_layers` off: per-layer parameter paths."""
+    return model_cfg.replace(scan_layers=False)
 
 
 def stack_layers(params: dict, cfg) -> dict:

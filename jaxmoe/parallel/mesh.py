@@ -18,16 +18,12 @@ from jaxmoe.parallel.options import MeshOptions
 MESH_AXES = ("data", "fsdp", "context", "tensor", "expert")
 
 
-def mesh_shape(mesh_cfg: Mapping[str, int], num_devices: int) -> dict[str, int]:
-    """Sizes of the mesh axes; one axis may be -1 and takes the remaining devices (a mapping
-    without "context", from before that axis, gives it size 1)."""
-    sizes = {axis: int(mesh_cfg.get(axis, 1)) for axis in MESH_AXES}
+def mesh_shape(options: MeshOptions, num_devices: int) -> dict[str, int]:
+    """Sizes of the mesh axes; one axis may be -1 and takes the remaining devices."""
+    sizes = {axis: getattr(options, axis) for axis in MESH_AXES}
     fill = [axis for axis, size in sizes.items() if size == -1]
     if len(fill) > 1:
         raise ConfigError(f"mesh: only one axis may be -1, got {fill}")
-    for axis, size in sizes.items():
-        if size == 0 or size < -1:
-            raise ConfigError(f"mesh.{axis}={size}: sizes must be positive or -1")
     fixed = math.prod(size for size in sizes.values() if size != -1)
     if fill:
         if num_devices % fixed:
@@ -49,7 +45,7 @@ def slice_count(devices: Sequence[jax.Device]) -> int:
     return len({getattr(device, "slice_index", 0) for device in devices})
 
 
-def dcn_shape(mesh_cfg: Mapping[str, int], sizes: Mapping[str, int], num_slices: int):
+def dcn_shape(options: MeshOptions, sizes: Mapping[str, int], num_slices: int):
     """How many slices each mesh axis spans: `mesh.dcn_data` x `mesh.dcn_fsdp` = the slices.
 
     Only data and fsdp may cross the data-center network: their collectives (a gradient
@@ -57,8 +53,7 @@ def dcn_shape(mesh_cfg: Mapping[str, int], sizes: Mapping[str, int], num_slices:
     not. The default (dcn_data=-1, dcn_fsdp=1) joins slices over data, or over fsdp when the
     data axis does not divide by the number of slices.
     """
-    axes = MeshOptions(**dict(mesh_cfg.items()))  # {axis: size} alone: default spans
-    dcn = {"data": axes.dcn_data, "fsdp": axes.dcn_fsdp}
+    dcn = {"data": options.dcn_data, "fsdp": options.dcn_fsdp}
     if dcn == {"data": -1, "fsdp": 1} and sizes["data"] % num_slices:
         dcn = {"data": 1, "fsdp": -1}
     fill = [axis for axis, size in dcn.items() if size == -1]
@@ -84,7 +79,7 @@ def dcn_shape(mesh_cfg: Mapping[str, int], sizes: Mapping[str, int], num_slices:
     return tuple(dcn.get(axis, 1) for axis in MESH_AXES)
 
 
-def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(options: MeshOptions, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """The 5-axis mesh (data, fsdp, context, tensor, expert) over `devices` (default: all devices).
 
     The one mesh builder: training, evaluation, decoding and the ahead-of-time compile check
@@ -93,11 +88,11 @@ def make_mesh(mesh_cfg: Mapping[str, int], devices: Sequence[jax.Device] | None 
     and fsdp axes only (see `dcn_shape`).
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = mesh_shape(mesh_cfg, len(devices))
+    sizes = mesh_shape(options, len(devices))
     shape = tuple(sizes[axis] for axis in MESH_AXES)
     num_slices = slice_count(devices)
     if num_slices > 1:
-        dcn = dcn_shape(mesh_cfg, sizes, num_slices)
+        dcn = dcn_shape(options, sizes, num_slices)
         ici = tuple(size // count for size, count in zip(shape, dcn, strict=True))
         grid = mesh_utils.create_hybrid_device_mesh(
             ici, dcn, devices, allow_split_physical_axes=True

@@ -1,15 +1,14 @@
 """The `mesh` config section: every axis size's type, default and one-line doc, and their
-checks (jaxmoe/config builds the ConfigDict defaults from these and runs the checks through
-`jaxmoe.config.typed`; mesh.py fills a partial mapping of axis sizes from them)."""
+checks, run when the section is made."""
 
 from dataclasses import dataclass
 
-from jaxmoe.config.fields import option
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import Options, check_choices, option
 
 
 @dataclass(frozen=True)
-class MeshOptions:
+class MeshOptions(Options):
     """mesh: the sizes of the device mesh's axes (and, multislice, of their slice spans)."""
 
     data: int = option(-1, "data-parallel axis (-1 = the remaining devices)")
@@ -24,7 +23,8 @@ class MeshOptions:
     dcn_data: int = option(-1, "multislice: slices the data axis spans (-1 = the remaining slices)")
     dcn_fsdp: int = option(1, "multislice: slices the fsdp axis spans")
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_choices(self, "mesh.")
         for axis in ("data", "fsdp", "context", "tensor", "expert", "dcn_data", "dcn_fsdp"):
             size = getattr(self, axis)
             if not (size == -1 or size >= 1):

@@ -12,10 +12,6 @@ import re
 # A scheme of two or more letters: `C:/x` (a Windows drive) stays a local path.
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]+://")
 
-# Config keys holding one path each ("" keeps the key's default).
-PATH_KEYS = ("train.init_from", "data.tokenizer", "data.cache_dir", "data.data_dir")
-# Config keys holding a path or one of these names (data.chat_template: chat_template.py).
-PATH_OR_NAME_KEYS = {"data.chat_template": ("chatml",)}
 # Data specs `KIND:PATH` whose argument is a local path or glob (tfds:NAME is not).
 PATH_SPEC_KINDS = ("jsonl", "text", "parquet")
 
@@ -49,24 +45,6 @@ def absolute_mixture(mixture: str) -> str:
         spec, sep, weight = entry.strip().rpartition("=")
         entries.append(f"{absolute_data_spec(spec)}={weight}" if sep else entry)
     return ",".join(entries)
-
-
-def absolute_config_paths(config) -> None:
-    """Make every path-valued key of a ConfigDict absolute, in place."""
-    with config.unlocked():
-        for key in PATH_KEYS:
-            section, leaf = key.split(".")
-            if section in config and leaf in config[section]:
-                config[section][leaf] = absolute_path(config[section][leaf])
-        for key, names in PATH_OR_NAME_KEYS.items():
-            section, leaf = key.split(".")
-            present = section in config and leaf in config[section]
-            if present and config[section][leaf] not in names:
-                config[section][leaf] = absolute_path(config[section][leaf])
-        if "data" in config and "source" in config.data:
-            config.data.source = absolute_data_spec(config.data.source)
-        if "data" in config and config.data.mixture:
-            config.data.mixture = absolute_mixture(config.data.mixture)
 
 
 def finished_steps(directory) -> list[int]:

@@ -107,7 +107,7 @@ def make_curriculum(config, workdir: str, train: TrainBatches, batch_shardings: 
         return None
     if source not in SOURCES:
         raise ValueError(f"data.curriculum_source={source!r} is not one of {list(SOURCES)}")
-    if int(config.model.moe.num_experts) == 0:
+    if config.model.moe.num_experts == 0:
         raise ValueError(
             f"data.curriculum={policy!r} orders examples by their MoE routing, but "
             f"model.moe.num_experts=0 (a dense model)"
@@ -147,9 +147,9 @@ class Curriculum:
         self.batch_size = train.global_batch_size
         self.log_rows = (train.num_examples // self.batch_size) * self.batch_size
         self.order_kwargs = dict(
-            seed=int(config.train.seed),
+            seed=config.train.seed,
             batch_size=self.batch_size,
-            shuffle=bool(config.data.shuffle),
+            shuffle=config.data.shuffle,
         )
         self.multi = jax.process_count() > 1
         self.rows = self._local_rows(jax.process_index(), jax.process_count())
@@ -321,13 +321,11 @@ def _scoring_fn(model_config, batch_shardings: dict):
     """jit((params, batch) -> routing float32 [B, M]) with the training gate, no jitter."""
     import jax
     import jax.numpy as jnp
-    from ml_collections import ConfigDict
 
     from jaxmoe.models.spec import model_spec
     from jaxmoe.training.steps import forward, real_tokens_BM
 
-    scoring_config = ConfigDict(model_config.to_dict())
-    scoring_config.moe.eval_gating = ""  # "" = the training gate
+    scoring_config = model_config.replace(moe=model_config.moe.replace(eval_gating=""))  # train's
     mesh = next(iter(batch_shardings.values())).mesh
     spec = model_spec(scoring_config, mesh)
 

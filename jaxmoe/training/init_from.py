@@ -15,10 +15,10 @@ from collections.abc import Collection
 
 from ml_collections import ConfigDict
 
-from jaxmoe.checkpoints.manager import read_config
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
-from jaxmoe.config.schema import leaf_fields
+from jaxmoe.config.schema import JobConfig, leaf_fields
+from jaxmoe.config.stored import read_config
 from jaxmoe.config.validation import get, validate
 from jaxmoe.data.options import FORMAT_KEYS
 from jaxmoe.errors import ConfigError
@@ -53,7 +53,7 @@ def overridden_keys(overrides) -> set[str]:
 DEFAULT_CONFIG = "configs/default.py"
 
 
-def run_config(config_file: str | None, overrides) -> ConfigDict:
+def run_config(config_file: str | None, overrides) -> JobConfig:
     """The config `jaxmoe train` and `jaxmoe prepare` run: `config_file` (default
     configs/default.py) with the overrides and, with train.init_from, the checkpoint's
     model; with no file and train.init_from, the checkpoint's config (config_from_checkpoint)."""
@@ -62,11 +62,10 @@ def run_config(config_file: str | None, overrides) -> ConfigDict:
     if config_file is None and "train.init_from" in overridden_keys(overrides):
         return config_from_checkpoint(overrides)
     config = load_config(config_file or DEFAULT_CONFIG, overrides)
-    adopt_checkpoint_model(config, overridden_keys(overrides))
-    return config
+    return adopt_checkpoint_model(config, overridden_keys(overrides))
 
 
-def config_from_checkpoint(overrides) -> ConfigDict:
+def config_from_checkpoint(overrides) -> JobConfig:
     """The config of `jaxmoe train` without --config: train.init_from's checkpoint's model,
     tokenizer and data format (see the module doc), defaults elsewhere, then `overrides`."""
     config = base_config()
@@ -74,27 +73,29 @@ def config_from_checkpoint(overrides) -> ConfigDict:
     stored = _stored(config.train.init_from)
     explicit = overridden_keys(overrides)
     with config.unlocked():
-        config.model = ConfigDict(stored.model.to_dict())
+        config.model = ConfigDict(stored["model"])
         for key in INHERITED_DATA_KEYS:
             if f"data.{key}" not in explicit:
-                config.data[key] = stored.data[key]
+                config.data[key] = stored["data"][key]
     # The model keys the command line sets, again on the checkpoint's model: a run may
     # change RUN_MODEL_KEYS; any other is refused by adopt_checkpoint_model.
     apply_overrides(config, [o for o in overrides if _key(o).startswith("model.")])
-    adopt_checkpoint_model(config, explicit, stored)
-    return config
+    return adopt_checkpoint_model(validate(config), explicit, stored)
 
 
-def adopt_checkpoint_model(config, explicit: Collection[str] = (), stored=None) -> None:
-    """config.model made the checkpoint's (train.init_from), in place: keys that agree or
+def adopt_checkpoint_model(
+    config: JobConfig, explicit: Collection[str] = (), stored: dict | None = None
+) -> JobConfig:
+    """`config` with its model made the checkpoint's (train.init_from): keys that agree or
     are left at their defaults take the checkpoint's values; RUN_MODEL_KEYS the config sets
     (in `explicit`, or to a value other than the default) keep the config's; any other
     disagreement is a one-line ConfigError naming the key and both values."""
     if not config.train.init_from:
-        return
+        return config
     stored = stored if stored is not None else _stored(config.train.init_from)
     defaults = base_config()
     fields = leaf_fields()
+    config = ConfigDict(config.to_dict())  # edited as a config file would be, then checked
     with config.unlocked():
         for key in (k for k in fields if k.startswith("model.")):
             mine, theirs = get(config, key), get(stored, key)
@@ -109,12 +110,13 @@ def adopt_checkpoint_model(config, explicit: Collection[str] = (), stored=None) 
                     f"a fine-tuning run takes its model from the checkpoint (leave {key} out, "
                     f"or leave out --config to take the checkpoint's config)"
                 )
-    validate(config)
+    return validate(config)
 
 
-def _stored(init_from: str) -> ConfigDict:
+def _stored(init_from: str) -> dict:
+    """The checkpoint's config, completed and checked, as nested plain dicts."""
     try:
-        return read_config(init_from)
+        return read_config(init_from).to_dict()
     except Exception as error:  # a missing or unreadable checkpoint: one line naming it
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"train.init_from={init_from!r}: {first}") from None

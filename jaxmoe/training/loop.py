@@ -17,13 +17,9 @@ from etils import epath
 from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
-from jaxmoe.checkpoints.manager import (
-    TrainCheckpoints,
-    inherit_tokenizer,
-    restore_opt_state,
-    restore_params,
-)
-from jaxmoe.config.validation import resolve_vocab_size
+from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
+from jaxmoe.config.schema import JobConfig
+from jaxmoe.config.stored import inherit_tokenizer
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
@@ -144,7 +140,7 @@ def _remove_if_nothing_saved(path: epath.Path) -> None:
         log.warning("could not remove the empty workdir %s: %s", path, error)
 
 
-def train(config, workdir: str, *, progress: bool = True) -> dict:
+def train(config: JobConfig, workdir: str, *, progress: bool = True) -> dict:
     """Train (or resume) according to `config`; returns a summary dict.
 
     A run that fails before it wrote anything (a config or data error) leaves no empty
@@ -203,24 +199,30 @@ _DATA_IGNORED = ("tokenizer", "cache_dir", "data_dir", "prefetch", "workers")
 def _data_keys_changed(step_dir, config) -> list[str]:
     """'train.seq_len 32 -> 64' for each key shaping the data that differs from the config
     saved in `step_dir` (where the data is stored and how fast it is read aside)."""
-    from jaxmoe.checkpoints.manager import read_config
+    from jaxmoe.config.stored import read_config
 
     try:
-        saved = read_config(str(step_dir), tokenizer=False)
+        saved = read_config(str(step_dir), tokenizer=False).to_dict()
     except ValueError:
         return []
-    keys = [*_DATA_KEYS, *(f"data.{k}" for k in config.data if k not in _DATA_IGNORED)]
+    now_config = config.to_dict()
+    keys = [*_DATA_KEYS, *(f"data.{k}" for k in now_config["data"] if k not in _DATA_IGNORED)]
     changed = []
     for key in keys:
         section, leaf = key.split(".")
-        before, now = saved[section].get(leaf), config[section].get(leaf)
+        before, now = saved[section][leaf], now_config[section][leaf]
         if before != now:
             changed.append(f"{key} {before!r} -> {now!r}")
     return changed
 
 
 def _train(
-    config, workdir_path, lock: WorkdirLock, goodput: Goodput, progress: bool, closers: list
+    config: JobConfig,
+    workdir_path,
+    lock: WorkdirLock,
+    goodput: Goodput,
+    progress: bool,
+    closers: list,
 ) -> dict:
     mesh = make_mesh(config.mesh)
     dp = data_parallel_size(mesh)
@@ -234,11 +236,11 @@ def _train(
     from jaxmoe.parallel.distributed import barrier
     from jaxmoe.training.curriculum_hooks import make_curriculum
 
-    inherit_tokenizer(config)  # a train.init_from checkpoint's own, unless one is named
+    config = inherit_tokenizer(config)  # a train.init_from checkpoint's own, unless named
     data = build_data(config, jax.process_index(), jax.process_count(), barrier)
-    resolve_vocab_size(config, data.vocab_size)
-    with config.unlocked():  # stored with the checkpoints: decode refuses longer prompts
-        config.model.max_len = max(config.model.max_len, config.train.seq_len)
+    model = config.model.with_vocab(data.vocab_size)
+    # Stored with the checkpoints: decode refuses longer prompts.
+    config = config.replace(model=model.replace(max_len=max(model.max_len, config.train.seq_len)))
 
     spec = model_spec(config.model, mesh)
     total_steps = config.train.steps
@@ -290,7 +292,7 @@ def _train(
                     opt_state = init(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
-    fns = step_fns(config, spec, optimizer, schedule, frozen)
+    fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule, frozen)
     step_fn = jit_train_step(fns, shardings, batch_shardings)
     eval_batches = data.eval_batches
     # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.

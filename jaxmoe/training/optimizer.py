@@ -37,8 +37,8 @@ def learning_rate_schedule(opt_cfg, total_steps: int) -> optax.Schedule:
     """The learning rate at this run's step `count`, which is step start_step + count of
     the recipe: uptraining continues a schedule where its source stopped. Cosine decays over
     schedule_steps (0: start_step + total_steps, i.e. to the end of this run)."""
-    start = int(opt_cfg.start_step)
-    horizon = int(opt_cfg.schedule_steps) or start + total_steps
+    start = opt_cfg.start_step
+    horizon = opt_cfg.schedule_steps or start + total_steps
     schedule = _schedule_from_zero(opt_cfg, horizon)
     if not start:
         return schedule

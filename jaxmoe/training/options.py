@@ -1,18 +1,17 @@
 """The `train` and `optimizer` config sections: every key's type, default and one-line doc,
-and the checks of their values (jaxmoe/config builds the ConfigDict defaults from these and
-runs the checks through `jaxmoe.config.typed`)."""
+and the checks of their values (run when a section is made)."""
 
 from dataclasses import dataclass
 
-from jaxmoe.config.fields import need, option
 from jaxmoe.errors import ConfigError
+from jaxmoe.fields import Options, check_choices, need, option
 from jaxmoe.training.freezing import parse_groups
 from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
 from jaxmoe.training.profiling import parse_profile_steps
 
 
 @dataclass(frozen=True)
-class TrainOptions:
+class TrainOptions(Options):
     """train: the length and batch of the run, its evaluations, checkpoints and logging."""
 
     steps: int = option(600, "optimizer steps")
@@ -58,7 +57,8 @@ class TrainOptions:
         "[batch, seq_len, vocab] logits at once)",
     )
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_choices(self, "train.")
         for key in ("steps", "batch_size", "seq_len", "grad_accum", "log_every"):
             value = getattr(self, key)
             need(value > 0, f"train.{key}={value} must be positive")
@@ -99,7 +99,7 @@ class TrainOptions:
 
 
 @dataclass(frozen=True)
-class OptimizerOptions:
+class OptimizerOptions(Options):
     """optimizer: the update rule and the learning-rate schedule."""
 
     name: str = option(
@@ -144,7 +144,8 @@ class OptimizerOptions:
         "largest attention logit of the step would be at most this (0 = off; K2: 100)",
     )
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        check_choices(self, "optimizer.")
         need(
             self.learning_rate > 0,
             f"optimizer.learning_rate={self.learning_rate} must be positive",

@@ -26,14 +26,12 @@ def attention_sites(model_cfg) -> tuple:
     """((param path of an attention module, its aux key or, stacked, the aux keys of its
     rows), ...) for the decoder's layers, in models/stack.py's layouts, then the MTP
     modules' blocks (models/mtp.py)."""
-    mtp = tuple(
-        (("mtp", str(k), "block", "attn"), mtp_key(k)) for k in range(int(model_cfg.mtp_depth))
-    )
+    mtp = tuple((("mtp", str(k), "block", "attn"), mtp_key(k)) for k in range(model_cfg.mtp_depth))
     return _stack_sites(model_cfg) + mtp
 
 
 def _stack_sites(model_cfg) -> tuple:
-    n = int(model_cfg.num_layers)
+    n = model_cfg.num_layers
     if not model_cfg.scan_layers:
         return tuple((("layers", str(i), "attn"), i) for i in range(n))
     layout = stack_layout(model_cfg)

@@ -15,15 +15,17 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
 from jaxmoe.models.layers import head_logits
 from jaxmoe.models.moe import balancing
 from jaxmoe.models.mtp import ahead_in_document, mtp_key, shifted
+from jaxmoe.models.options import ModelOptions
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import head_of, period_of
 from jaxmoe.models.transformer import MAX_LOGIT
 from jaxmoe.training.chunked_loss import chunked_output_losses
 from jaxmoe.training.freezing import mask_gradients
+from jaxmoe.training.options import OptimizerOptions, TrainOptions
 from jaxmoe.training.qk_clip import attention_sites, qk_clip, site_keys
 
 SCALAR_MOE_KEYS = (
@@ -81,42 +83,51 @@ class StepFns:
     mtp_weight: float = 0.0  # model.mtp_weight: their loss's coefficient lambda
 
 
-def step_fns(config, spec, optimizer, schedule, frozen=None) -> StepFns:
-    """The StepFns of `config` for a model spec (models/spec.py: model_spec) and optimizer;
-    `frozen`: freezing.frozen_tree of the parameters (None: all train)."""
-    m = config.model
+def step_fns(
+    train: TrainOptions,
+    opt: OptimizerOptions,
+    m: ModelOptions,
+    spec,
+    optimizer,
+    schedule,
+    frozen=None,
+) -> StepFns:
+    """The StepFns of run `train` with optimizer options `opt` of model `m`, for its spec
+    (models/spec.py: model_spec), optimizer and learning-rate schedule
+    (training/optimizer.py: make_optimizer); `frozen`: freezing.frozen_tree of the
+    parameters (None: all train)."""
     moe = m.moe
     return StepFns(
         frozen_leaves=None if frozen is None else tuple(jax.tree.leaves(frozen)),
         graphdef=spec.graphdef,
         optimizer=optimizer,
         schedule=schedule,
-        balance_loss_weight=config.model.moe.balance_loss_weight,
-        z_loss_weight=config.model.moe.z_loss_weight,
-        grad_accum=config.train.grad_accum,
-        skip_nonfinite=config.train.nonfinite == "skip",
+        balance_loss_weight=moe.balance_loss_weight,
+        z_loss_weight=moe.z_loss_weight,
+        grad_accum=train.grad_accum,
+        skip_nonfinite=train.nonfinite == "skip",
         rest=spec.rest,
-        seed=config.train.seed,
-        logits_z_loss=config.train.logits_z_loss,
-        loss_chunk=config.train.loss_chunk,
-        sequence_balance_weight=float(moe.sequence_balance_weight),
-        selection_bias=bool(moe.num_experts and moe.selection_bias),
-        bias_update_rate=float(moe.bias_update_rate),
+        seed=train.seed,
+        logits_z_loss=train.logits_z_loss,
+        loss_chunk=train.loss_chunk,
+        sequence_balance_weight=moe.sequence_balance_weight,
+        selection_bias=bool(moe.num_experts and moe.router.selection_bias),
+        bias_update_rate=moe.bias_update_rate,
         moe_layer_ids=moe_layer_keys(m),
         period=period_of(m),
         scan_head=head_of(m) if m.scan_layers else 0,
-        qk_clip=float(config.optimizer.qk_clip),
-        qk_clip_sites=attention_sites(m) if config.optimizer.qk_clip else (),
-        qk_nope=int(m.qk_nope_head_dim) if m.attention == "mla" else 0,
-        mtp_depth=int(m.mtp_depth),
-        mtp_weight=float(m.mtp_weight),
+        qk_clip=opt.qk_clip,
+        qk_clip_sites=attention_sites(m) if opt.qk_clip else (),
+        qk_nope=m.qk_nope_head_dim if m.attention == "mla" else 0,
+        mtp_depth=m.mtp_depth,
+        mtp_weight=m.mtp_weight,
     )
 
 
 def moe_layer_keys(m) -> tuple:
     """The aux keys of the decoder's MoE layers in model order: layer ids, then the MTP
     modules' (models/mtp.py mtp_key) whose blocks are MoE."""
-    depth, n = int(m.mtp_depth), m.num_layers
+    depth, n = m.mtp_depth, m.num_layers
     main = tuple(i for i in range(n) if is_moe_layer(m, i))
     return main + tuple(mtp_key(k) for k in range(depth) if is_moe_layer(m, n + k))
 

@@ -6,15 +6,14 @@ or a shared expert, as Qwen3-MoE / OLMoE / Qwen2-MoE (export_moe.py), T5 v1.1; a
 is refused with the reason (a CheckpointError).
 """
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.export_moe import family_fields, moe_family, refuse_unexported_routing
 from jaxmoe.conversions.hf.names import QWEN_EXPERT_NAMES, TensorMap, decoder_maps, t5_maps
 from jaxmoe.conversions.hf.names_deepseek import deepseek_export, deepseek_export_maps
 from jaxmoe.conversions.hf.names_gpt_oss import gpt_oss_export, gpt_oss_maps, is_gpt_oss
 from jaxmoe.conversions.hf.remote import remote_fields, stock_top_k
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
+from jaxmoe.models.options import ModelOptions
 
 # The gates modeling_jaxmoe_moe.py implements (its router's rules).
 REMOTE_GATES = ("top1", "top2", "topk", "adaptive", "top_p")
@@ -25,13 +24,13 @@ def _refuse(reason: str):
     raise CheckpointError(f"not expressible as a Hugging Face model: {reason}")
 
 
-def _hf_activation(m: ConfigDict) -> str:
+def _hf_activation(m: ModelOptions) -> str:
     if m.activation not in _ACT_TO_HF:
         _refuse(f"model.activation={m.activation!r}")
     return _ACT_TO_HF[m.activation]
 
 
-def _mixtral_fields(m: ConfigDict) -> dict:
+def _mixtral_fields(m: ModelOptions) -> dict:
     """Mixtral's config keys; routing stock Mixtral cannot express goes to `jaxmoe_moe`
     (remote.py). Exported models route as jaxmoe evaluates: with `eval_gating`."""
     moe = m.moe
@@ -44,7 +43,7 @@ def _mixtral_fields(m: ConfigDict) -> dict:
         )
     if moe.capacity_factor > 0:
         _refuse(f"model.moe.capacity_factor={moe.capacity_factor}: Mixtral drops no tokens")
-    gating = moe.eval_gating or moe.gating
+    gate = moe.eval_gate
     fields = {
         "intermediate_size": moe.ffn_dim,
         "num_local_experts": moe.num_experts,
@@ -53,11 +52,13 @@ def _mixtral_fields(m: ConfigDict) -> dict:
         "output_router_logits": False,
         "sliding_window": None,
     }
-    k = stock_top_k(moe, gating)
+    k = stock_top_k(gate)
     if k is None:
-        if gating not in REMOTE_GATES:  # a gate newer than modeling_jaxmoe_moe.py
-            _refuse(f"model.moe.gating={gating!r} (the shipped modeling file has no such gate)")
-        return fields | remote_fields(moe, gating)
+        if gate.gating not in REMOTE_GATES:  # a gate newer than modeling_jaxmoe_moe.py
+            _refuse(
+                f"model.moe.gating={gate.gating!r} (the shipped modeling file has no such gate)"
+            )
+        return fields | remote_fields(moe, gate)
     return fields | {
         "architectures": ["MixtralForCausalLM"],
         "model_type": "mixtral",
@@ -65,10 +66,10 @@ def _mixtral_fields(m: ConfigDict) -> dict:
     }
 
 
-def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
+def _decoder_export(m: ModelOptions, max_positions: int) -> dict:
     if m.moe.num_experts:
         refuse_unexported_routing(m.moe)
-    if m.get("qk_norm", "none") != "none" and not m.moe.num_experts:
+    if m.qk_norm != "none" and not m.moe.num_experts:
         _refuse(f"model.qk_norm={m.qk_norm!r} in a dense model (exported are the MoE families)")
     if not m.rope_theta:
         _refuse("model.rope_theta=0: Llama/Mixtral need rotary positions")
@@ -85,11 +86,11 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
         "head_dim": m.head_dim,
         "hidden_act": _hf_activation(m),
         "rms_norm_eps": m.norm_eps,
-        "rope_theta": float(m.rope_theta),  # transformers 4.x
+        "rope_theta": m.rope_theta,  # transformers 4.x
         "rope_parameters": rope,  # transformers 5.x
         "rope_scaling": None if rope["rope_type"] == "default" else rope,  # transformers 4.x
         "max_position_embeddings": max_positions,
-        "tie_word_embeddings": bool(m.tie_embeddings),
+        "tie_word_embeddings": m.tie_embeddings,
         "attention_bias": False,
         "mlp_bias": False,
         "attention_dropout": 0.0,
@@ -119,19 +120,19 @@ def _decoder_export(m: ConfigDict, max_positions: int) -> dict:
     return hf
 
 
-def _rope_export(m: ConfigDict) -> dict:
+def _rope_export(m: ModelOptions) -> dict:
     """transformers' rope_parameters for the model's rotary scaling."""
-    rope = {"rope_type": m.rope_type, "rope_theta": float(m.rope_theta)}
+    rope = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
     if rope["rope_type"] in ("linear", "llama3"):
-        rope["factor"] = float(m.rope_factor)
+        rope["factor"] = m.rope_factor
     if rope["rope_type"] == "llama3":
-        rope["low_freq_factor"] = float(m.rope_low_freq_factor)
-        rope["high_freq_factor"] = float(m.rope_high_freq_factor)
-        rope["original_max_position_embeddings"] = int(m.rope_original_max_len)
+        rope["low_freq_factor"] = m.rope_low_freq_factor
+        rope["high_freq_factor"] = m.rope_high_freq_factor
+        rope["original_max_position_embeddings"] = m.rope_original_max_len
     return rope
 
 
-def _t5_export(m: ConfigDict) -> dict:
+def _t5_export(m: ModelOptions) -> dict:
     if m.num_kv_heads != m.num_heads:
         _refuse(
             f"HF T5 attention is multi-head, but model.num_kv_heads={m.num_kv_heads} != "
@@ -168,7 +169,7 @@ def _t5_export(m: ConfigDict) -> dict:
     }
 
 
-def export_plan(m: ConfigDict, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
+def export_plan(m: ModelOptions, max_positions: int = 2048) -> tuple[dict, list[TensorMap]]:
     """(HF config.json dict, tensor maps) for jaxmoe model config `m`; a CheckpointError with
     the reason when HF cannot express the model."""
     if not m.ffn_gated:

@@ -28,9 +28,10 @@ import numpy as np
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.leafwise import Index, StoredParams
-from jaxmoe.checkpoints.manager import CheckpointError, check_params_match, read_config
+from jaxmoe.checkpoints.manager import CheckpointError, check_params_match
 from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.choices import DEFAULT_MAX_SHARD_SIZE
 from jaxmoe.conversions.hf.export_config import export_plan
 from jaxmoe.conversions.hf.importer import INDEX_FILE, SINGLE_FILE, check_coverage

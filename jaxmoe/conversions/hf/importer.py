@@ -35,6 +35,7 @@ from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR, check_tokenizer_fit
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.schema import JobConfig
 from jaxmoe.config.validation import validate
 from jaxmoe.conversions.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.conversions.hf.names_deepseek import DEEPSEEK_FAMILIES, deepseek_plan
@@ -298,7 +299,7 @@ def _finite(folder: SafetensorsFolder, name: str) -> np.ndarray:
 def _lazy_leaves(plan: ImportPlan, leaves: dict, folder, dtype: np.dtype, m) -> dict:
     """The checkpoint's parameters in the layout model config `m` restores (stacked for
     `scan_layers`), each a LazyArray whose pieces are the HF tensors mapped to it."""
-    stacked = bool(m.scan_layers)
+    stacked = m.scan_layers
     pieces: dict[tuple[str, ...], list[tuple[tuple[int, ...], TensorMap]]] = {}
     for t in plan.maps:
         path, row = stacked_location(t.path, m) if stacked else (t.path, None)
@@ -338,13 +339,13 @@ def _regate_up_to_checkpoint_k(moe: ConfigDict, set_keys: list[str]) -> None:
     may use as many experts per token as it was trained with (the plan's `top_k`), not the
     key's default of 2: re-gating a top-8 Qwen3-MoE keeps up to 8 slots."""
     regated = "model.moe.gating" in set_keys and moe.gating in ("adaptive_k", "top_p")
-    if regated and "model.moe.max_k" not in set_keys and int(moe.top_k) > 0:
-        moe.max_k = int(moe.top_k)
+    if regated and "model.moe.max_k" not in set_keys and moe.top_k > 0:
+        moe.max_k = moe.top_k
 
 
 def convert_hf(
     src_dir: str | os.PathLike, dst_dir: str | os.PathLike, dtype: str = "float32", overrides=()
-) -> ConfigDict:
+) -> JobConfig:
     """Converts the HF checkpoint in `src_dir` into a new jaxmoe checkpoint directory
     `dst_dir` (parameters in `dtype` + the full config, with `--config.KEY=VALUE` style
     `overrides` applied, e.g. data.tokenizer). Returns that config."""
@@ -363,7 +364,7 @@ def convert_hf(
     _regate_up_to_checkpoint_k(config.model.moe, set_keys)
     if kept and config.data.tokenizer == str(dst / kept):
         config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
-    validate(config)
+    config = validate(config)
     if kept and config.data.tokenizer == kept:  # the copy made below: checked before any work
         own = src if kept == TOKENIZER_DIR else src / "tokenizer.model"
         check_tokenizer_fits(open_tokenizer(str(own)), config.model.vocab_size, f"{own}")

@@ -26,7 +26,7 @@ from jaxmoe.conversions.hf.hf_config import (
 )
 from jaxmoe.conversions.hf.names_moe import MOE_FAMILIES, read_moe_family
 from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
 
 SUPPORTED_MODEL_TYPES = (
     *("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "gpt_oss", "jaxmoe_moe"),
@@ -212,10 +212,10 @@ def _moe_maps(
             expert = f"{hf_prefix}experts.{e}."
             for hf, leaf in zip(expert_names, ("wi_0", "wi_1", "wo"), strict=True):
                 maps.append(TensorMap(f"{expert}{hf}.weight", (*path, leaf), Linear(1), expert=e))
-    if m.moe.get("num_shared_experts", 0):
+    if m.moe.num_shared_experts:
         shared = tuple(f"{hf_prefix}shared_expert.{p}.weight" for p in QWEN_EXPERT_NAMES)
         maps += _gated_ffn_maps(shared, (*path, "shared"))
-    if m.moe.get("shared_expert_gate", False):
+    if m.moe.shared_expert_gate:
         gate_path = (*path, "shared_gate", "kernel")  # [D, 1]; HF [1, D]
         maps.append(TensorMap(hf_prefix + "shared_expert_gate.weight", gate_path, Linear(1)))
     return maps
@@ -224,7 +224,7 @@ def _moe_maps(
 def _qk_norm_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...]) -> list[TensorMap]:
     """Query/key RMSNorm scales: [dh] per head (Qwen3) or [H*dh] / [K*dh] (OLMoE); the same
     layout on both sides."""
-    if m.get("qk_norm", "none") == "none":
+    if m.qk_norm == "none":
         return []
     return [
         TensorMap(f"{hf_prefix}{name}.weight", (*path, name, "scale"), SAME)

@@ -32,6 +32,7 @@ import sys
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.config.schema import typed
 from jaxmoe.conversions.hf.hf_config import (
     check_layer_count,
     config_number,
@@ -48,7 +49,8 @@ from jaxmoe.conversions.hf.names import (
     TensorMap,
     _gated_ffn_maps,
 )
-from jaxmoe.models.ffn import is_moe_layer
+from jaxmoe.models.layer_kinds import is_moe_layer
+from jaxmoe.models.options import ModelOptions
 
 DEEPSEEK_FAMILIES = ("deepseek_v2", "deepseek_v3")
 _YARN_KEYS = ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor")
@@ -205,7 +207,7 @@ def _expert_style(present: set[str], m: ConfigDict) -> str:
     return "per_expert"
 
 
-def _attention_maps(m: ConfigDict, hf: str, path: tuple[str, ...]) -> list[TensorMap]:
+def _attention_maps(m: ModelOptions, hf: str, path: tuple[str, ...]) -> list[TensorMap]:
     if m.q_lora_rank:
         maps = [
             TensorMap(hf + "q_a_proj.weight", (*path, "q_down"), Linear(1)),
@@ -223,9 +225,9 @@ def _attention_maps(m: ConfigDict, hf: str, path: tuple[str, ...]) -> list[Tenso
     ]
 
 
-def _moe_maps(m: ConfigDict, hf: str, path: tuple[str, ...], style: str) -> list[TensorMap]:
+def _moe_maps(m: ModelOptions, hf: str, path: tuple[str, ...], style: str) -> list[TensorMap]:
     maps = [TensorMap(hf + "gate.weight", (*path, "router"), Linear(1))]
-    if m.moe.selection_bias:
+    if m.moe.router.selection_bias:
         maps.append(TensorMap(hf + "gate.e_score_correction_bias", (*path, "selection_bias"), SAME))
     if style == "fused":
         fused = hf + "experts.gate_up_proj"
@@ -245,7 +247,7 @@ def _moe_maps(m: ConfigDict, hf: str, path: tuple[str, ...], style: str) -> list
     return maps
 
 
-def _layer_maps(m: ConfigDict, hf: str, path: tuple[str, ...], layer: int, style: str):
+def _layer_maps(m: ModelOptions, hf: str, path: tuple[str, ...], layer: int, style: str):
     """One decoder layer (HF prefix `hf`, jaxmoe `path`), dense or MoE as `layer` is."""
     maps = [TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME)]
     maps += _attention_maps(m, hf + "self_attn.", (*path, "attn"))
@@ -258,10 +260,10 @@ def _layer_maps(m: ConfigDict, hf: str, path: tuple[str, ...], layer: int, style
     return maps + _gated_ffn_maps(names, (*path, "ffn"))
 
 
-def _mtp_maps(m: ConfigDict, style: str) -> list[TensorMap]:
+def _mtp_maps(m: ModelOptions, style: str) -> list[TensorMap]:
     """The MTP modules' own tensors (models/mtp.py), as `model.layers.{N + k}.*`."""
     maps = []
-    for k in range(int(m.mtp_depth)):
+    for k in range(m.mtp_depth):
         layer = m.num_layers + k
         hf, path = f"model.layers.{layer}.", ("mtp", str(k))
         maps += [
@@ -274,14 +276,14 @@ def _mtp_maps(m: ConfigDict, style: str) -> list[TensorMap]:
     return maps
 
 
-def mtp_copies(m: ConfigDict) -> dict[str, tuple]:
+def mtp_copies(m: ModelOptions) -> dict[str, tuple]:
     """{HF name of an MTP layer's copy of a shared tensor: (the main tensor's HF name, its
     jaxmoe path, layout)}: `embed_tokens` and `shared_head.head` of every MTP layer."""
     head = ("lm_head.weight", ("lm_head",), Linear(1))
     if m.tie_embeddings:
         head = ("model.embed_tokens.weight", ("embed", "embedding"), SAME)
     copies = {}
-    for k in range(int(m.mtp_depth)):
+    for k in range(m.mtp_depth):
         hf = f"model.layers.{m.num_layers + k}."
         copies[hf + "embed_tokens.weight"] = (
             "model.embed_tokens.weight",
@@ -292,7 +294,7 @@ def mtp_copies(m: ConfigDict) -> dict[str, tuple]:
     return copies
 
 
-def deepseek_maps(m: ConfigDict, style: str = "per_expert") -> list[TensorMap]:
+def deepseek_maps(m: ModelOptions, style: str = "per_expert") -> list[TensorMap]:
     """Every tensor of a DeepSeek-V2/V3 causal LM with jaxmoe model config `m`, the MTP
     modules' own included (their copies of shared tensors: `mtp_copies`)."""
     maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
@@ -312,8 +314,9 @@ def deepseek_export_maps(m: ConfigDict) -> list[TensorMap]:
 
 def deepseek_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     style = read_deepseek(hf, present, m)
-    copies = {name: source for name, (source, _, _) in mtp_copies(m).items()}
-    return ImportPlan(deepseek_maps(m, style), copies)
+    model = typed({"model": m}).model
+    copies = {name: source for name, (source, _, _) in mtp_copies(model).items()}
+    return ImportPlan(deepseek_maps(model, style), copies)
 
 
 # ----------------------------------------------------------------------------- export
@@ -323,26 +326,26 @@ def _refuse(reason: str):
     raise CheckpointError(f"not expressible as a Hugging Face DeepSeek model: {reason}")
 
 
-def _export_rope(m: ConfigDict) -> dict:
-    rope = {"rope_type": m.rope_type, "rope_theta": float(m.rope_theta)}
+def _export_rope(m: ModelOptions) -> dict:
+    rope = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
     if m.rope_type == "default":
         return rope
     if m.rope_type != "yarn":
         _refuse(f"model.rope_type={m.rope_type!r} (DeepSeek configs write default or yarn)")
     rope |= {
-        "factor": float(m.rope_factor),
-        "original_max_position_embeddings": int(m.rope_original_max_len),
-        "beta_fast": float(m.rope_beta_fast),
-        "beta_slow": float(m.rope_beta_slow),
-        "truncate": bool(m.rope_truncate),
+        "factor": m.rope_factor,
+        "original_max_position_embeddings": m.rope_original_max_len,
+        "beta_fast": m.rope_beta_fast,
+        "beta_slow": m.rope_beta_slow,
+        "truncate": m.rope_truncate,
     }
     for key in ("mscale", "mscale_all_dim", "attention_factor"):
         if getattr(m, f"rope_{key}"):
-            rope[key] = float(getattr(m, f"rope_{key}"))
+            rope[key] = getattr(m, f"rope_{key}")
     return rope
 
 
-def _export_moe(m: ConfigDict) -> tuple[str, dict]:
+def _export_moe(m: ModelOptions) -> tuple[str, dict]:
     """(model_type, its MoE config.json keys): V3 for sigmoid scores with a selection bias,
     V2 for the softmax top-k; a dense MLA model is V3 with every layer dense."""
     moe = m.moe
@@ -354,10 +357,12 @@ def _export_moe(m: ConfigDict) -> tuple[str, dict]:
             "moe_intermediate_size": m.ffn_dim,
             "n_shared_experts": 1,
         }
-    gating = moe.eval_gating or moe.gating
-    if gating not in ("top1", "top2", "topk"):
-        _refuse(f"model.moe.gating={gating!r}: DeepSeek routes each token to its top-k experts")
-    k = {"top1": 1, "top2": 2}.get(gating, int(moe.top_k))
+    gate, router = moe.eval_gate, moe.router
+    if gate.gating not in ("top1", "top2", "topk"):
+        _refuse(
+            f"model.moe.gating={gate.gating!r}: DeepSeek routes each token to its top-k experts"
+        )
+    k = {"top1": 1, "top2": 2}.get(gate.gating, gate.top_k)
     regular = all(is_moe_layer(m, i) == (i >= moe.first_dense_layers) for i in range(m.num_layers))
     checks = (
         (not regular, "MoE layers other than all after model.moe.first_dense_layers"),
@@ -379,25 +384,25 @@ def _export_moe(m: ConfigDict) -> tuple[str, dict]:
         "moe_intermediate_size": moe.ffn_dim,
         "n_shared_experts": moe.num_shared_experts,
         "first_k_dense_replace": moe.first_dense_layers,
-        "routed_scaling_factor": float(moe.routed_scaling_factor),
+        "routed_scaling_factor": router.routed_scaling_factor,
     }
-    if moe.router_scoring == "sigmoid":
-        if not moe.selection_bias:
+    if router.router_scoring == "sigmoid":
+        if not router.selection_bias:
             _refuse("router_scoring=sigmoid without model.moe.selection_bias (V3 has one)")
         return "deepseek_v3", fields | {
-            "n_group": moe.n_group,
-            "topk_group": moe.topk_group,
-            "norm_topk_prob": bool(moe.renormalize) if k > 1 else True,
+            "n_group": router.n_group,
+            "topk_group": router.topk_group,
+            "norm_topk_prob": gate.renormalize if k > 1 else True,
             "topk_method": "noaux_tc",
         }
-    if moe.selection_bias or moe.n_group != 1 or (moe.renormalize and k > 1):
+    if router.selection_bias or router.n_group != 1 or (gate.renormalize and k > 1):
         _refuse("softmax routing with a selection bias, groups or renormalisation")
-    if k == 1 and moe.single_weight == "one":
+    if k == 1 and gate.single_weight == "one":
         _refuse("model.moe.single_weight='one' (V2 weighs one expert by its probability)")
     return "deepseek_v2", fields | {"topk_method": "greedy", "norm_topk_prob": False}
 
 
-def deepseek_export(m: ConfigDict, max_positions: int) -> dict:
+def deepseek_export(m: ModelOptions, max_positions: int) -> dict:
     """config.json of MLA model `m` as DeepSeek-V3 (or V2: softmax routing)."""
     if m.activation != "silu" or not m.ffn_gated:
         _refuse(f"model.activation={m.activation!r} (DeepSeek's FFNs are SwiGLU)")
@@ -413,20 +418,20 @@ def deepseek_export(m: ConfigDict, max_positions: int) -> dict:
         "num_hidden_layers": m.num_layers,
         "num_attention_heads": m.num_heads,
         "num_key_value_heads": m.num_heads,
-        "q_lora_rank": int(m.q_lora_rank) or None,
+        "q_lora_rank": m.q_lora_rank or None,
         "kv_lora_rank": m.kv_lora_rank,
         "qk_nope_head_dim": m.qk_nope_head_dim,
         "qk_rope_head_dim": m.qk_rope_head_dim,
         "v_head_dim": m.v_head_dim,
         "hidden_act": "silu",
         "rms_norm_eps": m.norm_eps,
-        "rope_theta": float(m.rope_theta),
+        "rope_theta": m.rope_theta,
         "rope_parameters": _export_rope(m),
         "max_position_embeddings": max_positions,
-        "tie_word_embeddings": bool(m.tie_embeddings),
+        "tie_word_embeddings": m.tie_embeddings,
         "attention_bias": False,
         "attention_dropout": 0.0,
-        "num_nextn_predict_layers": int(m.mtp_depth),
+        "num_nextn_predict_layers": m.mtp_depth,
         **moe_fields,
     }
     if family == "deepseek_v3":

@@ -26,7 +26,9 @@ from jaxmoe.conversions.hf.hf_config import (
     read_rope,
 )
 from jaxmoe.conversions.hf.names import SAME, ImportPlan, Linear, TensorMap, _attention_maps
+from jaxmoe.fields import as_dict
 from jaxmoe.models.attention_window import SLIDING, parse_layer_types
+from jaxmoe.models.options import ModelOptions
 
 MODEL_TYPE = "gpt_oss"
 _HF_KIND = {"sliding": "sliding_attention", "full": "full_attention"}
@@ -179,16 +181,16 @@ def gpt_oss_maps(m: ConfigDict) -> list[TensorMap]:
     return maps
 
 
-def is_gpt_oss(m: ConfigDict) -> bool:
+def is_gpt_oss(m: ModelOptions) -> bool:
     """Whether jaxmoe model `m` is written as GPT-OSS: only GPT-OSS has attention sinks."""
-    return bool(m.get("attention_sinks", False))
+    return m.attention_sinks
 
 
 def _refuse(reason: str):
     raise CheckpointError(f"not expressible as a Hugging Face GPT-OSS model: {reason}")
 
 
-def gpt_oss_export(m: ConfigDict, max_positions: int) -> dict:
+def gpt_oss_export(m: ModelOptions, max_positions: int) -> dict:
     """config.json of jaxmoe model `m` as GPT-OSS; refuses what GPT-OSS does not compute."""
     moe = m.moe
     wanted = {
@@ -200,8 +202,8 @@ def gpt_oss_export(m: ConfigDict, max_positions: int) -> dict:
         "ffn_gated": True,
     }
     for key, value in wanted.items():
-        if m.get(key) != value:
-            _refuse(f"model.{key}={m.get(key)!r} (GPT-OSS has {value!r})")
+        if getattr(m, key) != value:
+            _refuse(f"model.{key}={getattr(m, key)!r} (GPT-OSS has {value!r})")
     moe_wanted = {
         "router_bias": True,
         "expert_bias": True,
@@ -215,27 +217,28 @@ def gpt_oss_export(m: ConfigDict, max_positions: int) -> dict:
     }
     if not moe.num_experts:
         _refuse("model.moe.num_experts=0 (GPT-OSS is MoE in every layer)")
+    keys = as_dict(moe)  # the gate's and router's keys among model.moe's, as users name them
     for key, value in moe_wanted.items():
-        if moe.get(key) != value:
-            _refuse(f"model.moe.{key}={moe.get(key)!r} (GPT-OSS has {value!r})")
-    gating = moe.eval_gating or moe.gating
-    if gating not in ("top1", "top2", "topk"):
-        _refuse(f"model.moe.gating={gating!r}: GPT-OSS routes to the top-k experts")
-    k = {"top1": 1, "top2": 2}.get(gating, int(moe.top_k))
-    if (k > 1 and not moe.renormalize) or (k == 1 and moe.single_weight != "one"):
+        if keys[key] != value:
+            _refuse(f"model.moe.{key}={keys[key]!r} (GPT-OSS has {value!r})")
+    gate = moe.eval_gate
+    if gate.gating not in ("top1", "top2", "topk"):
+        _refuse(f"model.moe.gating={gate.gating!r}: GPT-OSS routes to the top-k experts")
+    k = {"top1": 1, "top2": 2}.get(gate.gating, gate.top_k)
+    if (k > 1 and not gate.renormalize) or (k == 1 and gate.single_weight != "one"):
         _refuse("top-k weights not renormalised: GPT-OSS softmaxes the chosen logits")
     kinds = parse_layer_types(m.layer_types, m.num_layers, m.sliding_window)
-    rope = {"rope_type": m.rope_type, "rope_theta": float(m.rope_theta)}
+    rope = {"rope_type": m.rope_type, "rope_theta": m.rope_theta}
     if m.rope_type == "yarn":
         rope |= {
-            "factor": float(m.rope_factor),
-            "beta_fast": float(m.rope_beta_fast),
-            "beta_slow": float(m.rope_beta_slow),
-            "truncate": bool(m.rope_truncate),
-            "original_max_position_embeddings": int(m.rope_original_max_len),
+            "factor": m.rope_factor,
+            "beta_fast": m.rope_beta_fast,
+            "beta_slow": m.rope_beta_slow,
+            "truncate": m.rope_truncate,
+            "original_max_position_embeddings": m.rope_original_max_len,
         }
         if m.rope_attention_factor:
-            rope["attention_factor"] = float(m.rope_attention_factor)
+            rope["attention_factor"] = m.rope_attention_factor
     elif m.rope_type != "default":
         _refuse(f"model.rope_type={m.rope_type!r} (GPT-OSS: default or yarn)")
     windowed = m.sliding_window > 0 and SLIDING in kinds
@@ -253,16 +256,16 @@ def gpt_oss_export(m: ConfigDict, max_positions: int) -> dict:
         "rms_norm_eps": m.norm_eps,
         "rope_parameters": rope,
         "max_position_embeddings": max_positions,
-        "tie_word_embeddings": bool(m.tie_embeddings),
+        "tie_word_embeddings": m.tie_embeddings,
         "attention_bias": True,
         "attention_dropout": 0.0,
         # Always listed: without layer_types transformers alternates sliding and full.
-        "sliding_window": int(m.sliding_window) if windowed else None,
+        "sliding_window": m.sliding_window if windowed else None,
         "layer_types": [_HF_KIND[kind] for kind in kinds],
         "num_local_experts": moe.num_experts,
         "num_experts_per_tok": k,
-        "swiglu_alpha": float(m.swiglu_alpha),
-        "swiglu_limit": float(m.swiglu_limit),
+        "swiglu_alpha": m.swiglu_alpha,
+        "swiglu_limit": m.swiglu_limit,
         "router_aux_loss_coef": moe.balance_loss_weight,
         "output_router_logits": False,
     }

@@ -8,12 +8,16 @@ a copy of the module of that name beside this one (transformers runs it with
 `trust_remote_code=True`). See docs/hf_interop.md.
 """
 
+import dataclasses
 import shutil
 from pathlib import Path
 
 from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.fields import as_dict
+from jaxmoe.models.moe.gates import GateOptions
+from jaxmoe.models.options import MoEOptions
 
 MODEL_TYPE = "jaxmoe_moe"
 MODELING_FILE = "modeling_jaxmoe_moe.py"
@@ -21,35 +25,26 @@ _SOURCE = Path(__file__).with_name(MODELING_FILE)
 _SLOTS = {"top1": 1, "top2": 2, "adaptive": 2}
 
 
-def stock_top_k(moe: ConfigDict, gating: str) -> int | None:
-    """k when stock Mixtral computes exactly what jaxmoe's `gating` does, else None."""
-    if gating not in ("top1", "top2", "topk"):
+def stock_top_k(gate: GateOptions) -> int | None:
+    """k when stock Mixtral computes exactly what jaxmoe's `gate` does, else None."""
+    if gate.gating not in ("top1", "top2", "topk"):
         return None
-    k = _SLOTS.get(gating, int(moe.top_k))
+    k = _SLOTS.get(gate.gating, gate.top_k)
     if k == 1:  # one expert: Mixtral's renormalised weight p / p is 1
-        return k if moe.single_weight == "one" else None
-    return k if moe.renormalize else None
+        return k if gate.single_weight == "one" else None
+    return k if gate.renormalize else None
 
 
-def gate_options(moe: ConfigDict, gating: str) -> dict:
+def gate_options(gate: GateOptions) -> dict:
     """`jaxmoe_gate` in config.json: what the modeling file's router reads."""
-    return {
-        "gating": gating,
-        "threshold": float(moe.threshold),
-        "gap_normalization": str(moe.gap_normalization),
-        "top_k": int(moe.top_k),
-        "top_p": float(moe.top_p),
-        "max_k": int(moe.max_k),
-        "renormalize": bool(moe.renormalize),
-        "single_weight": str(moe.single_weight),
-    }
+    return as_dict(gate)
 
 
 def import_gate(hf: dict, moe: ConfigDict) -> None:
     """`moe` (model.moe) routed as `jaxmoe_gate` of config.json `hf` says (convert hf of an
-    export); the values are checked where the model is built (gates.GateConfig)."""
+    export); the values are checked when the config is (gates.GateOptions)."""
     gate = hf.get("jaxmoe_gate")
-    expected = set(gate_options(moe, "top2"))
+    expected = {f.name for f in dataclasses.fields(GateOptions)}
     if not isinstance(gate, dict) or set(gate) != expected:
         raise CheckpointError(
             f"config.json: jaxmoe_gate={gate!r} must be an object with keys {sorted(expected)}"
@@ -61,9 +56,10 @@ def import_gate(hf: dict, moe: ConfigDict) -> None:
             raise CheckpointError(f"config.json: jaxmoe_gate.{key}={value!r}") from None
 
 
-def remote_fields(moe: ConfigDict, gating: str) -> dict:
-    """config.json keys of a `jaxmoe_moe` model routed by `gating`."""
-    slots = {"topk": int(moe.top_k), "top_p": int(moe.max_k)}.get(gating, _SLOTS.get(gating))
+def remote_fields(moe: MoEOptions, gate: GateOptions) -> dict:
+    """config.json keys of a `jaxmoe_moe` model routed by `gate`."""
+    gating = gate.gating
+    slots = {"topk": gate.top_k, "top_p": gate.max_k}.get(gating, _SLOTS.get(gating))
     module = MODELING_FILE.removesuffix(".py")
     return {
         "architectures": ["JaxmoeMoeForCausalLM"],
@@ -72,8 +68,8 @@ def remote_fields(moe: ConfigDict, gating: str) -> dict:
             "AutoConfig": f"{module}.JaxmoeMoeConfig",
             "AutoModelForCausalLM": f"{module}.JaxmoeMoeForCausalLM",
         },
-        "num_experts_per_tok": min(slots, int(moe.num_experts)),
-        "jaxmoe_gate": gate_options(moe, gating),
+        "num_experts_per_tok": min(slots, moe.num_experts),
+        "jaxmoe_gate": gate_options(gate),
     }
 
 

@@ -19,11 +19,10 @@ import os
 import shutil
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.stored_tokenizer import TOKENIZER_DIR
+from jaxmoe.config.schema import JobConfig
 from jaxmoe.conversions.hf.tokenizer import write_hf_tokenizer
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID, open_tokenizer
 from jaxmoe.storage.received import TOKENIZER_LIMIT, read_file
@@ -115,7 +114,7 @@ def _is_hf_tokenizer(path: str) -> bool:
     )
 
 
-def export_tokenizer(config: ConfigDict, dst: Path, tokenizer: str | None) -> dict:
+def export_tokenizer(config: JobConfig, dst: Path, tokenizer: str | None) -> dict:
     """Writes the tokenizer (`tokenizer`, default the checkpoint's data.tokenizer) and
     generation_config.json into the export `dst`; returns config.json's special-token ids.
     Without a tokenizer the ids are those of jaxmoe's own SentencePiece models."""

@@ -40,6 +40,7 @@ from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.defaults import base_config
+from jaxmoe.config.schema import JobConfig
 from jaxmoe.conversions.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
 from jaxmoe.conversions.t5x.reader import TensorTable, open_t5x
 from jaxmoe.models.spec import abstract_params
@@ -260,7 +261,7 @@ def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
     return config
 
 
-def build_config(model_values: dict, overrides=(), source_step: int = 0) -> ConfigDict:
+def build_config(model_values: dict, overrides=(), source_step: int = 0) -> JobConfig:
     """The full jaxmoe config of a converted checkpoint: defaults, the inferred model (a
     dense FFN, or MoE layers with Switch's routing options for a Flaxformer MoE checkpoint),
     T5.1.1's recipe, the T5X step it stopped at (`source.step`), then the user's
@@ -278,8 +279,7 @@ def build_config(model_values: dict, overrides=(), source_step: int = 0) -> Conf
         switch_recipe(config)
     config.source = ConfigDict({"format": "t5x", "step": int(source_step)})
     apply_overrides(config, overrides)
-    validate(config)
-    return config
+    return validate(config)
 
 
 def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str, ...], str, tuple]]:
@@ -352,7 +352,7 @@ def convert_t5x(
     relpos_max_distance: int = 128,
     overrides=(),
     keep_optimizer: bool = False,
-) -> ConfigDict:
+) -> JobConfig:
     """Converts T5X checkpoint `src` into a new jaxmoe checkpoint directory `dst`
     (`params` + `config`, what `jaxmoe eval --checkpoint DST` reads; `opt_state` with
     `keep_optimizer`, which `train.init_optimizer` restores). Returns the config."""
@@ -373,7 +373,8 @@ def convert_t5x(
         from jaxmoe.conversions.t5x.optimizer import adafactor_state
 
         opt_state = adafactor_state(table, config, plan, src)
-        config.train.init_optimizer = True  # uptraining from DST continues these moments
+        # Uptraining from DST continues these moments.
+        config = config.replace(train=config.train.replace(init_optimizer=True))
 
     with staged_directory(dst) as staging:  # DST never holds half a checkpoint
         for group in _groups(plan, out_dtype.itemsize):

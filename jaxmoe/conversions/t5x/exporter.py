@@ -36,10 +36,11 @@ import tensorstore as ts
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.finite import check_finite
-from jaxmoe.checkpoints.manager import CheckpointError, read_config, resolve_checkpoint
+from jaxmoe.checkpoints.manager import CheckpointError, resolve_checkpoint
 from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
+from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.t5x.convert import t5x_name, t5x_shape
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
@@ -64,7 +65,7 @@ def chunk_shape(shape: tuple[int, ...], itemsize: int) -> list[int]:
 def check_exportable(m) -> None:
     """T5X's T5.1.1 (`t5x/examples/t5/network.py`) holds what `convert t5x` converts; refuse
     what it cannot hold, naming the setting."""
-    ffn = (m.activation, bool(m.ffn_gated))
+    ffn = (m.activation, m.ffn_gated)
     mixed = "Flaxformer's MIXED placement, every moe.every-th layer"
     problems = [
         (m.arch != "encoder_decoder", f"model.arch={m.arch!r} (T5X T5.1.1 is encoder_decoder)"),
@@ -163,14 +164,15 @@ def export_t5x(
         # A state continued from T5X's (`train.init_optimizer`) counts T5X's steps; a fresh
         # one counts from the run's start, which sits at `optimizer.start_step` of T5X's
         # schedule (T5X then needs `step_offset` = that start for the same decay).
-        offset = 0 if config.train.init_optimizer else int(config.optimizer.start_step)
+        offset = 0 if config.train.init_optimizer else config.optimizer.start_step
         if step is not None and step != count + offset:
             raise CheckpointError(
                 f"--step={step} but the checkpoint's Adafactor state is at step {count + offset}"
             )
         step = count + offset
     elif step is None:
-        step = config.source.step if "source" in config else 0  # convert t5x's
+        source = config.extra.get("source")  # convert t5x's
+        step = source["step"] if source else 0
 
     out = Path(out).absolute()
     final = out / f"checkpoint_{int(step)}"

@@ -43,17 +43,21 @@ neither in f_e nor in P_e nor in the z-loss mean, so a padded batch has the loss
 same batch without its padding (means over real tokens; an all-padding batch gives 0).
 """
 
-import dataclasses
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.fields import Options, check_choices, need, option
 from jaxmoe.models.moe.adaptive_k import kept_ranks
 
-GATES = ("top1", "top2", "topk", "adaptive", "top_p", "adaptive_k")
-GAP_NORMALIZATIONS = ("top2", "none")
-SINGLE_WEIGHTS = ("prob", "one")
+Gating = Literal["top1", "top2", "topk", "adaptive", "top_p", "adaptive_k"]
+GapNormalization = Literal["top2", "none"]
+SingleWeight = Literal["prob", "one"]
+GATES: tuple[str, ...] = get_args(Gating)
+GAP_NORMALIZATIONS: tuple[str, ...] = get_args(GapNormalization)
+SINGLE_WEIGHTS: tuple[str, ...] = get_args(SingleWeight)
 
 
 class Routing(NamedTuple):
@@ -64,49 +68,46 @@ class Routing(NamedTuple):
     mask: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class GateConfig:
-    """Static gate options (hashable: safe to close over in jitted code)."""
+@dataclass(frozen=True)
+class GateOptions(Options):
+    """model.moe's gate keys (a flat section: `model.moe.threshold`, ...): which experts a
+    token takes and their combine weights. Frozen and hashable: jitted code closes over it."""
 
-    gating: str = "adaptive"
-    threshold: float = 0.1
-    top_k: int = 2
-    top_p: float = 0.4
-    max_k: int = 2
-    gap_normalization: str = "top2"
-    renormalize: bool = False
-    single_weight: str = "prob"
+    gating: Gating = option("adaptive", "router policy")
+    threshold: float = option(
+        0.1,
+        "adaptive / adaptive_k: the next expert while its gap to the top-1 < threshold (>= 0; "
+        "sigmoid or biased routers: on the selection scores, docs/adaptive_k.md)",
+    )
+    top_k: int = option(2, "topk: experts per token")
+    top_p: float = option(0.4, "top_p: smallest expert set whose probabilities pass p")
+    max_k: int = option(2, "top_p / adaptive_k: at most this many experts per token")
+    gap_normalization: GapNormalization = option(
+        "top2", "adaptive gap on: top2 (p1,p2 renormalised) | none (raw)"
+    )
+    renormalize: bool = option(
+        False, "chosen weights / their sum (HF norm_topk_prob; sigmoid: / (sum + 1e-20))"
+    )
+    single_weight: SingleWeight = option("prob", "weight of a one-expert token")
 
-    def __post_init__(self):
-        def bad(key, value, allowed):
-            return ValueError(f"model.moe.{key}: got {value!r}, expected {allowed}")
-
-        if self.gating not in GATES:
-            raise bad("gating", self.gating, " | ".join(GATES))
-        if self.gap_normalization not in GAP_NORMALIZATIONS:
-            raise bad("gap_normalization", self.gap_normalization, " | ".join(GAP_NORMALIZATIONS))
-        if self.single_weight not in SINGLE_WEIGHTS:
-            raise bad("single_weight", self.single_weight, " | ".join(SINGLE_WEIGHTS))
-        if self.top_k < 1:
-            raise bad("top_k", self.top_k, "an integer >= 1")
-        if self.max_k < 1:
-            raise bad("max_k", self.max_k, "an integer >= 1")
-        if not 0.0 < self.top_p <= 1.0:
-            raise bad("top_p", self.top_p, "a probability in (0, 1]")
+    def __post_init__(self) -> None:
+        check_choices(self, "model.moe.")
+        need(self.top_k >= 1, f"model.moe.top_k={self.top_k} must be >= 1")
+        need(self.max_k >= 1, f"model.moe.max_k={self.max_k} must be >= 1")
+        need(0.0 < self.top_p <= 1.0, f"model.moe.top_p={self.top_p} not in (0, 1]")
         # Above 1 a pair-renormalised gap (in [0, 1)) always passes; a raw gap of biased
         # sigmoid scores (router.py) can exceed 1, so any T >= 0 is allowed.
-        if not self.threshold >= 0.0:
-            raise bad("threshold", self.threshold, "a number >= 0")
+        need(self.threshold >= 0.0, f"model.moe.threshold={self.threshold} must be >= 0")
 
 
-def num_slots(cfg: GateConfig) -> int:
+def num_slots(cfg: GateOptions) -> int:
     """K, the static number of expert slots per token."""
     if cfg.gating in ("top_p", "adaptive_k"):
         return cfg.max_k
     return {"top1": 1, "top2": 2, "topk": cfg.top_k, "adaptive": 2}[cfg.gating]
 
 
-def combine_weights(chosen_TK, mask_TK, cfg: GateConfig):
+def combine_weights(chosen_TK, mask_TK, cfg: GateOptions):
     """Weights of the chosen experts from their probabilities chosen_TK (see module doc)."""
     chosen_TK = jnp.where(mask_TK, chosen_TK, 0.0)
     # Softmax probabilities can underflow to 0; keep the division finite.
@@ -123,14 +124,14 @@ def _first_k(probs_TE, k: int):
     return chosen_TK, indices_TK.astype(jnp.int32)
 
 
-def topk_gate(probs_TE, cfg: GateConfig, k: int) -> Routing:
+def topk_gate(probs_TE, cfg: GateOptions, k: int) -> Routing:
     """The k most probable experts for every token (top1: k = 1, top2: k = 2)."""
     chosen_TK, indices_TK = _first_k(probs_TE, k)
     mask_TK = jnp.ones(indices_TK.shape, bool)
     return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
 
 
-def adaptive_gate(probs_TE, cfg: GateConfig) -> Routing:
+def adaptive_gate(probs_TE, cfg: GateOptions) -> Routing:
     """Top-2 where the (normalised) gap p1 - p2 is below the threshold, else top-1."""
     chosen_T2, indices_T2 = _first_k(probs_TE, 2)
     p1_T, p2_T = chosen_T2[:, 0], chosen_T2[:, 1]
@@ -141,7 +142,7 @@ def adaptive_gate(probs_TE, cfg: GateConfig) -> Routing:
     return Routing(indices_T2, combine_weights(chosen_T2, mask_T2, cfg), mask_T2)
 
 
-def top_p_gate(probs_TE, cfg: GateConfig) -> Routing:
+def top_p_gate(probs_TE, cfg: GateOptions) -> Routing:
     """The smallest descending set of experts whose probabilities reach top_p (<= max_k)."""
     chosen_TK, indices_TK = _first_k(probs_TE, cfg.max_k)
     # An expert joins while the experts ranked above it sum to less than p (the first always).
@@ -150,7 +151,7 @@ def top_p_gate(probs_TE, cfg: GateConfig) -> Routing:
     return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
 
 
-def adaptive_k_gate(probs_TE, cfg: GateConfig) -> Routing:
+def adaptive_k_gate(probs_TE, cfg: GateOptions) -> Routing:
     """The top-1 expert plus every expert up to rank max_k within the gap threshold of it
     (the rule: adaptive_k.py)."""
     chosen_TK, indices_TK = _first_k(probs_TE, cfg.max_k)
@@ -158,7 +159,7 @@ def adaptive_k_gate(probs_TE, cfg: GateConfig) -> Routing:
     return Routing(indices_TK, combine_weights(chosen_TK, mask_TK, cfg), mask_TK)
 
 
-def route(probs_TE: jax.Array, cfg: GateConfig) -> Routing:
+def route(probs_TE: jax.Array, cfg: GateOptions) -> Routing:
     """Applies the gate named by cfg.gating to probs_TE [T, E]."""
     if cfg.gating == "adaptive":
         return adaptive_gate(probs_TE, cfg)

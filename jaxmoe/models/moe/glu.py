@@ -45,5 +45,5 @@ def expert_activation(cfg, elementwise):
     `swiglu_clamped`, else `elementwise(cfg.activation)` (layers.activation_fn or its
     ungated gate)."""
     if cfg.activation == CLAMPED_SWIGLU:
-        return ClampedSwiGLU(float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+        return ClampedSwiGLU(cfg.swiglu_alpha, cfg.swiglu_limit)
     return elementwise(cfg.activation)

@@ -21,7 +21,7 @@ off it and applies `moe.bias_update_rate` balancing instead). With `moe.num_shar
 * (shared_ffn_dim or ffn_dim)) is added to every token's output, scaled by
 sigmoid(x shared_gate/kernel [D, 1]) when `moe.shared_expert_gate` (Qwen2-MoE).
 
-`MoE(cfg, rngs=...)(x_BLD, train=..., token_mask_BL=...)` returns (y_BLD, aux) with aux
+`MoE(options, d_model, rngs=...)(x_BLD, train=..., token_mask_BL=...)` returns (y_BLD, aux) with aux
 scalars `top2_fraction`, `expert_load_cv`, `dropped_fraction`, `exchange_overflow`,
 `balance_loss`,
 `router_z_loss` (losses unweighted), `top2_per_example` [B], `expert_load` [E] (token-slots
@@ -50,184 +50,96 @@ from jaxmoe.models.layers import (
 )
 from jaxmoe.models.moe import dispatch, expert_bias, expert_parallel, gates, router
 from jaxmoe.models.moe.glu import expert_activation
-from jaxmoe.models.quantization import Quantization
-
-
-def gate_config(moe_cfg, gating: str) -> gates.GateConfig:
-    """The GateConfig for `gating` with the options of the model.moe ConfigDict."""
-    return gates.GateConfig(
-        gating=gating,
-        threshold=float(moe_cfg.threshold),
-        top_k=int(moe_cfg.top_k),
-        top_p=float(moe_cfg.top_p),
-        max_k=int(moe_cfg.max_k),
-        gap_normalization=moe_cfg.gap_normalization,
-        renormalize=bool(moe_cfg.renormalize),
-        single_weight=moe_cfg.single_weight,
-    )
-
-
-def check_moe_config(cfg) -> None:
-    """The MoE options' ranges, checked once: config validation calls this (as ConfigError)
-    and so does the layer, for callers that build models without validating. ValueError."""
-    moe = cfg.moe
-    num_experts = int(moe.num_experts)
-    if num_experts < 2:
-        raise ValueError(
-            f"model.moe.num_experts={num_experts}: an MoE layer needs >= 2 experts "
-            "(model.moe.num_experts=0 is the dense model)"
-        )
-    for key in ("ffn_dim", "block_size"):
-        if int(moe[key]) < 1:
-            raise ValueError(f"model.moe.{key}: expected a positive integer, got {moe[key]!r}")
-    for key in ("top_k", "max_k"):
-        if int(moe[key]) > num_experts:
-            raise ValueError(
-                f"model.moe.{key}={moe[key]} exceeds model.moe.num_experts={num_experts}"
-            )
-    # An expert receives at most every token of a group once (capacity factor E / K): a
-    # larger factor only sizes unused buffers, and 1e9 overflows int32 at the first step.
-    if not 0 <= float(moe.capacity_factor) <= num_experts:
-        raise ValueError(
-            f"model.moe.capacity_factor: expected a number in [0, model.moe.num_experts="
-            f"{num_experts}], got {moe.capacity_factor!r} (0 = dropless)"
-        )
-    if not float(moe.ep_buffer_factor) > 0:  # NaN too
-        raise ValueError(
-            f"model.moe.ep_buffer_factor: expected a number > 0, got {moe.ep_buffer_factor!r}"
-        )
-    exchange = moe.ep_exchange
-    if exchange not in expert_parallel.EXCHANGES:
-        raise ValueError(
-            f"model.moe.ep_exchange: got {exchange!r}, expected "
-            + " | ".join(expert_parallel.EXCHANGES)
-        )
-    if not 0 <= float(moe.jitter) < 1:
-        raise ValueError(f"model.moe.jitter: expected a number in [0, 1), got {moe.jitter!r}")
-    dispatch.resolve_dispatch(moe.dispatch, float(moe.capacity_factor), backend="cpu")
-    if moe.eval_gating and moe.eval_gating not in gates.GATES:
-        raise ValueError(
-            f"model.moe.eval_gating: got {moe.eval_gating!r}, expected '' or "
-            + " | ".join(gates.GATES)
-        )
-    for gating in {moe.gating, moe.eval_gating or moe.gating}:
-        gate_config(moe, gating)  # the gate's own checks (names, top_k, top_p, threshold)
-    check_today_options(moe, num_experts)
-
-
-def check_today_options(moe, num_experts: int) -> None:
-    """The checks of router.py's options and the shared experts (ValueError, one line)."""
-    scoring = moe.router_scoring
-    if scoring not in router.SCORINGS:
-        raise ValueError(
-            f"model.moe.router_scoring: got {scoring!r}, expected " + " | ".join(router.SCORINGS)
-        )
-    if float(moe.routed_scaling_factor) <= 0:
-        raise ValueError("model.moe.routed_scaling_factor: expected a number > 0")
-    for key in ("bias_update_rate", "sequence_balance_weight"):
-        if float(moe[key]) < 0:
-            raise ValueError(f"model.moe.{key}: expected a number >= 0, got {moe[key]!r}")
-    for key in ("num_shared_experts", "shared_ffn_dim"):
-        if int(moe[key]) < 0:
-            raise ValueError(f"model.moe.{key}: expected an integer >= 0, got {moe[key]!r}")
-    if moe.shared_expert_gate and not int(moe.num_shared_experts):
-        raise ValueError("model.moe.shared_expert_gate needs model.moe.num_shared_experts > 0")
-    if float(moe.bias_update_rate) > 0 and not moe.selection_bias:
-        raise ValueError("model.moe.bias_update_rate > 0 needs model.moe.selection_bias=True")
-    n_group, topk_group = int(moe.n_group), int(moe.topk_group)
-    if n_group < 1 or num_experts % n_group:
-        raise ValueError(
-            f"model.moe.n_group={n_group} must be >= 1 and divide num_experts={num_experts}"
-        )
-    if n_group > 1 and num_experts // n_group < 2:
-        raise ValueError(
-            f"model.moe.n_group={n_group}: a group is scored by its two best experts, so it "
-            f"needs >= 2 of the num_experts={num_experts}"
-        )
-    if not 1 <= topk_group <= n_group:
-        raise ValueError(f"model.moe.topk_group={topk_group} must be in [1, n_group={n_group}]")
-    rcfg = router.RouterConfig.from_config(moe)
-    if rcfg.plain:
-        return
-    # Sigmoid scores, a selection bias and group limits are defined for top-k choice, which
-    # the adaptive gates mask (router.py); top-p reads sums of softmax probabilities.
-    for key in ("gating", "eval_gating"):
-        if moe[key] and moe[key] not in router.TOPK_GATES:
-            raise ValueError(
-                f"model.moe.{key}={moe[key]!r}: router_scoring=sigmoid, selection_bias and "
-                "n_group > 1 need a top-k gate (" + " | ".join(router.TOPK_GATES) + ")"
-            )
-    for gating in {moe.gating, moe.eval_gating or moe.gating}:
-        slots = gates.num_slots(gate_config(moe, gating))
-        reachable = topk_group * (num_experts // n_group)
-        if slots > reachable:
-            raise ValueError(
-                f"model.moe.top_k: {slots} experts per token exceed the {reachable} in "
-                f"topk_group={topk_group} of n_group={n_group} groups"
-            )
+from jaxmoe.models.options import ModelOptions, MoEOptions
+from jaxmoe.models.quantization import NONE, Quantization
 
 
 class MoE(nnx.Module):
     """Router + gate + experts; see the module docstring for shapes and outputs."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
-        check_moe_config(cfg)
-        moe = cfg.moe
-        dim, num_experts, ffn = int(cfg.d_model), int(moe.num_experts), int(moe.ffn_dim)
+    def __init__(
+        self,
+        options: MoEOptions,
+        d_model: int,
+        *,
+        rngs: nnx.Rngs,
+        act=None,
+        gated: bool = True,
+        activation: str = "silu",
+        dropout_rate: float = 0.0,
+        quant: Quantization = NONE,
+    ):
+        """`options`: model.moe; `act`: the experts' activation (glu.expert_activation;
+        default `activation`'s); `activation`, `dropout_rate`: the shared experts' (and,
+        for expert_dropout_rate = -1, the experts' dropout); `quant`: how the experts'
+        products compute (quantization.py)."""
+        num_experts, ffn = options.num_experts, options.ffn_dim
         self.num_experts = num_experts
-        self.gated = bool(cfg.ffn_gated)
-        self.act = expert_activation(cfg, activation_fn if self.gated else ungated_gate_fn)
-        self.train_gate = gate_config(moe, moe.gating)
-        self.eval_gate = gate_config(moe, moe.eval_gating or moe.gating)
-        self.capacity_factor = float(moe.capacity_factor)
-        self.quant = Quantization.from_config(cfg)  # the experts' products (quantization.py)
+        self.gated = gated
+        elementwise = activation_fn if gated else ungated_gate_fn
+        self.act = elementwise(activation) if act is None else act
+        self.train_gate, self.eval_gate = options.gate, options.eval_gate
+        self.capacity_factor = options.capacity_factor
+        self.quant = quant  # the experts' products (quantization.py)
         self.impl = dispatch.resolve_dispatch(
-            moe.dispatch, self.capacity_factor, quantized=self.quant.enabled
+            options.dispatch, self.capacity_factor, quantized=quant.enabled
         )
-        self.block_size = int(moe.block_size)
-        self.jitter = float(moe.jitter)
-        self.balance_fractions = str(moe.balance_fractions)
-        self.ep_exchange = str(moe.ep_exchange)
-        self.ep_buffer_factor = float(moe.ep_buffer_factor)
+        self.block_size = options.block_size
+        self.jitter = options.jitter
+        self.balance_fractions = options.balance_fractions
+        self.ep_exchange = options.ep_exchange
+        self.ep_buffer_factor = options.ep_buffer_factor
         # Router init: unit-variance logits for unit-RMS inputs, so the initial probabilities
         # are neither uniform (every adaptive token would take two experts) nor one-hot.
-        self.router = make_param(rngs, fan_in_init((0,)), (dim, num_experts), ("embed", None))
-        if moe.router_bias:
+        self.router = make_param(rngs, fan_in_init((0,)), (d_model, num_experts), ("embed", None))
+        if options.router_bias:
             self.router_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
         expert_in = ("expert", "embed", "expert_mlp")
+        shape_in = (num_experts, d_model, ffn)
         if self.gated:
-            self.wi_0 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
-            self.wi_1 = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+            self.wi_0 = make_param(rngs, fan_in_init((1,)), shape_in, expert_in)
+            self.wi_1 = make_param(rngs, fan_in_init((1,)), shape_in, expert_in)
         else:
-            self.wi = make_param(rngs, fan_in_init((1,)), (num_experts, dim, ffn), expert_in)
+            self.wi = make_param(rngs, fan_in_init((1,)), shape_in, expert_in)
         expert_out = ("expert", "expert_mlp", "embed")
-        self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, dim), expert_out)
-        if moe.expert_bias:  # GPT-OSS: biases on each expert's projections (expert_bias.py)
+        self.wo = make_param(rngs, fan_in_init((1,)), (num_experts, ffn, d_model), expert_out)
+        if options.expert_bias:  # GPT-OSS: biases on each expert's projections (expert_bias.py)
             zeros = nnx.initializers.zeros
             hidden_axes = ("expert", "expert_mlp")
             self.wi_0_bias = make_param(rngs, zeros, (num_experts, ffn), hidden_axes)
             self.wi_1_bias = make_param(rngs, zeros, (num_experts, ffn), hidden_axes)
-            self.wo_bias = make_param(rngs, zeros, (num_experts, dim), ("expert", "embed"))
-        self.expert_dropout = dropout_module(expert_dropout_rate(cfg), rngs, False)
+            self.wo_bias = make_param(rngs, zeros, (num_experts, d_model), ("expert", "embed"))
+        rate = expert_dropout_rate(options, dropout_rate)
+        self.expert_dropout = dropout_module(rate, rngs, False)
         self.jitter_rngs = rngs["jitter"].fork() if self.jitter > 0 else None
-        self.router_cfg = router.RouterConfig.from_config(moe)
+        self.router_cfg = options.router
         if self.router_cfg.selection_bias:
             self.selection_bias = make_param(rngs, nnx.initializers.zeros, (num_experts,), (None,))
-        self.sequence_balance = float(moe.sequence_balance_weight) > 0
-        num_shared = int(moe.num_shared_experts)
-        if num_shared:
-            width = num_shared * (int(moe.shared_ffn_dim) or ffn)
+        self.sequence_balance = options.sequence_balance_weight > 0
+        if options.num_shared_experts:
+            width = options.num_shared_experts * (options.shared_ffn_dim or ffn)
             mlp = GatedMLP if self.gated else MLP
             self.shared = mlp(
-                dim,
-                width,
-                cfg.activation,
-                dropout_rate=float(cfg.dropout_rate),
-                quant=self.quant,
-                rngs=rngs,
+                d_model, width, activation, dropout_rate=dropout_rate, quant=quant, rngs=rngs
             )
-            if moe.shared_expert_gate:
-                self.shared_gate = SharedGate(dim, rngs=rngs)
+            if options.shared_expert_gate:
+                self.shared_gate = SharedGate(d_model, rngs=rngs)
+
+    @classmethod
+    def of_model(cls, model: ModelOptions, *, rngs: nnx.Rngs) -> "MoE":
+        """The MoE layer of `model` (its model.moe, width, activation, dropout and
+        quantization)."""
+        elementwise = activation_fn if model.ffn_gated else ungated_gate_fn
+        return cls(
+            model.moe,
+            model.d_model,
+            rngs=rngs,
+            act=expert_activation(model, elementwise),
+            gated=model.ffn_gated,
+            activation=model.activation,
+            dropout_rate=model.dropout_rate,
+            quant=Quantization.from_config(model),
+        )
 
     def route_probs(self, x_BLD: jax.Array, *, train: bool) -> tuple[jax.Array, jax.Array]:
         """Router logits and probabilities, f32 [B*L, E] each (jitter only in training; the
@@ -242,7 +154,7 @@ class MoE(nnx.Module):
         logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
         if hasattr(self, "router_bias"):
             logits_TE = logits_TE + self.router_bias[...]
-        return logits_TE, router.router_scores(logits_TE, self.router_cfg.scoring)
+        return logits_TE, router.router_scores(logits_TE, self.router_cfg.router_scoring)
 
     def route(self, x_BLD: jax.Array, *, train: bool, gate_cfg=None):
         """(logits_TE, scores_TE, Routing) of the layer's router: `route_probs` plus the gate
@@ -329,7 +241,7 @@ class MoE(nnx.Module):
         real_BLK = mask_BLK & token_mask_BL[..., None]
         assigned = jnp.maximum(jnp.sum(real_BLK.astype(jnp.float32)), 1.0)
         aux["exchange_overflow"] = jnp.sum((overflow_BLK & real_BLK).astype(jnp.float32)) / assigned
-        norm_scores_TE = router.normalised_scores(scores_TE, self.router_cfg.scoring)
+        norm_scores_TE = router.normalised_scores(scores_TE, self.router_cfg.router_scoring)
         aux["balance_loss"] = gates.balance_loss(
             norm_scores_TE, routing, gate_cfg.gating, self.balance_fractions, token_mask_T
         )
@@ -351,11 +263,11 @@ class MoE(nnx.Module):
         return y_BLD, aux
 
 
-def expert_dropout_rate(cfg) -> float:
-    """`model.moe.expert_dropout_rate`, -1 (the default) meaning `model.dropout_rate` (T5X's
-    EXPERT_DROPOUT_RATE = %DROPOUT_RATE)."""
-    rate = float(cfg.moe.expert_dropout_rate)
-    return float(cfg.dropout_rate) if rate == -1.0 else rate
+def expert_dropout_rate(options: MoEOptions, dropout_rate: float) -> float:
+    """`model.moe.expert_dropout_rate`, -1 (the default) meaning the model's `dropout_rate`
+    (T5X's EXPERT_DROPOUT_RATE = %DROPOUT_RATE)."""
+    rate = options.expert_dropout_rate
+    return dropout_rate if rate == -1.0 else rate
 
 
 class SharedGate(nnx.Module):

@@ -2,7 +2,7 @@
 limits, a routed scaling factor, and DeepSeek-V3's sequence-wise balance loss.
 
 The classic path (softmax scores, no bias, one group) goes through gates.route unchanged;
-`RouterConfig.plain` says when. Otherwise the choice and the weights come apart:
+`RouterOptions.plain` says when. Otherwise the choice and the weights come apart:
 - scores_TE = softmax(logits) or sigmoid(logits) (`router_scoring`);
 - choice_TE = scores + selection_bias [E] (when `selection_bias`), restricted to each
   token's `topk_group` best of `n_group` equal expert groups, a group scored by the sum of
@@ -18,45 +18,57 @@ that gap is measured; why: docs/adaptive_k.md "Sigmoid and biased routers"). Mas
 weigh 0 and the renormalisation sums over the kept slots only.
 """
 
-import dataclasses
+from dataclasses import dataclass
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 
+from jaxmoe.fields import Options, check_choices, need, option
 from jaxmoe.models.moe import gates
 from jaxmoe.models.moe.adaptive_k import kept_ranks
 
-SCORINGS = ("softmax", "sigmoid")
+Scoring = Literal["softmax", "sigmoid"]
+SCORINGS: tuple[str, ...] = get_args(Scoring)
 
 # The gates a selection bias / group limit works with: top-k choice, optionally adaptive.
 ADAPTIVE_GATES = ("adaptive", "adaptive_k")
 TOPK_GATES = ("top1", "top2", "topk", *ADAPTIVE_GATES)
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    """Static router options (hashable)."""
+@dataclass(frozen=True)
+class RouterOptions(Options):
+    """model.moe's router keys (a flat section: `model.moe.router_scoring`, ...): how expert
+    scores are made and chosen from. Frozen and hashable: jitted code closes over it."""
 
-    scoring: str = "softmax"
-    selection_bias: bool = False
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
+    router_scoring: Scoring = option(
+        "softmax", "expert scores: softmax | sigmoid (DeepSeek-V3: independent per expert)"
+    )
+    routed_scaling_factor: float = option(
+        1.0, "routed experts' combine weights times this, after renormalize (DeepSeek)"
+    )
+    selection_bias: bool = option(
+        False, "a per-expert bias [E] on the scores for choosing only, not trained (DeepSeek-V3)"
+    )
+    n_group: int = option(1, "group-limited routing: experts in n_group equal groups")
+    topk_group: int = option(1, "group-limited routing: groups a token may use")
 
-    @classmethod
-    def from_config(cls, moe_cfg) -> "RouterConfig":
-        return cls(
-            scoring=str(moe_cfg.router_scoring),
-            selection_bias=bool(moe_cfg.selection_bias),
-            n_group=int(moe_cfg.n_group),
-            topk_group=int(moe_cfg.topk_group),
-            routed_scaling_factor=float(moe_cfg.routed_scaling_factor),
+    def __post_init__(self) -> None:
+        check_choices(self, "model.moe.")
+        need(
+            self.routed_scaling_factor > 0,
+            f"model.moe.routed_scaling_factor={self.routed_scaling_factor} must be > 0",
+        )
+        need(self.n_group >= 1, f"model.moe.n_group={self.n_group} must be >= 1")
+        need(
+            1 <= self.topk_group <= self.n_group,
+            f"model.moe.topk_group={self.topk_group} must be in [1, n_group={self.n_group}]",
         )
 
     @property
     def plain(self) -> bool:
         """Choice and weights from the same softmax probabilities (the classic gates)."""
-        return self.scoring == "softmax" and not self.selection_bias and self.n_group == 1
+        return self.router_scoring == "softmax" and not self.selection_bias and self.n_group == 1
 
 
 def router_scores(logits_TE: jax.Array, scoring: str) -> jax.Array:
@@ -89,19 +101,19 @@ def choice_scores(scores_TE, bias_E, n_group: int, topk_group: int) -> jax.Array
     return jnp.where(keep_TGS, grouped_TGS, -jnp.inf).reshape(tokens, experts)
 
 
-def adaptive_gap_normalization(router: RouterConfig, gate: gates.GateConfig) -> str:
+def adaptive_gap_normalization(router: RouterOptions, gate: gates.GateOptions) -> str:
     """How the adaptive gap is measured on the choice scores: as `gap_normalization` says
     for softmax scores without a selection bias; as a plain difference ("none") otherwise.
     A biased score can be <= 0 (the pair renormalisation then has no meaning) and the
     ranking ignores a common shift of all biases, which a difference ignores and a ratio
     does not; sigmoid scores lie in (0, 1) whatever the number of experts, so their
     difference keeps one scale (the reason "top2" exists for softmax does not apply)."""
-    if router.scoring == "softmax" and not router.selection_bias:
+    if router.router_scoring == "softmax" and not router.selection_bias:
         return gate.gap_normalization
     return "none"
 
 
-def route(scores_TE, bias_E, router: RouterConfig, gate: gates.GateConfig) -> gates.Routing:
+def route(scores_TE, bias_E, router: RouterOptions, gate: gates.GateOptions) -> gates.Routing:
     """Top-k routing of the module docstring; `gate` gives k, `renormalize` and, for the
     adaptive gates, the threshold of the gap rule."""
     if router.plain:
@@ -115,7 +127,7 @@ def route(scores_TE, bias_E, router: RouterConfig, gate: gates.GateConfig) -> ga
         if gate.gating in ADAPTIVE_GATES:
             normalization = adaptive_gap_normalization(router, gate)
             mask_TK = kept_ranks(ranked_TK, gate.threshold, normalization)
-        if router.scoring == "sigmoid":
+        if router.router_scoring == "sigmoid":
             weights_TK = jnp.where(mask_TK, chosen_TK, 0.0)
             if gate.renormalize:
                 total_T1 = jnp.sum(weights_TK, axis=-1, keepdims=True)
