@@ -28,7 +28,7 @@ def test_load_balanced_order_pairs_early_and_late_chunks():
         load_balanced_order(16, 3)
 
 
-def _model_config(kind: str):
+def _model_config(kind: str, strategy: str = "all_gather"):
     from jaxmoe.config.defaults import base_config
     from jaxmoe.config.schema import typed
 
@@ -37,6 +37,7 @@ def _model_config(kind: str):
     m.vocab_size, m.d_model, m.num_layers, m.num_heads, m.num_kv_heads = VOCAB, 32, 2, 4, 2
     m.head_dim, m.ffn_dim, m.moe.ffn_dim, m.moe.num_experts = 8, 64, 32, 0
     m.attention_block = 0
+    m.context_strategy = strategy
     if kind == "gqa_moe":  # layer 0 dense FFN, layer 1 MoE (dropless)
         m.moe.num_experts, m.moe.every, m.moe.gating = 4, 2, "topk"
         m.moe.dispatch = "ragged"
@@ -81,13 +82,21 @@ def _split_run(step, params, context: int):
         return step(params)
 
 
-@pytest.mark.parametrize("kind", ["gqa_moe", "mqa_window", "mla"])
-def test_split_sequence_matches_unsplit(kind, monkeypatch):
+@pytest.mark.parametrize(
+    "kind, strategy",
+    [
+        ("gqa_moe", "all_gather"),
+        ("mqa_window", "all_gather"),
+        ("mla", "all_gather"),
+        ("mqa_window", "ring"),  # ring: window, sinks and MQA's one K/V head passed around
+    ],
+)
+def test_split_sequence_matches_unsplit(kind, strategy, monkeypatch):
     from jaxmoe.models import context_parallel
 
     # Pieces of 8 queries: two per device at mesh.context=2, one beyond.
     monkeypatch.setattr(context_parallel, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
-    step, params = _loss_fn(_model_config(kind), segments=False)
+    step, params = _loss_fn(_model_config(kind, strategy), segments=False)
     want_loss, want_grads = step(params)
     for context in (2, 4, 8):
         loss, grads = _split_run(step, params, context)
@@ -103,8 +112,12 @@ def test_split_sequence_matches_unsplit(kind, monkeypatch):
             )
 
 
-def test_packed_documents_split_match_unsplit():
-    step, params = _loss_fn(_model_config("gqa_moe"), segments=True)
+@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+def test_packed_documents_split_match_unsplit(strategy, monkeypatch):
+    from jaxmoe.models import context_parallel
+
+    monkeypatch.setattr(context_parallel, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
+    step, params = _loss_fn(_model_config("gqa_moe", strategy), segments=True)
     want_loss, want_grads = step(params)
     for context in (2, 4, 8):
         loss, grads = _split_run(step, params, context)

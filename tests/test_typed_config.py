@@ -84,13 +84,14 @@ def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
     # swiglu_alpha, swiglu_limit, moe.expert_bias), and issue 29's model.attention_kernel and
     # issue 32's data.workers and data.shards, and issue 44's fine-tuning keys: data.format, its
     # five field keys, chat_template, truncation, targets_len, packing; train.freeze/trainable;
-    # issue 50's model.quantization, model.quantization_scaling and mesh.context; issue 51's 7:
+    # issue 50's model.quantization, quantization_scaling, context_strategy and mesh.context;
+    # issue 51's 7:
     # model.mtp_depth, mtp_weight, optimizer.muon_momentum, muon_nesterov, muon_ns_steps,
     # muon_rms, qk_clip.
-    assert len(_leaves(config)) == 169
+    assert len(_leaves(config)) == 170
     assert set(config.keys()) == {"model", "train", "optimizer", "mesh", "data"}
     lines = describe()
-    assert len(lines) == 169 and all("\n" not in line and "): " in line for line in lines)
+    assert len(lines) == 170 and all("\n" not in line and "): " in line for line in lines)
     arch = "model.arch (str, 'decoder'): the architecture ['decoder' | 'encoder_decoder']"
     assert lines[0] == arch
     view = typed(config)

@@ -308,11 +308,13 @@ class Attention(nnx.Module):
         kernel: str = XLA,
         causal: bool = False,
         quant: Quantization = NONE,
+        context_strategy: str = "all_gather",
         rngs: nnx.Rngs,
     ):
         resolve_attention_kernel(kernel, "cpu")  # an unknown name fails here, by its key
         self.kernel, self.causal = kernel, causal
         self.quant = quant  # the q/k/v/out projections' products (quantization.py)
+        self.context_strategy = context_strategy  # mesh.context > 1 (context_parallel.py)
         if num_heads % num_kv_heads:
             raise ValueError(
                 f"num_heads={num_heads} is not divisible by num_kv_heads={num_kv_heads}"
@@ -470,7 +472,14 @@ class Attention(nnx.Module):
         q = self.project_q(x_BLD, positions_BL)
         k, v = self.project_kv(x_BLD, positions_BL)
         o = context_attention(
-            q, k, v, layout, scale=self.scale, window=self.window, sinks_H=self.sink_logits()
+            q,
+            k,
+            v,
+            layout,
+            scale=self.scale,
+            window=self.window,
+            sinks_H=self.sink_logits(),
+            strategy=self.context_strategy,
         )
         return self.project_out(o)
 

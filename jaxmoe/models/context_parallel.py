@@ -27,6 +27,8 @@ from jax.sharding import PartitionSpec as P
 from jaxmoe.parallel.sharding import logical_to_spec
 
 CONTEXT_AXIS = "context"
+# How attention reaches the other devices' keys and values (model.context_strategy).
+CONTEXT_STRATEGIES = ("all_gather", "ring")
 
 
 def context_size() -> int:
@@ -93,13 +95,28 @@ def _heads_axis(num_heads: int, num_kv_heads: int):
 
 
 def context_attention(
-    q_BLHd, k_BSKd, v_BSKd, layout: ContextLayout, *, scale, window=0, sinks_H=None, gathered=False
+    q_BLHd,
+    k_BSKd,
+    v_BSKd,
+    layout: ContextLayout,
+    *,
+    scale,
+    window=0,
+    sinks_H=None,
+    gathered=False,
+    strategy="all_gather",
 ):
-    """softmax(q k^T) v per device: its queries against the whole sequence's keys/values.
+    """softmax(q k^T) v per device: its queries against the whole sequence's keys/values,
+    gathered at once ("all_gather") or passed around the axis ("ring", ring_attention.py).
 
     q/k/v are in the split layout with their length sharded over the context axis, unless
     `gathered` (MLA: k/v already built from the gathered latent, whole on every device).
     """
+    if strategy not in CONTEXT_STRATEGIES:
+        raise ValueError(
+            f"model.context_strategy: got {strategy!r}, expected {' | '.join(CONTEXT_STRATEGIES)}"
+        )
+    ring = strategy == "ring" and not gathered
     b, length, h, _ = q_BLHd.shape
     kv_heads = k_BSKd.shape[2]
     heads = _heads_axis(h, kv_heads)
@@ -115,16 +132,26 @@ def context_attention(
     extra_specs = {}
     if segments is not None:
         extra["seg_q"], extra_specs["seg_q"] = segments, P(batch, CONTEXT_AXIS)
-        extra["seg_k"], extra_specs["seg_k"] = segments, P(batch, None)
+        extra["seg_k"], extra_specs["seg_k"] = (
+            segments,
+            P(batch, None if not ring else CONTEXT_AXIS),
+        )
     if sinks_H is not None:
         extra["sinks"], extra_specs["sinks"] = sinks_H, P(heads)
 
     def per_device(q, k, v, extra):
+        index = jax.lax.axis_index(CONTEXT_AXIS)
+        q_at_L = jax.lax.dynamic_slice_in_dim(order, index * local, local)
+        if ring:
+            from jaxmoe.models.ring_attention import ring_attention
+
+            options = dict(scale=scale, window=window, sinks_H=extra.get("sinks"))
+            seg_q, seg_k = extra.get("seg_q"), extra.get("seg_k")
+            axis = dict(axis=CONTEXT_AXIS, parts=layout.parts)
+            return ring_attention(q, k, v, q_at_L, q_at_L, seg_q, seg_k, **options, **axis)
         if not gathered:
             k = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
             v = jax.lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
-        index = jax.lax.axis_index(CONTEXT_AXIS)
-        q_at_L = jax.lax.dynamic_slice_in_dim(order, index * local, local)
         seg_q = extra.get("seg_q")
         return _pieces_attention(
             q, k, v, q_at_L, order, seg_q, extra.get("seg_k"), scale, window, extra.get("sinks")

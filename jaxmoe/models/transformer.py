@@ -70,6 +70,7 @@ class DecoderBlock(nnx.Module):
                 kernel=cfg.attention_kernel,
                 causal=True,  # DecoderLM's self-attention mask is the causal one
                 quant=Quantization.from_config(cfg),
+                context_strategy=cfg.context_strategy,
                 rngs=rngs,
             )
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
