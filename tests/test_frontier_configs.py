@@ -98,6 +98,7 @@ def test_full_configs_have_the_published_sizes(path, published):
         assert round(main / 1e9) == 671 and round(mtp / 1e9, 1) in (11.5, 11.6)
 
 
+@pytest.mark.slow  # two MLA + MoE steps to compile (MTP, MuonClip): ~25 s each on 2 cores
 @pytest.mark.parametrize("path", ["configs/deepseek3_671b.py", "configs/kimi_k2.py"])
 def test_tiny_variants_train(path):
     config = load_config(

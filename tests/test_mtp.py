@@ -214,13 +214,20 @@ def test_copies_that_differ_and_unannounced_layers_are_refused(converted, tmp_pa
 
 
 def test_speculative_decoding_of_the_converted_model(converted):
-    _, _, _, dst = converted
+    """Drafted by the converted MTP module, the tokens are transformers' greedy `generate`
+    (left-padded prompts of two lengths through the latent cache)."""
+    _, model, _, dst = converted
     loaded = load_converted(dst)
     mesh = make_mesh(MeshOptions(data=1), jax.devices()[:1])
     prompts = [list(map(int, IDS[0, :5])), list(map(int, IDS[1, :9]))]
-    plain = Generator(loaded.cfg, loaded.params, mesh, eos_id=-1).generate(prompts, 10)
+    model.generation_config.eos_token_id = None  # no early stop: every token compared
+    want = []
+    for prompt in prompts:
+        with torch.no_grad():
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False)
+        want.append(out[0, len(prompt) :].tolist())
     drafted = MTPGenerator(loaded.cfg, loaded.params, mesh, eos_id=-1).generate(prompts, 10)
-    assert drafted.tokens == plain.tokens
+    assert drafted.tokens == want
 
 
 PERIOD = 7
@@ -320,7 +327,11 @@ def test_packed_documents_score_as_if_alone():
         "inputs": np.stack([a[0] for a in alone]),
         "targets": np.stack([a[1] for a in alone]),
         "weights": np.stack([a[2] for a in alone]),
+        "segment_ids": np.stack([(a[2] > 0).astype(np.int32) for a in alone]),
+        "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
     }
+    # One batch shape for both (one compile): the packed row beside an empty one.
+    packed = {k: np.concatenate([v, np.zeros_like(v)]) for k, v in packed.items()}
 
     @jax.jit
     def sums(params, batch):
