@@ -26,7 +26,6 @@ Writes OUT/time_to_target.json (everything), OUT/routing.npz, OUT/loss_vs_*.png,
 """
 
 import argparse
-import copy
 import json
 import os
 import sys
@@ -140,12 +139,11 @@ class Variant:
         del jax
 
     def _spec(self, mesh, **moe_overrides):
+        from jaxmoe.config.loading import with_overrides
         from jaxmoe.models.spec import model_spec
 
-        model_cfg = copy.deepcopy(self.config.model)
-        for key, value in moe_overrides.items():
-            setattr(model_cfg.moe, key, value)
-        return model_spec(model_cfg, mesh)
+        overrides = [f"model.moe.{key}={value}" for key, value in moe_overrides.items()]
+        return model_spec(with_overrides(self.config, overrides).model, mesh)
 
     def _concentration_fn(self, mesh, param_shardings):
         """jitted (params, batch) -> {layer: [concentrated tokens, valid tokens]} under an
