@@ -175,3 +175,28 @@ def test_memory_lower_bound_counts_one_chunk_of_logits():
     abstract, shardings = state_shardings(mesh, model_spec(config.model, mesh), optimizer)
     parts = step_bytes_lower_bound(config, mesh, abstract, shardings)
     assert parts["logits"] == 1 * 4 * 128 * 4  # rows per device x chunk x vocab, float32
+
+
+def test_chunks_under_the_context_axis_take_every_devices_own_positions():
+    from jaxmoe.training.chunked_loss import _strided_chunks
+
+    # 16 positions on 4 context devices (4 each), chunks of 8: 2 from every device's part.
+    chunks = np.asarray(_strided_chunks(jnp.arange(16)[None], 8, 4))[:, 0]
+    assert chunks.tolist() == [[0, 1, 4, 5, 8, 9, 12, 13], [2, 3, 6, 7, 10, 11, 14, 15]]
+    config = tiny_config("model.moe.num_experts=0", "model.tie_embeddings=false")
+    batch = padded_batch(config, pad=5)
+    _, _, hidden, w_DV, scale = hidden_and_head(config, batch)
+    assert hidden.shape[1] % 8 == 0
+
+    def objective(h, w):
+        nll, z = chunked_output_losses(h, w, scale, batch["targets"], batch["weights"], 8)
+        return nll + Z * z, (nll, z)
+
+    mesh = make_mesh(MeshOptions(data=-1, context=4))
+    with jax.set_mesh(mesh):
+        (_, (nll, z)), (d_h, d_w) = jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))(
+            hidden, w_DV
+        )
+    want = numpy_losses(hidden, w_DV, scale, batch["targets"], batch["weights"])
+    for got, expected in zip((nll, z, d_h, d_w), want, strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float64), expected, rtol=2e-5, atol=2e-6)

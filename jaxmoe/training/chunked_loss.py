@@ -12,6 +12,11 @@ Chunks run along the sequence, never across examples, so each keeps the batch sh
 the hidden states; the chunk's logits are pinned to (batch, -, vocab) like the head's vocab
 axis. A length that `loss_chunk` does not divide (a seq2seq decoder) is padded up to the next
 multiple with zero-weight positions, which add nothing to either sum.
+
+Under mesh.context (each sequence split over N devices, contiguous L / N positions each)
+a chunk takes loss_chunk / N positions from every device's part instead of loss_chunk
+consecutive ones, so each device computes the logits of its own positions and nothing
+moves between them; the sums do not depend on which positions share a chunk.
 """
 
 import jax
@@ -39,6 +44,25 @@ def _chunks(x_BL, chunk: int, num_chunks: int):
     return jnp.moveaxis(x, 1, 0)
 
 
+def _context_parts(length: int, chunk: int) -> int:
+    """N when the sequence is split over N context devices and a chunk can take chunk / N
+    positions from each device's part; else 1 (consecutive chunks)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    parts = 1 if mesh.empty else int(dict(mesh.shape).get("context", 1))
+    if parts > 1 and chunk % parts == 0 and length % chunk == 0:
+        return parts
+    return 1
+
+
+def _strided_chunks(x_BL, chunk: int, parts: int):
+    """[B, L, ...] -> [L / chunk, B, chunk, ...], chunk i holding positions
+    p * L / parts + i * chunk / parts + j of every part p (j < chunk / parts)."""
+    b, length = x_BL.shape[:2]
+    per = chunk // parts
+    x = x_BL.reshape(b, parts, length // chunk, per, *x_BL.shape[2:])
+    return jnp.moveaxis(x, 2, 0).reshape(length // chunk, b, chunk, *x_BL.shape[2:])
+
+
 def chunked_output_losses(hidden_BLD, w_DV, scale, targets_BL, weights_BL, chunk: int):
     """(sum of weights * NLL, sum of weights * logsumexp(logits)^2) over the batch, the
     logits head_logits(hidden, w_DV, scale) made [B, chunk, V] at a time.
@@ -49,11 +73,14 @@ def chunked_output_losses(hidden_BLD, w_DV, scale, targets_BL, weights_BL, chunk
     length = hidden_BLD.shape[1]
     chunk = min(chunk, length)
     num_chunks = -(-length // chunk)
-    xs = (
-        _chunks(hidden_BLD, chunk, num_chunks),
-        _chunks(targets_BL, chunk, num_chunks),
-        _chunks(weights_BL.astype(jnp.float32), chunk, num_chunks),
-    )
+    parts = _context_parts(length, chunk)
+
+    def split(x_BL):
+        if parts > 1:
+            return _strided_chunks(x_BL, chunk, parts)
+        return _chunks(x_BL, chunk, num_chunks)
+
+    xs = (split(hidden_BLD), split(targets_BL), split(weights_BL.astype(jnp.float32)))
 
     def body(sums, chunk_xs):
         h_BCD, targets_BC, weights_BC = chunk_xs
