@@ -122,7 +122,7 @@ def test_query_chunked_attention_shares_a_one_row_mask(monkeypatch):
 
 
 def test_attention_block_auto_is_cpu_only(monkeypatch):
-    from jaxmoe.models import attention
+    from jaxmoe.models import attention_math as attention
 
     assert attention.resolve_causal_block(attention.AUTO, 256) == 32
     assert attention.resolve_causal_block(attention.AUTO, 2048) == 128

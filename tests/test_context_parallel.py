@@ -92,10 +92,10 @@ def _split_run(step, params, context: int):
     ],
 )
 def test_split_sequence_matches_unsplit(kind, strategy, monkeypatch):
-    from jaxmoe.models import context_parallel
+    from jaxmoe.models import attention_math
 
     # Pieces of 8 queries: two per device at mesh.context=2, one beyond.
-    monkeypatch.setattr(context_parallel, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
+    monkeypatch.setattr(attention_math, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
     step, params = _loss_fn(_model_config(kind, strategy), segments=False)
     want_loss, want_grads = step(params)
     for context in (2, 4, 8):
@@ -114,9 +114,9 @@ def test_split_sequence_matches_unsplit(kind, strategy, monkeypatch):
 
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_packed_documents_split_match_unsplit(strategy, monkeypatch):
-    from jaxmoe.models import context_parallel
+    from jaxmoe.models import attention_math
 
-    monkeypatch.setattr(context_parallel, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
+    monkeypatch.setattr(attention_math, "PIECE_SCORE_BYTES", 4 * 4 * 8 * LENGTH)
     step, params = _loss_fn(_model_config("gqa_moe", strategy), segments=True)
     want_loss, want_grads = step(params)
     for context in (2, 4, 8):

@@ -63,7 +63,8 @@ def run(args) -> int:
         from jaxmoe.config.loading import load_config
 
         defaults = _flatten(base_config())
-        for key, value in _flatten(load_config(args.config, args.overrides)).items():
+        loaded = load_config(args.config, args.overrides).to_dict()
+        for key, value in _flatten(loaded).items():
             if key not in defaults:
                 extra[key] = value
             elif value != defaults[key]:

@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxmoe.models.attention_math import grouped_attention, piece_queries
+from jaxmoe.models.ring_attention import ring_attention
 from jaxmoe.parallel.sharding import logical_to_spec
 
 CONTEXT_AXIS = "context"
@@ -143,8 +145,6 @@ def context_attention(
         index = jax.lax.axis_index(CONTEXT_AXIS)
         q_at_L = jax.lax.dynamic_slice_in_dim(order, index * local, local)
         if ring:
-            from jaxmoe.models.ring_attention import ring_attention
-
             options = dict(scale=scale, window=window, sinks_H=extra.get("sinks"))
             seg_q, seg_k = extra.get("seg_q"), extra.get("seg_k")
             axis = dict(axis=CONTEXT_AXIS, parts=layout.parts)
@@ -164,25 +164,9 @@ def context_attention(
     )(q_BLHd, k_BSKd, v_BSKd, extra)
 
 
-# Bytes of f32 scores one query piece may hold per sequence: at 65,536 keys and 32 heads a
-# piece of 256 queries would hold 2 GiB of scores (and as much of probabilities).
-PIECE_SCORE_BYTES = 256 * 2**20
-
-
-def piece_queries(local: int, heads: int, keys: int) -> int:
-    """Queries per rematerialised piece: at most QUERY_CHUNK, within PIECE_SCORE_BYTES of
-    scores, dividing the device's `local` queries."""
-    from jaxmoe.models.attention import QUERY_CHUNK  # attention imports this module
-
-    most = max(1, min(QUERY_CHUNK, PIECE_SCORE_BYTES // (4 * heads * keys)))
-    return max(c for c in range(1, min(most, local) + 1) if local % c == 0)
-
-
 def _pieces_attention(q, k, v, q_at_L, k_at_S, seg_q, seg_k, scale, window, sinks):
     """One device's queries in rematerialised pieces (attention.query_chunked_attention's
     arithmetic), each piece's mask built from the original indices inside the loop."""
-    from jaxmoe.models.attention import grouped_attention
-
     attend = jax.checkpoint(grouped_attention, static_argnums=(5, 6))
     b, local, h, d = q.shape
     chunk = piece_queries(local, h, k.shape[1])

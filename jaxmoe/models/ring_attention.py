@@ -13,7 +13,9 @@ which the keys are summed differs.
 import jax
 import jax.numpy as jnp
 
-NEG_INF = -1e30  # finite, as attention.NEG_INF: a fully masked block leaves m, l, o alone
+from jaxmoe.models.attention_math import piece_queries
+
+NEG_INF = -1e30  # finite, as attention_math.NEG_INF: a fully masked block leaves m, l, o alone
 
 
 def ring_attention(
@@ -24,8 +26,6 @@ def ring_attention(
     q_at_L / k_at_S: the original token indices of the local queries and of the local key
     block; seg_q / seg_k: their document ids (None: one document). Runs inside shard_map.
     """
-    from jaxmoe.models.context_parallel import piece_queries
-
     b, lq, h, d = q_BLHd.shape
     kv_heads = k_BSKd.shape[2]
     groups = h // kv_heads
