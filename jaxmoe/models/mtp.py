@@ -88,18 +88,29 @@ def run_mtp(
     remat,
     token_mask_BL=None,
     segment_ids_BL=None,
+    layout=None,
+    block_segment_ids_BL=None,
     **kw,
 ):
     """Training / evaluation: every module over the whole sequence, each rematted like the
     main stack's blocks (`remat`). Returns ([h^1 .. h^D], aux {mtp_key(k): block aux}).
     `token_mask_BL` (the main model's real positions) is shifted with the tokens, so a
     module's MoE statistics count the positions it predicts (in packed rows, those whose
-    token ahead is in the same document); `kw` go to the blocks (mask, positions...)."""
+    token ahead is in the same document); `kw` go to the blocks (mask, positions...).
+    `layout` (context_parallel.ContextLayout, mesh.context > 1): each module's inputs are
+    put in the split layout the blocks' mask describes, its output back in sequence order
+    (`block_segment_ids_BL`: the segments the blocks see, None in that layout)."""
+    split = layout.split if layout is not None else (lambda a: a)
+    merge = layout.merge if layout is not None else (lambda a: a)
 
     def apply(module, xs, state, row):
         h_BLD, embedded_BLD, mask_BL = xs
         return module(
-            h_BLD, embedded_BLD, token_mask_BL=mask_BL, segment_ids_BL=segment_ids_BL, **kw
+            h_BLD,
+            embedded_BLD,
+            token_mask_BL=mask_BL,
+            segment_ids_BL=block_segment_ids_BL,
+            **kw,
         )
 
     states, aux = [], {}
@@ -110,7 +121,9 @@ def run_mtp(
         mask_BL = token_mask_BL
         if mask_BL is not None:
             mask_BL = ahead_in_document(mask_BL, depth, segment_ids_BL, False)
-        h_BLD, layer_aux, _ = run_block(module, (h_BLD, embedded_BLD, mask_BL), apply, remat)
+        inputs = (split(h_BLD), split(embedded_BLD), split(mask_BL))
+        h_BLD, layer_aux, _ = run_block(module, inputs, apply, remat)
+        h_BLD = merge(h_BLD)
         states.append(h_BLD)
         if layer_aux:
             aux[mtp_key(k)] = layer_aux

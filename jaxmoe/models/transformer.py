@@ -242,10 +242,19 @@ class DecoderLM(nnx.Module):
     ):
         """Multi-token prediction (models/mtp.py) over whole sequences: ([h^1 .. h^D] [B, L,
         D], aux {"mtp_<k>": ...}) from h^0, the output layer's input (`head=False`), and the
-        call's own tokens, positions, real-token mask and segments. `kw`: max_logits."""
+        call's own tokens, positions, real-token mask and segments. `kw`: max_logits. With a
+        context axis (mesh.context) the module blocks run in the split layout, as the main
+        stack's do; the states come back in sequence order."""
         b, l = tokens_BL.shape
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
+        layout, block_segments = None, segment_ids_BL
+        if context_size() > 1:
+            layout = ContextLayout.of(l, context_size())
+            mask = layout.with_segments(segment_ids_BL)  # each device builds its own rows
+            positions_BL, block_segments = layout.split(positions_BL), None
+        else:
+            mask = causal_mask(l, segment_ids_BL)
         return run_mtp(
             self.mtp,
             self.embed,
@@ -255,8 +264,10 @@ class DecoderLM(nnx.Module):
             remat=self.cfg.remat,
             token_mask_BL=token_mask_BL,
             segment_ids_BL=segment_ids_BL,
-            mask=causal_mask(l, segment_ids_BL),
+            layout=layout,
+            mask=mask,
             positions_BL=positions_BL,
+            block_segment_ids_BL=block_segments,
             train=train,
             **kw,
         )
