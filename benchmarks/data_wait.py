@@ -36,7 +36,7 @@ ARCHS = {"lm": "decoder", "t5": "encoder_decoder"}
 
 def mean_wait_s(config, steps: int, step_s: float) -> float:
     """Mean seconds per step spent in next(batches), after the warm-up steps."""
-    batches = build_data(config).train
+    batches = build_data(config.data, config.train, spans=config.span_corruption).train
     workers = config.data.workers
     for _ in range(3 + workers * max(config.data.prefetch, 1)):
         next(batches)

@@ -158,7 +158,7 @@ def write_checkpoint(folder: Path) -> Path:
 
     cache = folder / "cache"
     config = load_config(str(ROOT / "configs" / "default.py"), [*MODEL, f"data.cache_dir={cache}"])
-    tokenizer = load_tokenizer(config).path
+    tokenizer = load_tokenizer(config.data).path
     config = load_config(
         str(ROOT / "configs" / "default.py"), [*MODEL, f"data.tokenizer={tokenizer}"]
     )

@@ -47,9 +47,8 @@ def train(workdir: Path, args) -> dict:
 def prompts_from_eval(config, tokenizer, count: int, length: int) -> list[list[int]]:
     """The first `length` tokens of the first `count` eval examples that long."""
     from jaxmoe.data.pipeline import build_data
-    from jaxmoe.parallel.distributed import barrier
 
-    data = build_data(config, 0, 1, barrier)
+    data = build_data(config.data, config.train)
     rows = [row for batch in data.eval_batches for row in np.asarray(batch["inputs"])]
     out = [list(map(int, row[:length])) for row in rows if np.count_nonzero(row) >= length]
     if len(out) < count:

@@ -113,16 +113,16 @@ def pretrain_and_convert(args, out: Path) -> dict:
 
     torch.set_num_threads(1)  # on a loaded 2-core host one thread is ~4x faster per step
     config = data_config(args.data)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.data)
     size = {**SIZE, **args.size}
     model = hf.build_model(hf.qwen3_moe_config(tokenizer.vocab_size, size), seed=0)
     start = time.perf_counter()
     losses = hf.pretrain(
-        model, iter(TrainBatches(config, tokenizer)), args.pretrain_steps,
+        model, iter(TrainBatches(config.data, config.train, tokenizer)), args.pretrain_steps,
         optimizer_recipe(config, args.pretrain_steps),
     )  # fmt: skip
     pretrain_s = time.perf_counter() - start
-    hf_loss = hf.eval_loss(model, eval_batches(config, tokenizer))
+    hf_loss = hf.eval_loss(model, eval_batches(config.data, config.train, tokenizer))
     src, converted = out / "hf_pretrained", out / "converted"
     for folder in (src, converted):
         shutil.rmtree(folder, ignore_errors=True)

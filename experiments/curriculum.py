@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     jax_logger.propagate = False  # the counter reads the compile records; none are printed
     jax.config.update("jax_log_compiles", True)
     base = load_config(str(ROOT / "configs" / "default.py"), overrides)
-    args.steps_per_epoch = build_data(base).train.steps_per_epoch
+    args.steps_per_epoch = build_data(base.data, base.train).train.steps_per_epoch
     if args.steps <= args.steps_per_epoch and not args.report_only:
         # The curriculum orders epochs 2 onwards: a shorter run has nothing to compare.
         parser.error(f"--steps {args.steps}: more than one epoch ({args.steps_per_epoch}) needed")

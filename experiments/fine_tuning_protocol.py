@@ -283,7 +283,7 @@ def test_batches(config, path: Path, batch_size: int):
     from jaxmoe.data.sources import load_tokenizer
     from jaxmoe.inference.evaluate import batch_examples, read_format_jsonl
 
-    examples = read_format_jsonl(str(path), config.data, load_tokenizer(config))
+    examples = read_format_jsonl(str(path), config.data, load_tokenizer(config.data))
     return batch_examples(examples, batch_size, False), len(examples)
 
 

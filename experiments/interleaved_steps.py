@@ -23,7 +23,6 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jaxmoe.data.pipeline import build_data
     from jaxmoe.models.spec import model_spec
     from jaxmoe.models.stack import layer_layouts
-    from jaxmoe.parallel.distributed import barrier
     from jaxmoe.parallel.mesh import make_mesh
     from jaxmoe.parallel.sharding import batch_spec
     from jaxmoe.training.loop import to_global
@@ -34,7 +33,7 @@ def _prepare(config, checkpoint: str, num_batches: int):
     mesh = make_mesh(config.mesh)
     # The batches only need to be real text.
     config = config.replace(data=config.data.replace(curriculum="none", prefetch=0))
-    data = build_data(config, 0, 1, barrier)
+    data = build_data(config.data, config.train)
     config = config.replace(model=config.model.with_vocab(data.vocab_size))
     spec = model_spec(config.model, mesh)
     optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)

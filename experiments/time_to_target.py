@@ -206,12 +206,11 @@ class SharedData:
         from jax.sharding import NamedSharding
 
         from jaxmoe.data.pipeline import build_data
-        from jaxmoe.parallel.distributed import barrier
         from jaxmoe.parallel.mesh import make_mesh
         from jaxmoe.parallel.sharding import batch_spec
 
         self.mesh = make_mesh(config.mesh)
-        bundle = build_data(config, 0, 1, barrier)
+        bundle = build_data(config.data, config.train)
         self.train, self.vocab_size = bundle.train, bundle.vocab_size
         self.steps_per_epoch = bundle.train.steps_per_epoch
         self.eval_batches = bundle.eval_batches[: eval_batches or None]

@@ -49,7 +49,7 @@ def checkpoint(tmp_path_factory, embedded_data_cache) -> Path:
     copy_data_cache(embedded_data_cache, tmp / "cache")  # that tokenizer, trained once
     from jaxmoe.data.sources import load_tokenizer
 
-    config = dense_config(tmp, f"data.tokenizer={load_tokenizer(dense_config(tmp)).path}")
+    config = dense_config(tmp, f"data.tokenizer={load_tokenizer(dense_config(tmp).data).path}")
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))
     save_params(str(tmp / "ckpt"), jax.device_get(params), config)
     return tmp / "ckpt"
@@ -299,16 +299,16 @@ TRAIN = [
 def test_step_memory_lower_bound_matches_a_hand_count():
     """Tiny dense decoder on 8 devices, batch 8 over mesh.data=8: one row per device."""
     from jaxmoe.models.spec import model_spec
-    from jaxmoe.parallel.device_memory import step_bytes_lower_bound
     from jaxmoe.parallel.mesh import make_mesh
     from jaxmoe.training.optimizer import make_optimizer
     from jaxmoe.training.state import state_shardings
+    from jaxmoe.training.step_memory import step_bytes_lower_bound
 
     config = tiny_config("model.moe.num_experts=0")
     mesh = make_mesh(config.mesh)
     optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
     abstract, shardings = state_shardings(mesh, model_spec(config.model, mesh), optimizer)
-    parts = step_bytes_lower_bound(config, mesh, abstract, shardings)
+    parts = step_bytes_lower_bound(config.model, config.train, mesh, abstract, shardings)
     # Parameters: embed 128*32, lm_head 32*128, final norm 32, and per layer 2 norms of 32,
     # q 32*4*8, k and v 32*2*8, out 4*8*32, wi_0 and wi_1 32*64, wo 64*32.
     layer = 2 * 32 + 1024 + 512 + 512 + 1024 + 3 * 2048

@@ -204,7 +204,7 @@ def test_bare_tokenizer_json_takes_its_conventional_eos(tmp_path):
 def test_bare_tokenizer_json_eos_named_by_data_eos_token(tmp_path):
     path = bare_tokenizer_json(tmp_path / "tok", ["<pad>", "<end>", "</s>"])
     cfg = tiny_config(f"data.tokenizer={path}", "data.eos_token=<end>")
-    assert load_tokenizer(cfg).eos_id == 4
+    assert load_tokenizer(cfg.data).eos_id == 4
     expected = f"data.eos_token='<stop>' is not a token of data.tokenizer='{path}'"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
         HFTokenizer(str(path), eos_token="<stop>")

@@ -167,13 +167,13 @@ def test_training_with_chunks_loses_what_training_without_does():
 
 
 def test_memory_lower_bound_counts_one_chunk_of_logits():
-    from jaxmoe.parallel.device_memory import step_bytes_lower_bound
+    from jaxmoe.training.step_memory import step_bytes_lower_bound
 
     config = tiny_config("model.moe.num_experts=0", "train.loss_chunk=4")
     mesh = make_mesh(config.mesh)
     optimizer, _ = make_optimizer(config.optimizer, config.train.steps)
     abstract, shardings = state_shardings(mesh, model_spec(config.model, mesh), optimizer)
-    parts = step_bytes_lower_bound(config, mesh, abstract, shardings)
+    parts = step_bytes_lower_bound(config.model, config.train, mesh, abstract, shardings)
     assert parts["logits"] == 1 * 4 * 128 * 4  # rows per device x chunk x vocab, float32
 
 

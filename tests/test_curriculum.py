@@ -14,7 +14,8 @@ import pytest
 
 from jaxmoe.data import curriculum
 from jaxmoe.data.complexity_store import ComplexityStore
-from jaxmoe.data.pipeline import TrainBatches, build_data, default_epoch_order
+from jaxmoe.data.pipeline import default_epoch_order
+from tests.fixtures_data import build_data, train_batches
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -213,7 +214,7 @@ def small_config(text_source, *overrides):
 def test_loader_yields_every_example_once_per_epoch_in_shard_windows(text_source, policy):
     config = small_config(text_source)
     tokenizer = build_data(config).tokenizer
-    shards = [TrainBatches(config, tokenizer, p, 2) for p in range(2)]
+    shards = [train_batches(config, tokenizer, p, 2) for p in range(2)]
     num, batch = shards[0].num_examples, 16
     vectors = (np.random.default_rng(2).integers(0, 5, (num, 2)) / 4).astype(np.float32)
     orders = {}

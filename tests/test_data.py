@@ -20,6 +20,7 @@ from jaxmoe.config.schema import JobConfig
 from jaxmoe.config.validation import validate
 from jaxmoe.data import corpus, packing, pipeline, sources, tfds_text
 from jaxmoe.data import tokenizer as tokenizer_lib
+from tests.fixtures_data import build_data, eval_batches, train_batches
 
 TOPICS = pydoc_data.topics.topics
 
@@ -43,7 +44,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundle(cache_dir):
-    return pipeline.build_data(make_config(cache_dir))
+    return build_data(make_config(cache_dir))
 
 
 def topic_split():
@@ -109,13 +110,13 @@ def test_tokenizer_is_cached_and_deterministic(cache_dir, bundle, tmp_path, monk
     first = bundle.tokenizer
     # A second load must come from the cache: training again would fail here.
     monkeypatch.setattr(tokenizer_lib, "train_sentencepiece", lambda *a, **k: 1 / 0)
-    again = pipeline.load_tokenizer(make_config(cache_dir))
+    again = pipeline.load_tokenizer(make_config(cache_dir).data)
     assert again.path == first.path and again.sha256 == first.sha256
     monkeypatch.undo()
-    fresh = pipeline.load_tokenizer(make_config(tmp_path))  # trains from scratch
+    fresh = pipeline.load_tokenizer(make_config(tmp_path).data)  # trains from scratch
     assert fresh.path != first.path and fresh.sha256 == first.sha256
     # A given .model file is used as is.
-    given = pipeline.load_tokenizer(make_config(tmp_path, data__tokenizer=first.path))
+    given = pipeline.load_tokenizer(make_config(tmp_path, data__tokenizer=first.path).data)
     assert given.encode("hello world") == first.encode("hello world")
 
 
@@ -176,18 +177,21 @@ def test_tfds_source_by_name(bundle, tmp_path):
         data__data_dir=data_dir,
         data__tokenizer=bundle.tokenizer.path,
     )
-    data = pipeline.build_data(config)
+    data = build_data(config)
     # tfds may store examples in any order: compare the multiset of documents.
     test_docs = [TOPICS[k] for k in sorted(TOPICS)[60:70]]
     expected = reference_stream(data.tokenizer, test_docs)
     assert data.num_eval_tokens == expected.size
-    got = np.asarray(sources.packed_split(config, data.tokenizer, "eval_split", True).tokens_N)
+    windows = sources.packed_split(
+        config.data, config.train.seq_len, data.tokenizer, "eval_split", True
+    )
+    got = np.asarray(windows.tokens_N)
     eos = data.tokenizer.eos_id
     split_docs = lambda s: sorted(map(tuple, np.split(s, np.flatnonzero(s == eos) + 1)))
     assert split_docs(got) == split_docs(expected)
     for key, value in [("data__eval_split", "nope"), ("data__text_key", "text")]:
         with pytest.raises(ValueError, match=key.replace("__", ".")) as err:
-            pipeline.build_data(make_config(tmp_path, **{**_overrides(config), key: value}))
+            build_data(make_config(tmp_path, **{**_overrides(config), key: value}))
         assert "\n" not in str(err.value)
 
 
@@ -242,7 +246,7 @@ def test_train_epoch_covers_every_example_once_with_shifted_targets(cache_dir, b
     assert bundle.num_train_tokens == stream.size
     L, B = 64, 8
     assert bundle.num_train_examples == (stream.size - 1) // L
-    batches = pipeline.TrainBatches(make_config(cache_dir), bundle.tokenizer)
+    batches = train_batches(make_config(cache_dir), bundle.tokenizer)
     steps = batches.steps_per_epoch
     assert steps == bundle.num_train_examples // B
     seen = []
@@ -262,23 +266,23 @@ def test_train_epoch_covers_every_example_once_with_shifted_targets(cache_dir, b
 
 def test_batches_are_deterministic_by_seed(cache_dir, bundle):
     tok = bundle.tokenizer
-    first = take(pipeline.TrainBatches(make_config(cache_dir), tok), 3)
-    assert_batches_equal(first, take(pipeline.TrainBatches(make_config(cache_dir), tok), 3))
-    other = take(pipeline.TrainBatches(make_config(cache_dir, train__seed=1), tok), 3)
+    first = take(train_batches(make_config(cache_dir), tok), 3)
+    assert_batches_equal(first, take(train_batches(make_config(cache_dir), tok), 3))
+    other = take(train_batches(make_config(cache_dir, train__seed=1), tok), 3)
     assert not np.array_equal(first[0]["example_ids"], other[0]["example_ids"])
-    ordered = next(pipeline.TrainBatches(make_config(cache_dir, data__shuffle=False), tok))
+    ordered = next(train_batches(make_config(cache_dir, data__shuffle=False), tok))
     np.testing.assert_array_equal(ordered["example_ids"], np.arange(8))
 
 
 def test_resume_from_state_is_exact_across_epochs(cache_dir, bundle):
     # seq_len 512 x batch 32: about 9 steps per epoch, so 7 + 5 steps cross an epoch.
     config = make_config(cache_dir, train__seq_len=512, train__batch_size=32)
-    batches = pipeline.TrainBatches(config, bundle.tokenizer)
+    batches = train_batches(config, bundle.tokenizer)
     assert 7 < batches.steps_per_epoch < 12
     take(batches, 7)
     state = json.loads(json.dumps(batches.get_state()))
     expected = take(batches, 5)
-    resumed = pipeline.TrainBatches(config, bundle.tokenizer)
+    resumed = train_batches(config, bundle.tokenizer)
     resumed.set_state(state)
     assert_batches_equal(take(resumed, 5), expected)
     with pytest.raises(ValueError, match="global_batch_size"):
@@ -288,14 +292,14 @@ def test_resume_from_state_is_exact_across_epochs(cache_dir, bundle):
 def test_two_processes_concatenate_to_one(cache_dir, bundle):
     config = make_config(cache_dir, train__seq_len=512, train__batch_size=32)
     tok = bundle.tokenizer
-    whole = take(pipeline.TrainBatches(config, tok), 12)
-    parts = [take(pipeline.TrainBatches(config, tok, p, 2), 12) for p in range(2)]
+    whole = take(train_batches(config, tok), 12)
+    parts = [take(train_batches(config, tok, p, 2), 12) for p in range(2)]
     for step, batch in enumerate(whole):
         for key in batch:
             joined = np.concatenate([parts[0][step][key], parts[1][step][key]])
             np.testing.assert_array_equal(joined, batch[key], err_msg=key)
-    evals = pipeline.eval_batches(config, tok)
-    eval_parts = [pipeline.eval_batches(config, tok, None, p, 2) for p in range(2)]
+    evals = eval_batches(config, tok)
+    eval_parts = [eval_batches(config, tok, None, p, 2) for p in range(2)]
     for step, batch in enumerate(evals):
         joined = np.concatenate([eval_parts[0][step]["targets"], eval_parts[1][step]["targets"]])
         np.testing.assert_array_equal(joined, batch["targets"])
@@ -312,7 +316,7 @@ def test_eval_covers_every_validation_token_once(cache_dir, bundle):
     assert all(b["inputs"].shape == (8, 64) for b in bundle.eval_batches)
     last = bundle.eval_batches[-1]
     assert np.all(last["weights"][last["example_ids"] < 0] == 0)
-    short = pipeline.eval_batches(make_config(cache_dir), bundle.tokenizer, max_batches=1)
+    short = eval_batches(make_config(cache_dir), bundle.tokenizer, max_batches=1)
     assert_batches_equal(short, bundle.eval_batches[:1])
 
 
@@ -326,7 +330,7 @@ def test_text_files_source(bundle, tmp_path):
         data__source=f"text:{tmp_path}/*.txt",
         data__tokenizer=bundle.tokenizer.path,
     )
-    data = pipeline.build_data(config)
+    data = build_data(config)
     val = [p for p in paragraphs if corpus.in_validation(p, 0.05)]
     train = [p for p in paragraphs if not corpus.in_validation(p, 0.05)]
     assert val and train
@@ -353,13 +357,13 @@ def test_text_files_source(bundle, tmp_path):
 def test_bad_inputs_give_one_line_errors(cache_dir, bundle, overrides, names):
     del bundle  # built first, so these cases fail fast on their own key
     with pytest.raises(ValueError, match=names.replace(".", r"\.")) as err:
-        pipeline.build_data(make_config(cache_dir, **overrides))
+        build_data(make_config(cache_dir, **overrides))
     assert "\n" not in str(err.value)
 
 
 def test_batch_size_must_split_across_processes(cache_dir, bundle):
     with pytest.raises(ValueError, match=r"train\.batch_size=8 .* process count 3"):
-        pipeline.TrainBatches(make_config(cache_dir), bundle.tokenizer, 0, 3)
+        train_batches(make_config(cache_dir), bundle.tokenizer, 0, 3)
 
 
 def test_single_paragraph_text_source_has_no_validation_text(bundle, tmp_path):
@@ -372,7 +376,7 @@ def test_single_paragraph_text_source_has_no_validation_text(bundle, tmp_path):
         train__batch_size=2,
     )
     with pytest.raises(ValueError, match=r"data\.source=.* has no documents") as err:
-        pipeline.build_data(config)
+        build_data(config)
     assert "\n" not in str(err.value)
 
 

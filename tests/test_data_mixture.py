@@ -9,9 +9,9 @@ import json
 import numpy as np
 import pytest
 
-from jaxmoe.data import pipeline
 from jaxmoe.data.mixture import Component, MixtureBatches, parse_mixture
 from jaxmoe.storage.paths import absolute_mixture
+from tests.fixtures_data import build_data
 from tests.test_data_sources import CONFIG, build_bpe, documents, write_jsonl
 
 
@@ -126,7 +126,7 @@ def test_mixture_trains_and_reports_per_source_eval_losses(tmp_path):
         f"data.mixture={mix}",
         f"data.cache_dir={tmp_path}/cache",
     )
-    bundle = pipeline.build_data(config)
+    bundle = build_data(config)
     assert list(bundle.eval_sets) == ["wiki", "code"]
     # Realised shares over 4,000 batches of 8 rows of the real sources (ids by source range).
     wiki_examples = bundle.train.sizes[0]

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from jaxmoe.data import multihost, pipeline
+from jaxmoe.data import multihost
+from tests.fixtures_data import build_data
 from tests.test_faults import ROOT, env, launch_two, train_args
 
 
@@ -74,16 +75,16 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
     prepared, lines = [], []
     monkeypatch.setattr(multihost, "prepare", lambda c: prepared.append(c))
     barrier = Barrier()
-    multihost.prepare_once(config, 1, barrier, lines.append)
+    multihost.prepare_once(config.data, config.train, 1, barrier, lines.append)
     assert prepared == [] and barrier.calls == [("jaxmoe_data_prepared", 5.0)]
     assert lines == []  # nothing prepared yet: process 1 warns and prepares its own copy
-    multihost.prepare_once(config, 0, barrier, lines.append)
+    multihost.prepare_once(config.data, config.train, 0, barrier, lines.append)
     assert len(prepared) == 1 and lines[0].startswith("data: prepared by process 0")
-    multihost.prepare_once(config, 1, barrier, lines.append)
+    multihost.prepare_once(config.data, config.train, 1, barrier, lines.append)
     assert lines[1] == "data: process 1 opens the cache prepared by process 0"
 
     with pytest.raises(RuntimeError, match=r"process 1: .*data.prepare_timeout_s=5") as error:
-        multihost.prepare_once(config, 1, Barrier(times_out=True), lines.append)
+        multihost.prepare_once(config.data, config.train, 1, Barrier(times_out=True), lines.append)
     assert "\n" not in str(error.value)
 
     # Process 0 fails: it still reaches the barrier, the others stop naming its error.
@@ -93,10 +94,10 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
     monkeypatch.setattr(multihost, "prepare", failing)
     barrier = Barrier()
     with pytest.raises(ValueError, match="matches no files"):
-        multihost.prepare_once(config, 0, barrier, lines.append)
+        multihost.prepare_once(config.data, config.train, 0, barrier, lines.append)
     assert len(barrier.calls) == 1
     with pytest.raises(RuntimeError, match=r"process 0 could not prepare the data: data\.source="):
-        multihost.prepare_once(config, 1, barrier, lines.append)
+        multihost.prepare_once(config.data, config.train, 1, barrier, lines.append)
 
 
 def test_prepare_command_caches_what_train_opens(tmp_path):
@@ -118,7 +119,7 @@ def test_prepare_command_caches_what_train_opens(tmp_path):
 
     config = make_config(tmp_path, data__vocab_size=1024)
     before = {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens}
-    pipeline.build_data(config)
+    build_data(config)
     assert sorted(os.listdir(tmp_path / "tokens")) == tokens
     assert {p: os.stat(tmp_path / "tokens" / p).st_mtime_ns for p in tokens} == before
 

@@ -6,6 +6,7 @@ import pytest
 
 from jaxmoe.data import pipeline
 from jaxmoe.data.prefetch import Prefetch
+from tests.fixtures_data import build_data
 from tests.test_data import make_config
 from tests.test_data_mixture import mixture
 
@@ -53,9 +54,9 @@ def test_an_error_while_building_reaches_the_training_loop():
 
 
 def test_build_data_prefetches_unless_told_not_to(tmp_path):
-    on = pipeline.build_data(make_config(tmp_path))
+    on = build_data(make_config(tmp_path))
     config = make_config(tmp_path, data__prefetch=0)
-    off = pipeline.build_data(config)
+    off = build_data(config)
     assert isinstance(on.train, Prefetch) and isinstance(off.train, pipeline.TrainBatches)
     assert ids(on.train, 5) == ids(off.train, 5)
     assert on.train.get_state() == off.train.get_state()

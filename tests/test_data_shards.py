@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 
 from jaxmoe.config.validation import validate
-from jaxmoe.data import pipeline, shards
-from jaxmoe.data.pipeline import TrainBatches
+from jaxmoe.data import shards
 from jaxmoe.data.sources import load_tokenizer
+from tests.fixtures_data import build_data, train_batches
 from tests.helpers import tiny_config
 from tests.test_data import reference_stream, take, topic_split
 
@@ -87,7 +87,7 @@ def build_processes(configs) -> tuple[list, list[str]]:
     def run(p):
         try:
             with gather.lock:
-                bundles[p] = pipeline.build_data(
+                bundles[p] = build_data(
                     configs[p], p, count, report=lines.append, allgather=gather.of(p)
                 )
         except Exception as error:  # re-raised below, on the test's thread
@@ -110,9 +110,10 @@ def tokenized(lines) -> dict[int, int]:
 def test_shards_are_the_split_cut_by_documents(embedded_data_cache, tmp_path):
     cache = tokenizer_only(embedded_data_cache, tmp_path / "cache")
     config = config_in(cache)
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(config.data)
     lines = []
-    streams = shards.prepare_shards(config, tokenizer, report=lines.append)
+    batch_size = config.train.batch_size
+    streams = shards.prepare_shards(config.data, batch_size, tokenizer, report=lines.append)
     expected = reference_shards(tokenizer, 4)
     assert sorted(streams) == [0, 1, 2, 3]
     for shard in range(4):
@@ -120,7 +121,8 @@ def test_shards_are_the_split_cut_by_documents(embedded_data_cache, tmp_path):
     whole = reference_stream(tokenizer, topic_split()[0])
     np.testing.assert_array_equal(np.concatenate([streams[s] for s in range(4)]), whole)
     assert tokenized(lines) == {0: len(topic_split()[0])}
-    shards.prepare_shards(config, tokenizer, report=lines.append)  # cached: nothing to do
+    # cached: nothing to do
+    shards.prepare_shards(config.data, batch_size, tokenizer, report=lines.append)
     assert tokenized(lines[1:]) == {0: 0}
 
 
@@ -213,7 +215,7 @@ def test_state_resumes_with_any_process_count(embedded_data_cache, tmp_path):
     assert batches[0]["example_ids"].tolist() != after[0]["example_ids"].tolist()
 
     tokenizer = one.tokenizer
-    unsharded = TrainBatches(tiny_config(f"data.cache_dir={cache}"), tokenizer)
+    unsharded = train_batches(tiny_config(f"data.cache_dir={cache}"), tokenizer)
     with pytest.raises(ValueError, match=r"saved without data\.shards; .*data\.shards=4"):
         one.train.set_state(unsharded.get_state())
     with pytest.raises(ValueError, match=r"shards=2 but this run has 4"):
@@ -235,7 +237,7 @@ def test_state_resumes_with_any_process_count(embedded_data_cache, tmp_path):
 def test_bad_shards_are_one_line_naming_the_key(overrides, processes, message, tmp_path):
     config = tiny_config(f"data.cache_dir={tmp_path}", *overrides)
     with pytest.raises(ValueError, match=message) as error:
-        shards.check_shards(config, processes)
+        shards.check_shards(config.data, config.train.batch_size, processes)
     assert "\n" not in str(error.value)
 
 
@@ -243,7 +245,7 @@ def test_too_many_shards_and_negative_shards(embedded_data_cache, tmp_path):
     cache = tokenizer_only(embedded_data_cache, tmp_path / "cache")
     config = tiny_config(f"data.cache_dir={cache}", "data.shards=128", "train.batch_size=128")
     with pytest.raises(ValueError, match=r"data\.shards=128: train shard \d+ holds 0 tokens"):
-        pipeline.build_data(config)
+        build_data(config)
     with pytest.raises(ValueError, match=r"data\.shards=-1 must be >= 0"):
         validate(tiny_config("data.shards=-1"))
 
@@ -264,7 +266,7 @@ def test_a_failing_process_still_meets_the_others(embedded_data_cache, tmp_path,
         try:
             with gather.lock:
                 config = config_in(caches[p])
-                pipeline.build_data(config, p, 2, report=print, allgather=gather.of(p))
+                build_data(config, p, 2, report=print, allgather=gather.of(p))
         except Exception as error:
             errors[p] = error
 
@@ -295,7 +297,9 @@ def test_prepare_command_prepares_one_process_shards(embedded_data_cache, tmp_pa
     assert main([*args, "--num_processes", "2", "--config.data.shards=4", *overrides]) == 0
     one = tokenizer_only(embedded_data_cache, tmp_path / "one")
     config = config_in(one)
-    shards.prepare_shards(config, load_tokenizer(config), report=lambda line: None)
+    shards.prepare_shards(
+        config.data, config.train.batch_size, load_tokenizer(config.data), report=lambda line: None
+    )
     everything = train_files(one)
     mine = train_files(cache)
     assert len(mine) == 2 and {n: everything[n] for n in mine} == mine
@@ -359,7 +363,7 @@ def test_two_hosts_without_a_shared_cache(tmp_path):
     # One process, here: the same data as the runs' (tests/test_faults.TINY) on a third cache.
     fixed = ("data.shards=4", "data.prefetch=0", "train.seq_len=32")
     lines, config = [], tiny_config(*fixed, f"data.cache_dir={tmp_path / 'c1'}")
-    one = pipeline.build_data(config, report=lines.append)
+    one = build_data(config, report=lines.append)
     reference = [batch["example_ids"].tolist() for batch in take(one.train, steps)]
 
     assert traced(tmp_path / "t2") == reference and traced(tmp_path / "t3") == reference

@@ -13,9 +13,10 @@ import pytest
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
-from jaxmoe.data import corpus, pipeline
+from jaxmoe.data import corpus
 from jaxmoe.data.hf_tokenizer import HFTokenizer
 from jaxmoe.data.tokenizer import open_tokenizer
+from tests.fixtures_data import build_data, split_examples
 from tests.test_data import make_config
 
 TEXTS = [
@@ -144,7 +145,7 @@ def test_record_sources_feed_packing(tmp_path, kind):
         expected = []
         for text in reference_split(texts[:-1], split):  # the empty text is skipped
             expected += [tok.bos_id, *tok.encode(text), tok.eos_id]
-        stream = pipeline.split_examples(config, tok, split_key, partial_last=True).tokens_N
+        stream = split_examples(config, tok, split_key, partial_last=True).tokens_N
         np.testing.assert_array_equal(stream, expected)
 
 
@@ -152,14 +153,15 @@ def test_record_source_errors_name_the_culprit(tmp_path):
     write_jsonl(tmp_path / "a.jsonl", ["fine", "also fine"], key="content")
     config = make_config(tmp_path / "cache", data__source=f"jsonl:{tmp_path}/*.jsonl")
     with pytest.raises(ValueError, match=r"a.jsonl:1: no field data.text_key='text'"):
-        pipeline.build_data(config)
+        build_data(config)
     config = make_config(tmp_path / "cache", data__source=f"jsonl:{tmp_path}/none*.jsonl")
     with pytest.raises(ValueError, match="matches no files"):
-        pipeline.build_data(config)
+        build_data(config)
 
 
 @pytest.mark.slow
 def test_jsonl_source_with_hf_tokenizer_trains_evaluates_and_decodes(tmp_path):
+    from jaxmoe.config.stored import read_config
     from jaxmoe.inference.decode_text import decode_main
     from jaxmoe.training.loop import train
     from tests.helpers import tiny_config
@@ -178,9 +180,11 @@ def test_jsonl_source_with_hf_tokenizer_trains_evaluates_and_decodes(tmp_path):
     )
     summary = train(config, str(tmp_path / "run"), progress=False)
     assert np.isfinite(summary["eval"]["loss"])
-    assert config.model.vocab_size >= open_tokenizer(str(tmp_path / "tok")).vocab_size
+    checkpoint = str(tmp_path / "run" / "checkpoints" / "6")
+    trained = read_config(checkpoint).model  # model.vocab_size=0 took the tokenizer's
+    assert trained.vocab_size >= open_tokenizer(str(tmp_path / "tok")).vocab_size
     result = decode_main(
-        str(tmp_path / "run" / "checkpoints" / "6"),
+        checkpoint,
         prompt="The quick",
         max_new_tokens=4,
         print_fn=lambda *_: None,
@@ -206,7 +210,7 @@ def test_t5_sentinels_come_from_the_tokenizer(tmp_path):
         data__tokenizer=str(tmp_path / "tok"),
         model__arch="encoder_decoder",
     )
-    bundle = pipeline.build_data(config)
+    bundle = build_data(config)
     assert bundle.vocab_size == tok.vocab_size  # no ids added above the vocabulary
     batch = next(bundle.train)
     first = batch["targets"][:, 0]  # every target sequence starts with sentinel 0

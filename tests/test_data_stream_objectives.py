@@ -11,10 +11,10 @@ import json
 import numpy as np
 import pytest
 
-from jaxmoe.data import pipeline
-from jaxmoe.data.mixture import _CHOICE_TAG
-from jaxmoe.data.seq2seq import _SEED_TAG, noise_mask, replace_spans
+from jaxmoe.data.mixture import _CHOICE_TAG, component_data
+from jaxmoe.data.seq2seq import SPAN_SEED_TAG, noise_mask, replace_spans
 from jaxmoe.data.stream_objectives import _DOCUMENT_TAG
+from tests.fixtures_data import build_data
 from tests.helpers import TINY_T5, tiny_config
 from tests.test_data_sources import CONFIG, build_bpe, write_jsonl
 
@@ -67,10 +67,10 @@ def kind_config(files, kind):
     return config(files, *(o.format(files) for o in KINDS[kind]))
 
 
-def train_documents(cfg) -> list[str]:
+def train_documents(data) -> list[str]:
     from jaxmoe.data.sources import open_split
 
-    return list(open_split(cfg, "train_split").documents)
+    return list(open_split(data, "train_split").documents)
 
 
 def lane_tokens(tokenizer, documents, lane, epochs):
@@ -98,19 +98,19 @@ def padded(ids, length):
 
 def test_span_corruption_stream_matches_a_per_lane_reference(files):
     cfg = kind_config(files, "span_corruption")
-    bundle = pipeline.build_data(cfg)
+    bundle = build_data(cfg)
     spans, tokenizer = bundle.train.spans, bundle.tokenizer
     raw = spans.raw_len
     steps = 30
     batches = [next(bundle.train) for _ in range(steps)]
-    documents = train_documents(cfg)
+    documents = train_documents(cfg.data)
     for lane in range(BATCH):
         tagged = lane_tokens(tokenizer, documents, lane, epochs=12)
         assert len(tagged) >= steps * raw
         for step, batch in enumerate(batches):
             window = tagged[step * raw : (step + 1) * raw]
             _, epoch, index, offset = window[0]
-            key = [_SEED_TAG, SEED, epoch, index, offset]
+            key = [SPAN_SEED_TAG, SEED, epoch, index, offset]
             encoder, targets = reference_corruption([t for t, *_ in window], key, spans)
             np.testing.assert_array_equal(
                 batch["encoder_inputs"][lane], padded(encoder, cfg.train.seq_len)
@@ -126,10 +126,10 @@ def test_span_corruption_stream_matches_a_per_lane_reference(files):
 
 def test_streamed_mixture_matches_a_per_lane_reference(files):
     cfg = kind_config(files, "mixture")
-    bundle = pipeline.build_data(cfg)
+    bundle = build_data(cfg)
     tokenizer, seq_len = bundle.tokenizer, cfg.train.seq_len
     sources = [
-        train_documents(pipeline.component_config(cfg, f"jsonl:{files}/{s}/*.jsonl")) for s in "ab"
+        train_documents(component_data(cfg.data, f"jsonl:{files}/{s}/*.jsonl")) for s in "ab"
     ]
     lanes = {
         (k, lane): [t for t, *_ in lane_tokens(tokenizer, docs, lane, epochs=20)]
@@ -158,9 +158,9 @@ def test_streamed_mixture_matches_a_per_lane_reference(files):
 def test_document_examples_match_a_per_document_reference(files):
     for kind in ("curriculum", "span_corruption_curriculum"):
         cfg = kind_config(files, kind)
-        bundle = pipeline.build_data(cfg)
+        bundle = build_data(cfg)
         examples, tokenizer = bundle.train.examples, bundle.tokenizer
-        documents = train_documents(cfg)
+        documents = train_documents(cfg.data)
         assert len(examples) == bundle.num_train_examples == len(documents)
         ids = np.array([5, -1, 0, len(documents) - 1, 17])
         batch = examples.batch(ids)
@@ -177,7 +177,7 @@ def test_document_examples_match_a_per_document_reference(files):
                 assert batch["weights"][row].sum() == len(tokens) - 1
                 continue
             spans = examples.spans
-            key = [_SEED_TAG, SEED, _DOCUMENT_TAG, int(index)]
+            key = [SPAN_SEED_TAG, SEED, _DOCUMENT_TAG, int(index)]
             encoder, targets = reference_corruption(tokens[: spans.raw_len], key, spans)
             np.testing.assert_array_equal(
                 batch["encoder_inputs"][row], padded(encoder, cfg.train.seq_len)
@@ -202,13 +202,13 @@ def saved_state(train, *processes):
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_resume_and_two_processes_reproduce_the_one_process_batches(files, kind):
     cfg = kind_config(files, kind)
-    full = pipeline.build_data(cfg).train
+    full = build_data(cfg).train
     expected = [next(full) for _ in range(24)]
-    cut = pipeline.build_data(cfg).train
+    cut = build_data(cfg).train
     for _ in range(9):
         next(cut)
     state = saved_state(cut)
-    halves = [pipeline.build_data(cfg, p, 2).train for p in (0, 1)]
+    halves = [build_data(cfg, p, 2).train for p in (0, 1)]
     for half in halves:
         half.set_state(state)
     seen = [set(), set()]
@@ -224,7 +224,7 @@ def test_resume_and_two_processes_reproduce_the_one_process_batches(files, kind)
         for step in range(9, 24):
             assert len(set(expected[step]["example_ids"].tolist())) == BATCH
     else:  # each lane reads its own documents of an epoch: disjoint within epoch 0
-        fresh = [pipeline.build_data(cfg, p, 2).train for p in (0, 1)]
+        fresh = [build_data(cfg, p, 2).train for p in (0, 1)]
         firsts, steps = [set(), set()], 0
         while all(np.max(np.asarray(h.get_state()["lanes"])[..., 0]) == 0 for h in fresh):
             for p, half in enumerate(fresh):
@@ -237,16 +237,16 @@ def test_bad_combinations_name_the_culprit(files):
     cfg = kind_config(files, "mixture")
     cfg = cfg.replace(data=cfg.data.replace(curriculum="paper"))
     with pytest.raises(ValueError, match=r"cannot be combined with data\.mixture"):
-        pipeline.build_data(cfg)
+        build_data(cfg)
     cfg = config(files, "train.batch_size=64")
     with pytest.raises(ValueError, match=r"fewer than the train\.batch_size=64"):
-        pipeline.build_data(cfg)
+        build_data(cfg)
     cfg = config(files, "train.batch_size=48", MIXTURE.format(files))
     with pytest.raises(ValueError, match=r"data.mixture source 'jsonl:.*/b/\*.jsonl': .*48 lanes"):
-        pipeline.build_data(cfg)
-    state = saved_state(pipeline.build_data(kind_config(files, "span_corruption")).train)
+        build_data(cfg)
+    state = saved_state(build_data(kind_config(files, "span_corruption")).train)
     with pytest.raises(ValueError, match="cannot resume a streamed mixture"):
-        pipeline.build_data(kind_config(files, "mixture")).train.set_state(state)
+        build_data(kind_config(files, "mixture")).train.set_state(state)
 
 
 @pytest.mark.slow
@@ -282,7 +282,7 @@ def test_streamed_curriculum_orders_documents_and_resumes_exactly(files, tmp_pat
     def load(workdir, kind):
         return np.load(workdir / "curriculum" / f"epoch_000001.{kind}.npy")
 
-    documents = train_documents(cfg)
+    documents = train_documents(cfg.data)
     order = load(tmp_path / "full", "order")
     np.testing.assert_array_equal(order, load(tmp_path / "cut", "order"))
     assert sorted(order.tolist()) == list(range(len(documents)))  # keyed by document
@@ -290,7 +290,7 @@ def test_streamed_curriculum_orders_documents_and_resumes_exactly(files, tmp_pat
     kept = len(documents) // BATCH * BATCH  # epoch 0 trained each document once, but its tail
     dropped = np.random.default_rng([SEED, 0]).permutation(len(documents))[kept:]
     assert np.flatnonzero(~frozen["seen"]).tolist() == sorted(dropped.tolist())
-    tokenizer = pipeline.build_data(cfg).tokenizer
+    tokenizer = build_data(cfg).tokenizer
     for index, text in enumerate(documents):  # each document's real targets, every layer
         if index in dropped:
             continue

@@ -12,9 +12,9 @@ import pytest
 
 from jaxmoe.config.defaults import base_config
 from jaxmoe.config.validation import validate
-from jaxmoe.data import pipeline
 from jaxmoe.data.workers import WorkerBatches
 from jaxmoe.errors import ConfigError
+from tests.fixtures_data import build_data, train_batches
 
 SEED = 3
 # Greek letter names: enough distinct characters for a 300-piece byte-fallback vocabulary.
@@ -31,7 +31,7 @@ def corpus(tmp_path_factory):
             words = rng.choice(WORDS, size=int(rng.integers(8, 30)))
             f.write(json.dumps({"text": f"doc {i}: " + " ".join(words) + "."}) + "\n")
     source, cache = f"jsonl:{root}/*.jsonl", str(root / "cache")
-    pipeline.build_data(config_for(source, cache, "decoder", 0))  # tokenizer + LM caches
+    build_data(config_for(source, cache, "decoder", 0))  # tokenizer + LM caches
     return source, cache
 
 
@@ -96,7 +96,7 @@ def t5_reference(examples, batches: list[dict]) -> None:
 @pytest.mark.parametrize("arch", ["decoder", "encoder_decoder"])
 def test_workers_equal_in_process_and_resume_exactly(corpus, arch):
     source, cache = corpus
-    plain = pipeline.build_data(config_for(source, cache, arch, 0)).train
+    plain = build_data(config_for(source, cache, arch, 0)).train
     steps = plain.steps_per_epoch
     n = 2 * steps + 3  # crosses two epoch boundaries
     expected = take(plain, n)
@@ -108,7 +108,7 @@ def test_workers_equal_in_process_and_resume_exactly(corpus, arch):
 
     # Uninterrupted, with 2 workers: the same batches and, mid-run, the state after the last
     # batch handed out (not after those the workers built ahead).
-    on = pipeline.build_data(config_for(source, cache, arch, 2)).train
+    on = build_data(config_for(source, cache, arch, 2)).train
     assert isinstance(on, WorkerBatches)
     got = take(on, steps)
     state = json.loads(json.dumps(on.get_state()))  # as a checkpoint stores it
@@ -118,12 +118,12 @@ def test_workers_equal_in_process_and_resume_exactly(corpus, arch):
     on.close()
 
     # Resumed at step k = steps in a new pipeline with workers.
-    resumed = pipeline.build_data(config_for(source, cache, arch, 2)).train
+    resumed = build_data(config_for(source, cache, arch, 2)).train
     resumed.set_state(state)
     assert_same(take(resumed, n - steps), expected[steps:])
     resumed.close()
     # ... and the in-process pipeline resumes the workers' state alike.
-    back = pipeline.build_data(config_for(source, cache, arch, 0)).train
+    back = build_data(config_for(source, cache, arch, 0)).train
     back.set_state(state)
     assert_same(take(back, 3), expected[steps : steps + 3])
 
@@ -137,13 +137,13 @@ def test_a_worker_error_reaches_the_training_loop(corpus):
     batches before it come through, then the error is raised in the training process."""
     source, cache = corpus
     config = config_for(source, cache, "decoder", 1)
-    bundle = pipeline.build_data(config)
+    bundle = build_data(config)
     n = bundle.train.num_examples
 
     def order(epoch):  # a closure: pickled by value into the worker
         return np.arange(n if epoch == 0 else n // 2)
 
-    train = pipeline.TrainBatches(config, bundle.tokenizer, epoch_order=order)
+    train = train_batches(config, bundle.tokenizer, epoch_order=order)
     steps = train.steps_per_epoch
     on = WorkerBatches(train, workers=1, depth=2)
     assert [b["example_ids"][0] for b in take(on, steps)] == list(range(0, 4 * steps, 4))

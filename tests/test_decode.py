@@ -148,7 +148,8 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
         "mesh.data=-1",
         f"data.cache_dir={tmp_path / 'cache'}",
     )
-    config = with_overrides(config, [f"data.tokenizer={load_tokenizer(config).path}"])  # copied in
+    tokenizer = load_tokenizer(config.data).path
+    config = with_overrides(config, [f"data.tokenizer={tokenizer}"])  # copied in
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
     save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
     (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")

@@ -17,10 +17,9 @@ import pytest
 import tokenizers
 
 from jaxmoe.data import document_packing as dp
-from jaxmoe.data.batches import split_examples
-from jaxmoe.data.pipeline import build_data
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.errors import ConfigError
+from tests.fixtures_data import build_data, split_examples
 from tests.helpers import TINY_T5, tiny_config
 from tests.test_data_sources import CONFIG, build_bpe
 
@@ -98,7 +97,7 @@ def all_windows(config, tokenizer, split_key):
 
 def both_splits(config) -> tuple[list, dict]:
     """The examples of both splits, unpacked, and their packings' counts added up."""
-    tokenizer, examples, counts = load_tokenizer(config), [], Counter()
+    tokenizer, examples, counts = load_tokenizer(config.data), [], Counter()
     for split_key in ("train_split", "eval_split"):
         windows, batch = all_windows(config, tokenizer, split_key)
         examples += unpack(batch)
@@ -120,7 +119,7 @@ def test_prompt_completion_jsonl_and_parquet_pack_whole_examples(bpe, tmp_path, 
     got_by_source = {}
     for source in (jsonl, f"parquet:{tmp_path / 'qa.parquet'}"):
         config = config_for(tmp_path, source, folder, *keys, seq_len=64)
-        tokenizer = load_tokenizer(config)
+        tokenizer = load_tokenizer(config.data)
         got = Counter()
         for split_key in ("train_split", "eval_split"):
             windows, batch = all_windows(config, tokenizer, split_key)
@@ -192,7 +191,7 @@ def test_seq2seq_packs_both_sides_with_t5x_segments(bpe, tmp_path):
         tmp_path, source, folder, *TINY_T5, "data.format=seq2seq", "data.inputs_key=question",
         "data.targets_key=answer", "data.targets_len=40",
     )  # fmt: skip
-    tokenizer, got = load_tokenizer(config), Counter()
+    tokenizer, got = load_tokenizer(config.data), Counter()
     for split_key in ("train_split", "eval_split"):
         _, batch = all_windows(config, tokenizer, split_key)
         got.update(seq2seq_examples(batch))

@@ -50,7 +50,7 @@ def test_exact_match_and_f1_follow_squad():
 def t5_checkpoint(tmp_path_factory, embedded_data_cache):
     root = tmp_path_factory.mktemp("t5")
     copy_data_cache(embedded_data_cache, root / "cache")  # its tokenizer, trained once
-    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={root / 'cache'}")).path
+    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={root / 'cache'}").data).path
     config = tiny_config(
         *TINY_T5,
         "model.vocab_size=512",

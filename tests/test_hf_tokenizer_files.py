@@ -155,7 +155,7 @@ def test_exported_jaxmoe_model_generates_as_jaxmoe_decode(tmp_path, data_cache, 
     """A model trained with jaxmoe's own SentencePiece tokenizer (EOS 1, pad 0, no BOS),
     exported: AutoTokenizer + AutoModelForCausalLM give `jaxmoe decode`'s greedy tokens."""
     config = tiny_config("model.vocab_size=512", f"data.cache_dir={data_cache}", *overrides)
-    sp = load_tokenizer(config)
+    sp = load_tokenizer(config.data)
     config = with_overrides(config, [f"data.tokenizer={sp.path}"])
     params = unit_scale_params(config.model, seed=5)
     save_params(str(tmp_path / "ckpt"), params, config)

@@ -196,6 +196,30 @@ def test_private_apis_only_in_compat():
     assert not wrong, "private APIs belong in jaxmoe/compat/private_apis.py:\n" + "\n".join(wrong)
 
 
+# NamedTuple's own public method, spelled with an underscore.
+PUBLIC_UNDERSCORED = ("_replace",)
+
+
+def test_modules_keep_their_private_names():
+    """A name with a leading underscore is its module's own: no other jaxmoe module imports
+    it, and no code reads one off another object than `self` / `cls` (a caller that needs it
+    gets a public name, or the owning module does the work)."""
+    wrong = []
+    for path in _modules().values():
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxmoe"):
+                names = [a.name for a in node.names if _private(a.name)]
+                if names:
+                    wrong.append(f"{where}:{node.lineno} imports {node.module} {names}")
+            elif isinstance(node, ast.Attribute) and _private(node.attr):
+                owner = node.value
+                mine = isinstance(owner, ast.Name) and owner.id in ("self", "cls")
+                if not mine and node.attr not in PUBLIC_UNDERSCORED:
+                    wrong.append(f"{where}:{node.lineno} reads {ast.unparse(node)}")
+    assert not wrong, "private names used outside their module:\n" + "\n".join(wrong)
+
+
 def test_compat_imports_only_errors():
     wrong = [
         f"{name} imports {target}"

@@ -50,7 +50,7 @@ def offline(monkeypatch, tmp_path):
 def tokenizer_path(tmp_path_factory, embedded_data_cache):
     """jaxmoe's 512-piece SentencePiece tokenizer, trained on the embedded corpus."""
     cache = copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
-    return load_tokenizer(tiny_config(f"data.cache_dir={cache}")).path
+    return load_tokenizer(tiny_config(f"data.cache_dir={cache}").data).path
 
 
 @pytest.fixture(scope="module", params=["decoder", "encoder_decoder"])

@@ -48,7 +48,7 @@ def checkpoint(tmp_path_factory, embedded_data_cache):
     """A random dense decoder (peaked predictions) with jaxmoe's 512-piece tokenizer."""
     root = tmp_path_factory.mktemp("lm_eval_processes")
     cache = copy_data_cache(embedded_data_cache, root / "cache")
-    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={cache}")).path
+    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={cache}").data).path
     config = tiny_config(
         "model.moe.num_experts=0",
         "model.vocab_size=512",

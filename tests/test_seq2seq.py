@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from jaxmoe.data import pipeline
 from jaxmoe.data.seq2seq import (
     EXTRA_IDS,
     SpanCorruptionExamples,
@@ -16,6 +15,7 @@ from jaxmoe.data.seq2seq import (
     raw_length_for,
     replace_spans,
 )
+from tests.fixtures_data import build_data, train_batches
 from tests.helpers import tiny_config
 
 EOS = 1
@@ -41,7 +41,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def bundle(cache_dir):
-    return pipeline.build_data(seq2seq_config(cache_dir))
+    return build_data(seq2seq_config(cache_dir))
 
 
 def take(iterator, n):
@@ -158,7 +158,7 @@ def test_too_many_spans_and_bad_densities_are_refused():
 def test_build_data_picks_span_corruption(bundle, cache_dir):
     tokenizer = bundle.tokenizer
     assert bundle.vocab_size == tokenizer.vocab_size + EXTRA_IDS
-    batch = next(pipeline.TrainBatches(seq2seq_config(cache_dir), tokenizer))
+    batch = next(train_batches(seq2seq_config(cache_dir), tokenizer))
     assert set(batch) == {"encoder_inputs", "inputs", "targets", "weights", "example_ids"}
     assert batch["encoder_inputs"].shape == (8, 32) and batch["targets"].shape == (8, 8)
     assert np.all(batch["weights"] == 1)
@@ -177,13 +177,13 @@ def test_build_data_picks_span_corruption(bundle, cache_dir):
 
 def test_resume_and_process_split_match_train_batches(bundle, cache_dir):
     config = seq2seq_config(cache_dir)
-    batches = pipeline.TrainBatches(config, bundle.tokenizer)
+    batches = train_batches(config, bundle.tokenizer)
     take(batches, batches.steps_per_epoch - 2)
     state = json.loads(json.dumps(batches.get_state()))
     expected = take(batches, 4)  # crosses into the next epoch
-    resumed = pipeline.TrainBatches(config, bundle.tokenizer)
+    resumed = train_batches(config, bundle.tokenizer)
     resumed.set_state(state)
-    parts = [pipeline.TrainBatches(config, bundle.tokenizer, p, 2) for p in range(2)]
+    parts = [train_batches(config, bundle.tokenizer, p, 2) for p in range(2)]
     for part in parts:
         part.set_state(state)
     for step, batch in enumerate(expected):

@@ -73,7 +73,7 @@ def test_loop_stop_equals_naive_rule_and_cut_after(strings):
 @pytest.fixture(scope="module")
 def generator_and_tokenizer(tmp_path_factory, embedded_data_cache):
     cache = copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("data") / "cache")
-    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={cache}"))
+    tokenizer = load_tokenizer(tiny_config(f"data.cache_dir={cache}").data)
     cfg = tiny_config("model.moe.num_experts=0", "model.vocab_size=512").model
     _, params = model_params(build_model(cfg, rngs=nnx.Rngs(3)))
     params = jax.tree.map(lambda a: a * 4, params)  # peaked logits: varied, repeated text

@@ -25,7 +25,7 @@ def saved(tmp_path_factory, embedded_data_cache):
     tmp = tmp_path_factory.mktemp("trained_model")
     copy_data_cache(embedded_data_cache, tmp / "cache")  # its tokenizer, trained once
     config = tiny_config("model.vocab_size=512", f"data.cache_dir={tmp / 'cache'}")
-    config = with_overrides(config, [f"data.tokenizer={load_tokenizer(config).path}"])
+    config = with_overrides(config, [f"data.tokenizer={load_tokenizer(config.data).path}"])
     _, params = model_params(build_model(config.model, rngs=nnx.Rngs(7)))
     params = jax.device_get(params)
     run = tmp / "run" / "checkpoints" / "12"

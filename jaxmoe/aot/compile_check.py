@@ -48,15 +48,16 @@ def model_vocab_size(config) -> int:
     """model.vocab_size, or (0) what `jaxmoe train` would take from the tokenizer."""
     if config.model.vocab_size:
         return config.model.vocab_size
-    from jaxmoe.data.pipeline import is_encoder_decoder, model_vocab
+    from jaxmoe.data.pipeline import model_vocab
     from jaxmoe.data.seq2seq import EXTRA_IDS
 
     if config.data.tokenizer:
         from jaxmoe.data.tokenizer import open_tokenizer
 
-        return model_vocab(config, open_tokenizer(config.data.tokenizer))
+        tokenizer = open_tokenizer(config.data.tokenizer)
+        return model_vocab(tokenizer, spans=config.span_corruption)
     # The size of the SentencePiece model train would fit, and span corruption's sentinels.
-    return config.data.vocab_size + (EXTRA_IDS if is_encoder_decoder(config) else 0)
+    return config.data.vocab_size + (EXTRA_IDS if config.span_corruption else 0)
 
 
 def for_tpu(config):

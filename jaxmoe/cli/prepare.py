@@ -28,7 +28,7 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from jaxmoe.checkpoints.staging import check_writable
     from jaxmoe.config.stored import inherit_tokenizer
-    from jaxmoe.data.mixture import source_configs
+    from jaxmoe.data.mixture import source_sections
     from jaxmoe.data.multihost import prepare
     from jaxmoe.data.sources import cache_dir
 
@@ -40,17 +40,18 @@ def run(args) -> int:
 
     config = run_config(args.config, args.overrides)  # what train will run
     config = inherit_tokenizer(config)  # what train will use: a train.init_from checkpoint's
-    check_writable(cache_dir(config))  # before any work: tokenizing ends in writes
-    if config.data.shards:
+    data, batch_size = config.data, config.train.batch_size
+    check_writable(cache_dir(data))  # before any work: tokenizing ends in writes
+    if data.shards:
         from jaxmoe.data.shards import check_shards, prepare_shards
 
-        check_shards(config, args.num_processes)  # before any work too
+        check_shards(data, batch_size, args.num_processes)  # before any work too
     start = time.monotonic()
-    tokenizer = prepare(config)
-    if config.data.shards:
-        prepare_shards(config, tokenizer, args.process_id, args.num_processes)
+    tokenizer = prepare(data, config.train)
+    if data.shards:
+        prepare_shards(data, batch_size, tokenizer, args.process_id, args.num_processes)
     print(
-        f"prepared {len(source_configs(config))} source(s) with {tokenizer!r} under "
-        f"{cache_dir(config)} in {time.monotonic() - start:.1f} s"
+        f"prepared {len(source_sections(data))} source(s) with {tokenizer!r} under "
+        f"{cache_dir(data)} in {time.monotonic() - start:.1f} s"
     )
     return 0

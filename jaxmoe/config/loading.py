@@ -166,15 +166,26 @@ def _parse(key: str, text: str, current):
     return value
 
 
+def _split_override(item: str) -> tuple[str, str]:
+    """`a.b=value` (or `--config.a.b=value`) -> ("a.b", "value")."""
+    text = item.removeprefix("--").removeprefix("config.")
+    if "=" not in text:
+        raise ConfigError(f"override {item!r}: expected --config.KEY=VALUE")
+    key, value_text = text.split("=", 1)
+    return key, value_text
+
+
+def override_keys(overrides) -> list[str]:
+    """The keys `key=value` overrides set, in order."""
+    return [_split_override(item)[0] for item in overrides]
+
+
 def apply_overrides(config: ConfigDict, overrides) -> list[str]:
     """Apply `a.b=value` (or `--config.a.b=value`) strings in place; returns the keys set."""
     known = _leaf_keys(config)
     keys = []
     for item in overrides:
-        text = item.removeprefix("--").removeprefix("config.")
-        if "=" not in text:
-            raise ConfigError(f"override {item!r}: expected --config.KEY=VALUE")
-        key, value_text = text.split("=", 1)
+        key, value_text = _split_override(item)
         if key not in known:
             raise ConfigError(unknown_key_message(key, known))
         *parents, leaf = key.split(".")

@@ -24,7 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxmoe.data.options import DataOptions
+from jaxmoe.data.options import DataOptions, span_corruption
 from jaxmoe.errors import ConfigError
 from jaxmoe.fields import (
     Options,
@@ -90,6 +90,12 @@ class JobConfig(Options):
                     f"optimizer.qk_clip > 0 with model.qk_norm={self.model.qk_norm!r}: the norm "
                     "undoes any rescaling of the query/key weights (use one or the other)"
                 )
+
+    @property
+    def span_corruption(self) -> bool:
+        """Whether the data is read as T5 span corruption (an encoder-decoder on text): what
+        the data pipeline needs to know of the model (`build_data(..., spans=...)`)."""
+        return span_corruption(self.model.arch, self.data.format)
 
     def to_dict(self) -> dict:
         """Every key as nested plain dicts (what a checkpoint stores), extras included."""
@@ -195,11 +201,11 @@ def _build(cls: type, values: Mapping, prefix: str):
                 raise ConfigError(f"{key}={values[f.name]!r}: expected a section of keys")
             kwargs[f.name] = _build(section_class(f), values[f.name], key + ".")
         else:
-            kwargs[f.name] = _as_type(key, values[f.name], value_type(f))
+            kwargs[f.name] = as_type(key, values[f.name], value_type(f))
     return cls(**kwargs)
 
 
-def _as_type(key: str, value, kind: type):
+def as_type(key: str, value, kind: type):
     """`value` as the schema's `kind`: an int is a float too, nothing else converts."""
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)

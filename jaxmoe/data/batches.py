@@ -19,7 +19,7 @@ import numpy as np
 from jaxmoe.compat.optional import require
 from jaxmoe.data.document_packing import PackedDocuments
 from jaxmoe.data.mixture import MixtureBatches
-from jaxmoe.data.options import packs_documents
+from jaxmoe.data.options import DataOptions, TrainSection
 from jaxmoe.data.packing import PackedWindows
 from jaxmoe.data.seq2seq import (
     EXTRA_IDS,
@@ -38,19 +38,24 @@ EpochOrder = Callable[[int], np.ndarray]
 Examples = PackedWindows | SpanCorruptionExamples | PackedDocuments
 
 
-def is_encoder_decoder(config) -> bool:
-    return config.model.arch == "encoder_decoder"
-
-
-def split_examples(config, tokenizer: Tokenizer, split_key: str, partial_last: bool) -> Examples:
+def split_examples(
+    data: DataOptions,
+    train: TrainSection,
+    tokenizer: Tokenizer,
+    split_key: str,
+    partial_last: bool,
+    *,
+    spans: bool = False,
+) -> Examples:
     """The examples of `data.<split_key>` for the model's task: whole documents packed with
     segment ids (data.packing=documents, the fine-tuning formats), else LM windows of one
-    token stream or span corruption."""
-    if packs_documents(config.data.packing, config.data.format):
-        return document_split(config, tokenizer, split_key)
-    if is_encoder_decoder(config):
-        return span_corruption_split(config, tokenizer, split_key, partial_last)
-    return packed_split(config, tokenizer, split_key, partial_last)
+    token stream, or span corruption where `spans` (options.span_corruption: an
+    encoder-decoder reading text)."""
+    if data.packed_documents:
+        return document_split(data, train.seq_len, tokenizer, split_key)
+    if spans:
+        return span_corruption_split(data, train, tokenizer, split_key, partial_last)
+    return packed_split(data, train.seq_len, tokenizer, split_key, partial_last)
 
 
 def default_epoch_order(epoch: int, *, num_examples: int, seed: int, shuffle: bool) -> np.ndarray:
@@ -60,7 +65,7 @@ def default_epoch_order(epoch: int, *, num_examples: int, seed: int, shuffle: bo
     return np.random.default_rng([int(seed), int(epoch)]).permutation(num_examples)
 
 
-def _local_rows(batch_size: int, process_index: int, process_count: int, key: str) -> slice:
+def local_rows(batch_size: int, process_index: int, process_count: int, key: str) -> slice:
     """Rows of a global batch that this process reads."""
     if process_count < 1 or not 0 <= process_index < process_count:
         raise ValueError(f"process_index={process_index} is not in [0, {process_count})")
@@ -100,33 +105,38 @@ class TrainBatches:
 
     def __init__(
         self,
-        config,
+        data: DataOptions,
+        train: TrainSection,
         tokenizer: Tokenizer,
         process_index: int = 0,
         process_count: int = 1,
         epoch_order: EpochOrder | None = None,
         examples: Examples | None = None,  # default: the split's cached examples
+        *,
+        spans: bool = False,
     ):
         if examples is None:
-            examples = split_examples(config, tokenizer, "train_split", partial_last=False)
+            examples = split_examples(
+                data, train, tokenizer, "train_split", partial_last=False, spans=spans
+            )
         self.examples = examples
         self.num_examples = len(self.examples)
-        self.global_batch_size = config.train.batch_size
-        self._rows = _local_rows(
+        self.global_batch_size = train.batch_size
+        self._rows = local_rows(
             self.global_batch_size, process_index, process_count, "train.batch_size"
         )
         if self.num_examples < self.global_batch_size:
             raise ValueError(
-                f"train.seq_len={config.train.seq_len}: the train split of "
-                f"data.source={config.data.source!r} ({self.examples.num_tokens} tokens) makes "
+                f"train.seq_len={train.seq_len}: the train split of "
+                f"data.source={data.source!r} ({self.examples.num_tokens} tokens) makes "
                 f"{self.num_examples} examples, fewer than train.batch_size="
                 f"{self.global_batch_size}"
             )
         self.epoch_order = epoch_order or functools.partial(
             default_epoch_order,
             num_examples=self.num_examples,
-            seed=config.train.seed,
-            shuffle=config.data.shuffle,
+            seed=train.seed,
+            shuffle=data.shuffle,
         )
         self._epoch = 0
         self._position = 0  # batches already yielded in this epoch
@@ -206,11 +216,14 @@ class TrainBatches:
 
 
 def eval_batches(
-    config,
+    data: DataOptions,
+    train: TrainSection,
     tokenizer: Tokenizer,
     max_batches: int | None = None,
     process_index: int = 0,
     process_count: int = 1,
+    *,
+    spans: bool = False,
 ) -> list[Batch]:
     """All validation windows in order, in batches of train.batch_size (this process's rows).
 
@@ -218,12 +231,12 @@ def eval_batches(
     Encoder-decoder: every raw window of the split, span-corrupted, once. The last window
     and the last batch are padded with weight 0 (example_ids -1 on padding rows).
     """
-    examples = split_examples(config, tokenizer, "eval_split", partial_last=True)
-    rows = _local_rows(config.train.batch_size, process_index, process_count, "train.batch_size")
-    return _padded_batches(examples, config.train.batch_size, rows, max_batches)
+    examples = split_examples(data, train, tokenizer, "eval_split", True, spans=spans)
+    rows = local_rows(train.batch_size, process_index, process_count, "train.batch_size")
+    return padded_batches(examples, train.batch_size, rows, max_batches)
 
 
-def _padded_batches(
+def padded_batches(
     examples: Examples, batch_size: int, rows: slice, max_batches: int | None
 ) -> list[Batch]:
     """Every example in order, in global batches of batch_size padded with ids -1."""
@@ -252,9 +265,8 @@ class DataBundle:
     eval_sets: dict[str, list[Batch]] = dataclasses.field(default_factory=dict)
 
 
-def model_vocab(config, tokenizer: Tokenizer) -> int:
+def model_vocab(tokenizer: Tokenizer, *, spans: bool = False) -> int:
     """The vocabulary the model needs: span corruption's sentinels sit above the
     tokenizer's ids (T5's extra ids) unless the tokenizer has its own."""
-    spans = is_encoder_decoder(config) and config.data.format == "text"
     extra = spans and tokenizer_sentinels(tokenizer) is None
     return tokenizer.vocab_size + (EXTRA_IDS if extra else 0)

@@ -15,6 +15,7 @@ import re
 import numpy as np
 
 from jaxmoe.data.corpus import parse_source
+from jaxmoe.data.options import DataOptions
 
 # Keeps the mixture's choice stream apart from the shuffles' default_rng([seed, epoch, ...]).
 _CHOICE_TAG = 0x313C7
@@ -69,21 +70,22 @@ def parse_mixture(text: str) -> list[Component]:
     return components
 
 
-def component_config(config, source: str):
-    """A copy of `config` reading `source` alone."""
-    return config.replace(data=config.data.replace(source=source, mixture=""))
+def component_data(data: DataOptions, source: str) -> DataOptions:
+    """The data section reading `source` alone."""
+    return data.replace(source=source, mixture="")
 
 
-def source_configs(config) -> list:
-    """One config per source read: the mixture's sources, or `data.source` alone."""
-    components = parse_mixture(config.data.mixture)
-    return [component_config(config, c.source) for c in components] or [config]
+def source_sections(data: DataOptions) -> list[DataOptions]:
+    """One data section per source read: the mixture's sources, or `data.source` alone."""
+    components = parse_mixture(data.mixture)
+    return [component_data(data, c.source) for c in components] or [data]
 
 
-def primary_config(config):
-    """The config whose source trains the tokenizer: the mixture's first source, if any."""
-    components = parse_mixture(config.data.mixture)
-    return component_config(config, components[0].source) if components else config
+def primary_source(data: DataOptions) -> DataOptions:
+    """The data section whose source trains the tokenizer: the mixture's first source, if
+    any."""
+    components = parse_mixture(data.mixture)
+    return component_data(data, components[0].source) if components else data
 
 
 def row_sources(weights, seed: int, step: int, batch_size: int) -> np.ndarray:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from jaxmoe.data.mixture import source_configs
-from jaxmoe.data.options import FORMAT_KEYS, packs_documents
+from jaxmoe.data.mixture import source_sections
+from jaxmoe.data.options import FORMAT_KEYS, DataOptions, TrainSection
 from jaxmoe.data.sources import cache_dir, document_split, load_tokenizer, token_stream
 from jaxmoe.data.tokenizer import Tokenizer
 from jaxmoe.errors import ConfigError
@@ -27,24 +27,25 @@ log = logging.getLogger("jaxmoe")
 Barrier = Callable[[str, float], None]  # (name, timeout_s); raises TimeoutError
 
 
-def prepare(config) -> Tokenizer:
+def prepare(data: DataOptions, train: TrainSection) -> Tokenizer:
     """Prepares everything `build_data` opens (tokenizer, every split's token cache),
     idempotently; returns the tokenizer. A sharded train split (data.shards) is left to the
     processes that read it (shards.prepare_shards)."""
-    tokenizer = load_tokenizer(config)
+    tokenizer = load_tokenizer(data)
     # A streamed train split is tokenized as it is read, by the process that reads it.
-    whole_train = not config.data.streaming and not config.data.shards
-    documents = packs_documents(config.data.packing, config.data.format)
-    for source_config in source_configs(config):
+    whole_train = not data.streaming and not data.shards
+    for source in source_sections(data):
         for split_key in ("train_split", "eval_split") if whole_train else ("eval_split",):
-            if documents:  # the example cache, and the packing's line (its share of padding)
-                document_split(source_config, tokenizer, split_key)
+            if data.packed_documents:  # the example cache, and the packing's line (padding)
+                document_split(source, train.seq_len, tokenizer, split_key)
             else:
-                token_stream(source_config, tokenizer, split_key)
+                token_stream(source, tokenizer, split_key)
     return tokenizer
 
 
-def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> None:
+def prepare_once(
+    data: DataOptions, train: TrainSection, process_index: int, barrier: Barrier, report=print
+) -> None:
     """Process 0 prepares the data; the others wait for it at `barrier`, then open it.
 
     With a cache_dir that is not shared between hosts, the others then find nothing and
@@ -53,13 +54,13 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
     If process 0 fails, it still reaches the barrier, so the others stop at once, naming
     its error, instead of waiting out the timeout.
     """
-    timeout = config.data.prepare_timeout_s
-    marker = os.path.join(cache_dir(config), "prepared", f"{data_key(config)}.json")
+    timeout = data.prepare_timeout_s
+    marker = os.path.join(cache_dir(data), "prepared", f"{data_key(data)}.json")
     failure = None
     if process_index == 0:
         start = time.monotonic()
         try:
-            prepare(config)
+            prepare(data, train)
             outcome = {"host": socket.gethostname(), "error": None}
         except Exception as e:  # raised again after the barrier
             failure, outcome = e, {"host": socket.gethostname(), "error": str(e)}
@@ -85,10 +86,10 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
             raise RuntimeError(f"process 0 could not prepare the data: {error}")
         if os.path.exists(marker):
             report(f"data: process {process_index} opens the cache prepared by process 0")
-        elif config.data.shards:  # the train split is each process's own anyway
+        elif data.shards:  # the train split is each process's own anyway
             report(
                 f"data: process {process_index} does not see process 0's cache in "
-                f"{cache_dir(config)}: preparing its own tokenizer and eval split"
+                f"{cache_dir(data)}: preparing its own tokenizer and eval split"
             )
         else:
             log.warning(
@@ -96,7 +97,7 @@ def prepare_once(config, process_index: int, barrier: Barrier, report=print) -> 
                 "data.cache_dir=%s (not a shared filesystem?): preparing its own copy "
                 "(data.shards, a multiple of the process count, shares the train split out)",
                 process_index,
-                cache_dir(config),
+                cache_dir(data),
             )
 
 
@@ -109,9 +110,8 @@ def _marker_error(marker: str) -> str | None:
         return None
 
 
-def data_key(config) -> str:
-    """A hash of every config key that changes the prepared data."""
-    data = config.data
+def data_key(data: DataOptions) -> str:
+    """A hash of every data key that changes the prepared data."""
     keys = (
         "source",
         "mixture",

@@ -6,6 +6,7 @@ pipeline (and through it the checkpoint reader), which the config schema must no
 """
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from jaxmoe.fields import Options, check_choices, need, option
 
@@ -28,6 +29,24 @@ TRUNCATIONS = ("left", "drop")
 FORMAT_KEYS = ("format", "text_key", "prompt_key", "completion_key", "messages_key",
                "inputs_key", "targets_key", "chat_template", "truncation", "targets_len",
                "packing")  # fmt: skip
+
+
+class TrainSection(Protocol):
+    """What the data reads of the `train` section (training/options.py TrainOptions, a floor
+    above): the window, the global batch and the seed of example orders and masks."""
+
+    @property
+    def seq_len(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def seed(self) -> int: ...
+
+
+def span_corruption(arch: str, format: str) -> bool:
+    """Whether examples are T5's span corruption: an encoder-decoder model (`model.arch`)
+    reading plain text. What the data needs to know of the model."""
+    return arch == "encoder_decoder" and format == "text"
 
 
 def packs_documents(packing: str, format: str) -> bool:

@@ -27,8 +27,10 @@ masks encoder id 0; padded targets carry weight 0).
 
 import numpy as np
 
+from jaxmoe.data.options import DataOptions, TrainSection
+
 EXTRA_IDS = 100  # T5's sentinel count (its SentencePiece vocabulary's `extra_ids`)
-_SEED_TAG = 0x5E95E9  # keeps mask streams apart from the shuffle's default_rng([seed, epoch])
+SPAN_SEED_TAG = 0x5E95E9  # keeps mask streams apart from the shuffle's default_rng([seed, epoch])
 
 
 def check_noise(noise_density: float, mean_noise_span: float) -> None:
@@ -197,7 +199,7 @@ class SpanCorruptionExamples:
             raise IndexError(f"example id {index} out of range [0, {len(self)})")
         start = index * self.raw_len
         tokens = np.asarray(self.tokens_N[start : start + self.raw_len], dtype=np.int64)
-        rng = np.random.default_rng([_SEED_TAG, self.seed, int(index)])
+        rng = np.random.default_rng([SPAN_SEED_TAG, self.seed, int(index)])
         return corrupt(tokens, rng, self._noise(), self.sentinels, self.eos_id)
 
     def _noise(self) -> tuple[float, float]:
@@ -208,7 +210,7 @@ class SpanCorruptionExamples:
         `example` gives each (the same random draws, in the same order), built row-wise."""
         n = self.raw_len
         tokens_RN = np.asarray(self.tokens_N[ids_R[:, None] * n + np.arange(n)], np.int64)
-        rngs = [np.random.default_rng([_SEED_TAG, self.seed, int(i)]) for i in ids_R]
+        rngs = [np.random.default_rng([SPAN_SEED_TAG, self.seed, int(i)]) for i in ids_R]
         return corrupt_rows(tokens_RN, rngs, self._noise(), self.sentinels, self.eos_id)
 
     def batch(self, ids_B: np.ndarray) -> dict[str, np.ndarray]:
@@ -243,15 +245,17 @@ class SpanCorruptionExamples:
         }
 
 
-def span_corruption_split(config, tokenizer, split_key: str, partial_last: bool):
-    """SpanCorruptionExamples over the split named by `data.<split_key>` (cached stream)."""
+def span_corruption_split(
+    data: DataOptions, train: TrainSection, tokenizer, split_key: str, partial_last: bool
+):
+    """SpanCorruptionExamples over the split named by `data.<split_key>` (cached stream):
+    encoder windows of train.seq_len, masks seeded by train.seed."""
     from jaxmoe.data.sources import token_stream
 
-    data = config.data
     examples = SpanCorruptionExamples(
-        token_stream(config, tokenizer, split_key),
-        encoder_len=config.train.seq_len,
-        seed=config.train.seed,
+        token_stream(data, tokenizer, split_key),
+        encoder_len=train.seq_len,
+        seed=train.seed,
         tokenizer_vocab=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         sentinels=tokenizer_sentinels(tokenizer),
@@ -261,7 +265,7 @@ def span_corruption_split(config, tokenizer, split_key: str, partial_last: bool)
     )
     if len(examples) == 0:
         raise ValueError(
-            f"train.seq_len={config.train.seq_len}: the {data[split_key]!r} split of "
+            f"train.seq_len={train.seq_len}: the {getattr(data, split_key)!r} split of "
             f"data.source={data.source!r} ({examples.num_tokens} tokens) is shorter than one "
             f"span-corruption window of {examples.raw_len} tokens"
         )

@@ -27,10 +27,11 @@ from collections.abc import Callable
 import numpy as np
 
 from jaxmoe.data import batches as core
+from jaxmoe.data.options import DataOptions, TrainSection
 from jaxmoe.data.packing import PackedWindows, load_tokens, write_token_cache
 from jaxmoe.data.seq2seq import SpanCorruptionExamples, tokenizer_sentinels
 from jaxmoe.data.sources import (
-    _PACKING_VERSION,
+    PACKING_VERSION,
     SplitDocuments,
     cache_dir,
     cache_mirror,
@@ -53,14 +54,15 @@ def own_shards(shards: int, process_index: int, process_count: int) -> range:
     return range(process_index * per_process, (process_index + 1) * per_process)
 
 
-def check_shards(config, process_count: int) -> int:
-    """data.shards, checked against the batch, the process count and the other options."""
-    shards, batch_size = config.data.shards, config.train.batch_size
+def check_shards(data: DataOptions, batch_size: int, process_count: int) -> int:
+    """data.shards, checked against the batch (train.batch_size), the process count and the
+    other options."""
+    shards = data.shards
     for culprit, unsupported in (
-        ("data.streaming=True", config.data.streaming),
-        (f"data.mixture={config.data.mixture!r}", bool(config.data.mixture.strip())),
-        (f"data.curriculum={config.data.curriculum!r}", config.data.curriculum != "none"),
-        (f"data.workers={config.data.workers}", config.data.workers > 0),
+        ("data.streaming=True", data.streaming),
+        (f"data.mixture={data.mixture!r}", bool(data.mixture.strip())),
+        (f"data.curriculum={data.curriculum!r}", data.curriculum != "none"),
+        (f"data.workers={data.workers}", data.workers > 0),
     ):
         if unsupported:
             raise ValueError(
@@ -87,14 +89,14 @@ def _texts(documents, docs: range):
 
 
 def shard_stream(
-    config, tokenizer, split: SplitDocuments, shard: int, shards: int
+    data: DataOptions, tokenizer, split: SplitDocuments, shard: int, shards: int
 ) -> tuple[np.ndarray, bool]:
     """The token stream of shard `shard` (memory-mapped) and whether it was tokenized now
     (False: found in the cache)."""
-    key = f"{_PACKING_VERSION}|{split.fingerprint}|{tokenizer.sha256}|shard {shard} of {shards}"
+    key = f"{PACKING_VERSION}|{split.fingerprint}|{tokenizer.sha256}|shard {shard} of {shards}"
     name = f"{split.split}_{hashlib.sha256(key.encode()).hexdigest()[:20]}.npy"
-    path = os.path.join(cache_dir(config), "tokens", name)
-    mirror = cache_mirror(config, "tokens")
+    path = os.path.join(cache_dir(data), "tokens", name)
+    mirror = cache_mirror(data, "tokens")
     if os.path.exists(path) or (mirror and mirror.pull(name)):
         return load_tokens(path), False
     docs = document_range(len(split.documents), shard, shards)
@@ -105,17 +107,22 @@ def shard_stream(
 
 
 def prepare_shards(
-    config, tokenizer, process_index: int = 0, process_count: int = 1, report=print
+    data: DataOptions,
+    batch_size: int,
+    tokenizer,
+    process_index: int = 0,
+    process_count: int = 1,
+    report=print,
 ) -> dict[int, np.ndarray]:
     """The token streams of the train shards process `process_index` of `process_count`
     reads, by shard; tokenizes those the cache lacks and reports how many documents."""
-    shards = check_shards(config, process_count)
-    split = open_split(config, "train_split")
+    shards = check_shards(data, batch_size, process_count)
+    split = open_split(data, "train_split")
     num_documents = len(split.documents)
     mine = own_shards(shards, process_index, process_count)
     start, streams, tokenized = time.monotonic(), {}, 0
     for shard in mine:
-        streams[shard], fresh = shard_stream(config, tokenizer, split, shard, shards)
+        streams[shard], fresh = shard_stream(data, tokenizer, split, shard, shards)
         tokenized += len(document_range(num_documents, shard, shards)) if fresh else 0
     first = document_range(num_documents, mine.start, shards).start
     last = document_range(num_documents, mine.stop - 1, shards).stop
@@ -129,21 +136,23 @@ def prepare_shards(
     return streams
 
 
-def shard_examples(config, tokenizer, tokens_N: np.ndarray, shard: int):
-    """The train examples of one shard's stream: windows of seq_len + 1 tokens, or for an
-    encoder-decoder span-corrupted raw windows, masks drawn from (train.seed, shard, window
-    of the shard)."""
-    if not core.is_encoder_decoder(config):
-        return PackedWindows(tokens_N, config.train.seq_len, tokenizer.pad_id, False)
+def shard_examples(
+    data: DataOptions, train: TrainSection, tokenizer, tokens_N: np.ndarray, shard: int, spans: bool
+):
+    """The train examples of one shard's stream: windows of seq_len + 1 tokens, or with
+    `spans` span-corrupted raw windows, masks drawn from (train.seed, shard, window of the
+    shard)."""
+    if not spans:
+        return PackedWindows(tokens_N, train.seq_len, tokenizer.pad_id, False)
     return SpanCorruptionExamples(
         tokens_N,
-        encoder_len=config.train.seq_len,
-        seed=config.train.seed + (int(shard) << 32),
+        encoder_len=train.seq_len,
+        seed=train.seed + (int(shard) << 32),
         tokenizer_vocab=tokenizer.vocab_size,
         eos_id=tokenizer.eos_id,
         sentinels=tokenizer_sentinels(tokenizer),
-        noise_density=config.data.noise_density,
-        mean_noise_span=config.data.mean_noise_span,
+        noise_density=data.noise_density,
+        mean_noise_span=data.mean_noise_span,
     )
 
 
@@ -166,29 +175,34 @@ def local_allgather(value) -> np.ndarray:
 
 
 def sharded_train(
-    config,
+    data: DataOptions,
+    train: TrainSection,
     tokenizer,
     process_index: int = 0,
     process_count: int = 1,
     allgather: Allgather | None = None,
     report=print,
+    *,
+    spans: bool = False,
 ) -> "ShardedBatches":
     """This process's ShardedBatches: its own shards tokenized (or opened from the cache),
     then every shard's size exchanged with `allgather`, which every process calls."""
-    shards = check_shards(config, process_count)
+    shards = check_shards(data, train.batch_size, process_count)
     if allgather is None:
         if process_count > 1:
             from jax.experimental.multihost_utils import process_allgather as allgather
         else:
             allgather = local_allgather
-    seq_len = config.train.seq_len
+    seq_len = train.seq_len
     mine = own_shards(shards, process_index, process_count)
     failure, parts = None, {}
     counts = np.full((len(mine), 2), -1, np.int64)  # -1: this process failed
     try:
-        streams = prepare_shards(config, tokenizer, process_index, process_count, report)
+        streams = prepare_shards(
+            data, train.batch_size, tokenizer, process_index, process_count, report
+        )
         for row, shard in enumerate(mine):
-            parts[shard] = shard_examples(config, tokenizer, streams[shard], shard)
+            parts[shard] = shard_examples(data, train, tokenizer, streams[shard], shard, spans)
             counts[row] = len(parts[shard]), parts[shard].num_tokens
     except Exception as error:  # raised after the exchange, so no process waits for this one
         failure = error
@@ -208,9 +222,9 @@ def sharded_train(
         parts,
         sizes[:, 0],
         sizes[:, 1],
-        config.train.batch_size,
-        config.train.seed,
-        config.data.shuffle,
+        train.batch_size,
+        train.seed,
+        data.shuffle,
     )
 
 
@@ -302,23 +316,29 @@ class ShardedBatches:
 
 
 def build_sharded(
-    config,
+    data: DataOptions,
+    train: TrainSection,
     tokenizer,
     process_index: int,
     process_count: int,
     allgather: Allgather | None,
     report,
+    *,
+    spans: bool = False,
 ) -> "core.DataBundle":
     """The DataBundle of `data.shards`: a sharded train split, the eval split whole."""
-    train = sharded_train(config, tokenizer, process_index, process_count, allgather, report)
-    evals = core.split_examples(config, tokenizer, "eval_split", partial_last=True)
+    batches = sharded_train(
+        data, train, tokenizer, process_index, process_count, allgather, report, spans=spans
+    )
+    evals = core.split_examples(data, train, tokenizer, "eval_split", True, spans=spans)
+    rows = core.local_rows(train.batch_size, process_index, process_count, "train.batch_size")
     return core.DataBundle(
         tokenizer=tokenizer,
-        train=train,  # pipeline.build_data builds it ahead (pipeline.wrapped)
-        eval_batches=core.eval_batches(config, tokenizer, None, process_index, process_count),
-        vocab_size=core.model_vocab(config, tokenizer),
-        num_train_examples=train.num_examples,
+        train=batches,  # pipeline.build_data builds it ahead (pipeline.wrapped)
+        eval_batches=core.padded_batches(evals, train.batch_size, rows, None),
+        vocab_size=core.model_vocab(tokenizer, spans=spans),
+        num_train_examples=batches.num_examples,
         num_eval_examples=len(evals),
-        num_train_tokens=train.num_tokens,
+        num_train_tokens=batches.num_tokens,
         num_eval_tokens=evals.num_tokens,
     )

@@ -31,11 +31,11 @@ import numpy as np
 
 from jaxmoe.data import batches as core
 from jaxmoe.data.formats import ExampleEncoder
-from jaxmoe.data.mixture import Component, component_config, parse_mixture, row_sources
-from jaxmoe.data.options import packs_documents
+from jaxmoe.data.mixture import Component, component_data, parse_mixture, row_sources
+from jaxmoe.data.options import DataOptions, TrainSection
 from jaxmoe.data.seq2seq import (
-    _SEED_TAG,
     EXTRA_IDS,
+    SPAN_SEED_TAG,
     corrupt,
     corrupt_rows,
     corrupted_lengths,
@@ -55,10 +55,9 @@ _DOCUMENT_TAG = 0xD0C  # a document example's mask, apart from a cached window's
 class SpanCorruption:
     """Span-corruption settings of a run: raw window length, decoder length, sentinels."""
 
-    def __init__(self, config, tokenizer):
-        data = config.data
+    def __init__(self, data: DataOptions, seq_len: int, tokenizer):
         self.noise = (data.noise_density, data.mean_noise_span)
-        self.encoder_len = config.train.seq_len
+        self.encoder_len = seq_len
         self.raw_len = raw_length_for(self.encoder_len, *self.noise)
         self.decoder_len = corrupted_lengths(self.raw_len, *self.noise)[1]
         self.eos_id = int(tokenizer.eos_id)
@@ -105,7 +104,7 @@ class StreamSpanCorruption(StreamBatches):
         )
 
     def make_batch(self, windows_RW: np.ndarray, starts_R3: np.ndarray) -> dict[str, np.ndarray]:
-        rngs = [np.random.default_rng([_SEED_TAG, self.seed, *map(int, s)]) for s in starts_R3]
+        rngs = [np.random.default_rng([SPAN_SEED_TAG, self.seed, *map(int, s)]) for s in starts_R3]
         s = self.spans
         encoder_RE, targets_RD = corrupt_rows(windows_RW, rngs, s.noise, s.sentinels, s.eos_id)
         return s.batch(encoder_RE, targets_RD, starts_R3[:, 1])
@@ -232,7 +231,7 @@ class DocumentExamples:
                 if tokens is None:
                     corrupted.append((None, None))
                     continue
-                rng = np.random.default_rng([_SEED_TAG, self.seed, _DOCUMENT_TAG, int(index)])
+                rng = np.random.default_rng([SPAN_SEED_TAG, self.seed, _DOCUMENT_TAG, int(index)])
                 corrupted.append(corrupt(np.array(tokens), rng, s.noise, s.sentinels, s.eos_id))
             return s.batch([c[0] for c in corrupted], [c[1] for c in corrupted], ids_B)
         pad = int(self.tokenizer.pad_id)
@@ -249,68 +248,77 @@ class DocumentExamples:
         }
 
 
-def open_stream(config, tokenizer, rows: slice, spans: SpanCorruption | None):
-    """The train split of `config.data.source` as lanes (LM, span corruption, or whole
-    examples with data.packing=documents)."""
-    documents = open_split(config, "train_split").documents
-    batch_size, seed = config.train.batch_size, config.train.seed
-    data = config.data
-    if packs_documents(data.packing, data.format):
+def open_stream(
+    data: DataOptions, train: TrainSection, tokenizer, rows: slice, spans: SpanCorruption | None
+):
+    """The train split of `data.source` as lanes (LM, span corruption, or whole examples
+    with data.packing=documents)."""
+    documents = open_split(data, "train_split").documents
+    batch_size, seed, seq_len = train.batch_size, train.seed, train.seq_len
+    if data.packed_documents:
         encoder = ExampleEncoder(data, tokenizer)
-        seq_len = config.train.seq_len
         return StreamPackedDocuments(documents, encoder, seq_len, batch_size, seed, rows,
                                      data.truncation, data.targets_len)  # fmt: skip
     if spans is not None:
         return StreamSpanCorruption(documents, tokenizer, spans, batch_size, seed, rows)
-    return StreamBatches(documents, tokenizer, config.train.seq_len, batch_size, seed, rows)
+    return StreamBatches(documents, tokenizer, seq_len, batch_size, seed, rows)
 
 
-def build_stream(config, tokenizer, process_index: int, process_count: int):
-    """The DataBundle of `data.streaming`: train read as it goes, eval from the cache."""
-    batch_size = config.train.batch_size
-    rows = core._local_rows(batch_size, process_index, process_count, "train.batch_size")
-    spans = None
-    if core.is_encoder_decoder(config) and config.data.format == "text":
-        spans = SpanCorruption(config, tokenizer)
-    components = parse_mixture(config.data.mixture)
-    if config.data.curriculum != "none":
+def build_stream(
+    data: DataOptions,
+    train: TrainSection,
+    tokenizer,
+    process_index: int,
+    process_count: int,
+    *,
+    spans: bool = False,
+):
+    """The DataBundle of `data.streaming`: train read as it goes, eval from the cache;
+    `spans`: T5 span corruption (options.span_corruption)."""
+    batch_size = train.batch_size
+    rows = core.local_rows(batch_size, process_index, process_count, "train.batch_size")
+    corruption = SpanCorruption(data, train.seq_len, tokenizer) if spans else None
+    components = parse_mixture(data.mixture)
+    if data.curriculum != "none":
         if components:
             raise ValueError(
-                f"data.curriculum={config.data.curriculum!r} orders one source's examples; it "
+                f"data.curriculum={data.curriculum!r} orders one source's examples; it "
                 f"cannot be combined with data.mixture"
             )
-        documents = open_split(config, "train_split").documents
-        seq_len, seed = config.train.seq_len, config.train.seed
-        examples = DocumentExamples(documents, tokenizer, seq_len, seed, spans)
-        train = core.TrainBatches(
-            config, tokenizer, process_index, process_count, examples=examples
+        documents = open_split(data, "train_split").documents
+        examples = DocumentExamples(documents, tokenizer, train.seq_len, train.seed, corruption)
+        batches = core.TrainBatches(
+            data, train, tokenizer, process_index, process_count, examples=examples
         )
-        streams, configs = [], [config]
+        streams, sections = [], [data]
     else:
-        configs = [component_config(config, c.source) for c in components] or [config]
+        sections = [component_data(data, c.source) for c in components] or [data]
         streams = []
-        for component, source_config in zip(components or [None], configs, strict=True):
+        for component, source in zip(components or [None], sections, strict=True):
             try:
-                streams.append(open_stream(source_config, tokenizer, rows, spans))
+                streams.append(open_stream(source, train, tokenizer, rows, corruption))
             except ValueError as e:
                 if component is None:
                     raise
                 raise ValueError(f"data.mixture source {component.source!r}: {e}") from None
-        train = streams[0]
+        batches = streams[0]
         if components:
-            train = StreamMixture(components, streams, batch_size, config.train.seed, rows)
-    evals = [core.split_examples(c, tokenizer, "eval_split", True) for c in configs]
+            batches = StreamMixture(components, streams, batch_size, train.seed, rows)
+    evals = [
+        core.split_examples(source, train, tokenizer, "eval_split", True, spans=spans)
+        for source in sections
+    ]
     eval_sets = {
-        c.name: core._padded_batches(e, batch_size, rows, None)
+        c.name: core.padded_batches(e, batch_size, rows, None)
         for c, e in zip(components, evals, strict=False)  # no components: no sets
     }
-    eval_batches = [b for batches in eval_sets.values() for b in batches]
+    eval_batches = [b for part in eval_sets.values() for b in part]
     return core.DataBundle(
         tokenizer=tokenizer,
-        train=train,  # pipeline.build_data builds it ahead (pipeline.wrapped)
-        eval_batches=eval_batches or core._padded_batches(evals[0], batch_size, rows, None),
-        vocab_size=core.model_vocab(config, tokenizer),
-        num_train_examples=train.num_examples,
+        train=batches,  # pipeline.build_data builds it ahead (pipeline.wrapped)
+        eval_batches=eval_batches or core.padded_batches(evals[0], batch_size, rows, None),
+        vocab_size=core.model_vocab(tokenizer, spans=spans),
+        num_train_examples=batches.num_examples,
         num_eval_examples=sum(len(e) for e in evals),
         num_train_tokens=0,  # not known before the stream is read
         num_eval_tokens=sum(e.num_tokens for e in evals),

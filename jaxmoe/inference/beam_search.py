@@ -111,11 +111,11 @@ def beam_search(
         alpha=float(alpha),
         stop_ids=generator.stop_ids,
         vocab_limit=generator.vocab_limit,
-        constrain=generator._constrain(len(rows), cache_len),
+        constrain=generator.cache_constraint(len(rows), cache_len),
     )
     rest = {k: v for k, v in state.items() if k != "caches"}
     name = ("beam", beams, max_new_tokens, float(alpha))
-    compiled, compile_loop = generator._compile(
+    compiled, compile_loop = generator.compile_once(
         name, fn, generator.params, state["caches"], rest, donate=(1,)
     )
     best, scores, _ = compiled(generator.params, state["caches"], rest)

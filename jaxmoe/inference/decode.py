@@ -324,7 +324,7 @@ class Generator:
     def _batch_sharding(self, shape) -> NamedSharding:
         return NamedSharding(self.mesh, batch_spec(self.mesh, len(shape), shape[0]))
 
-    def _constrain(self, batch: int, length: int):
+    def cache_constraint(self, batch: int, length: int):
         """LayerCache -> LayerCache placed on the mesh: the N = B * K rows split over the
         batch axes (sequences) and then `tensor` (KV heads), where those divide B and K."""
         sizes = dict(self.mesh.shape)
@@ -344,7 +344,7 @@ class Generator:
 
         return lambda cache: LayerCache(*(place(x) for x in cache))
 
-    def _compile(self, name, fn, *args, donate=()):
+    def compile_once(self, name, fn, *args, donate=()):
         """AOT-compile `fn` for these argument shapes once; returns (compiled, seconds)."""
         key = (name, tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves(args[1:])))
         if key in self._compiled:
@@ -384,9 +384,9 @@ class Generator:
             rest=self.spec.rest,
             cfg=self.cfg,
             cache_len=cache_len,
-            constrain=self._constrain(rows, cache_len),
+            constrain=self.cache_constraint(rows, cache_len),
         )
-        compiled, seconds = self._compile(("prefill", cache_len), fn, self.params, *args)
+        compiled, seconds = self.compile_once(("prefill", cache_len), fn, self.params, *args)
         return compiled(self.params, *args), rows, seconds
 
     def decode(
@@ -415,7 +415,7 @@ class Generator:
             new_bucket=new_bucket,
             stop_ids=self.stop_ids,
             vocab_limit=self.vocab_limit,
-            constrain=self._constrain(rows, cache_len),
+            constrain=self.cache_constraint(rows, cache_len),
         )
         rest = {k: v for k, v in state.items() if k != "caches"}
         if stop is not None and stop.tables is not None:
@@ -423,7 +423,7 @@ class Generator:
             rest.update(jax.device_put(stop.tables, replicated))
         args = (state["caches"], rest, done, jnp.int32(max_new_tokens), jax.random.key(seed))
         name = ("decode", new_bucket, sampling)
-        compiled, seconds = self._compile(name, fn, self.params, *args, donate=(1,))
+        compiled, seconds = self.compile_once(name, fn, self.params, *args, donate=(1,))
         tokens, steps, _ = compiled(self.params, *args)
         return np.asarray(tokens), int(steps), seconds
 

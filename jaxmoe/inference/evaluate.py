@@ -261,11 +261,9 @@ def packed_batches(config, data_spec: str, tokenizer):
         if not name:
             raise ValueError(f"--data {data_spec!r}: expected NAME/SPLIT, embedded or jsonl:FILE")
         source = f"tfds:{name}"
-    eval_config = config.replace(data=config.data.replace(source=source, eval_split=split))
-    return [
-        {k: v for k, v in b.items() if k != "example_ids"}
-        for b in eval_batches(eval_config, tokenizer)
-    ]
+    data = config.data.replace(source=source, eval_split=split)
+    batches = eval_batches(data, config.train, tokenizer, spans=config.span_corruption)
+    return [{k: v for k, v in b.items() if k != "example_ids"} for b in batches]
 
 
 def evaluate(

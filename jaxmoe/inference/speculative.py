@@ -203,11 +203,11 @@ class MTPGenerator(Generator):
             **common,
             cfg=self.cfg,
             cache_len=cache_len,
-            constrain=self._constrain(rows, cache_len),
+            constrain=self.cache_constraint(rows, cache_len),
             vocab_limit=self.vocab_limit,
         )
         start = time.perf_counter()
-        compiled, compile_prefill = self._compile(
+        compiled, compile_prefill = self.compile_once(
             ("mtp_prefill", cache_len), prefill, self.params, *args
         )
         state = compiled(self.params, *args)
@@ -224,7 +224,7 @@ class MTPGenerator(Generator):
         rest = {k: v for k, v in state.items() if k not in ("caches", "mtp_caches")}
         loop_args = (state["caches"], state["mtp_caches"], rest, done, jnp.int32(max_new_tokens))
         start = time.perf_counter()
-        compiled, compile_loop = self._compile(
+        compiled, compile_loop = self.compile_once(
             ("mtp_decode", new_bucket), loop, self.params, *loop_args, donate=(1, 2)
         )
         tokens_BN, steps, accepted, _ = compiled(self.params, *loop_args)

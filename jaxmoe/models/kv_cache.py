@@ -52,6 +52,13 @@ class LayerCache(NamedTuple):
     v: jax.Array
 
 
+class CacheShapes(NamedTuple):
+    """The shapes of a LayerCache's k and v."""
+
+    k: tuple[int, ...]
+    v: tuple[int, ...]
+
+
 class DecodeCache(NamedTuple):
     """What a cached model call reads and returns updated.
 
@@ -63,21 +70,22 @@ class DecodeCache(NamedTuple):
     """
 
     layers: list
-    index: jax.Array
+    # A field named like tuple.index (the slot index everyone reads as cache.index).
+    index: jax.Array  # type: ignore[assignment]
     pad_B: jax.Array
     cross: list | None = None
     encoder_valid_BS: jax.Array | None = None
 
 
-def cache_shapes(model_cfg, batch: int, length: int) -> LayerCache:
+def cache_shapes(model_cfg, batch: int, length: int) -> CacheShapes:
     """Shapes of one decoder self-attention layer's cache (MLA: latent_cache.py's)."""
     if model_cfg.attention == "mla":  # latent_cache.py: rotary keys and latents, N = B rows
-        return LayerCache(
+        return CacheShapes(
             k=(batch, length, model_cfg.qk_rope_head_dim),
             v=(batch, length, model_cfg.kv_lora_rank),
         )
     rows, head_dim = batch * model_cfg.num_kv_heads, model_cfg.head_dim
-    return LayerCache(k=(rows, head_dim, length), v=(rows, length, head_dim))
+    return CacheShapes(k=(rows, head_dim, length), v=(rows, length, head_dim))
 
 
 def cache_length(cache: LayerCache) -> int:
@@ -126,7 +134,7 @@ def module_cache_slots(model_cfg, length: int) -> list[int]:
     if model_cfg.scan_layers:
         layers = stack_layout(model_cfg).module_layers()
     else:
-        layers = range(model_cfg.num_layers)
+        layers = list(range(model_cfg.num_layers))
     windows = [layer_window(model_cfg, i) for i in layers]
     return [min(w, length) if w else length for w in windows]
 
@@ -202,7 +210,7 @@ class CacheSlot(NamedTuple):
     tokens are written to, and (a stacked cache [P, ...]) the row of this layer, else None."""
 
     cache: LayerCache
-    index: jax.Array
+    index: jax.Array  # type: ignore[assignment]  # (as DecodeCache.index)
     row: jax.Array | None = None
     pad_B: jax.Array | None = None  # left padding per row (ring_cache.py's sliding layers)
 
@@ -220,7 +228,7 @@ def layer_view(cache: LayerCache, row) -> LayerCache:
     return LayerCache(*(jax.lax.dynamic_index_in_dim(x, row, keepdims=False) for x in cache))
 
 
-def _write(buffer, new, starts, row):
+def write_in_place(buffer, new, starts, row):
     """`new` written into `buffer` at `starts` (in row `row` of a stacked buffer), in place."""
     zero = jnp.zeros((), jnp.int32)
     starts = tuple(zero if s is None else s for s in starts)
@@ -240,8 +248,8 @@ def attend_with_cache(
     new = to_cache_layout(*attn.project_kv(x_BLD, positions_BL))
     index = jnp.asarray(slot.index, jnp.int32)
     cache = LayerCache(
-        _write(slot.cache.k, new.k, (None, None, index), slot.row),
-        _write(slot.cache.v, new.v, (None, index, None), slot.row),
+        write_in_place(slot.cache.k, new.k, (None, None, index), slot.row),
+        write_in_place(slot.cache.v, new.v, (None, index, None), slot.row),
     )
     mine = layer_view(cache, slot.row)
     sinks = attn.sink_logits()

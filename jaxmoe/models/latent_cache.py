@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.attention import NEG_INF
-from jaxmoe.models.kv_cache import CacheSlot, LayerCache, _write, layer_view
+from jaxmoe.models.kv_cache import CacheSlot, LayerCache, layer_view, write_in_place
 from jaxmoe.models.mla import LatentAttention
 
 
@@ -60,8 +60,8 @@ def latent_attend_with_cache(attn: LatentAttention, x_BLD, slot: CacheSlot, mask
     latent, rope_key = attn.project_latent(x_BLD, positions)
     index = jnp.asarray(slot.index, jnp.int32)
     cache = LayerCache(
-        _write(slot.cache.k, rope_key, (None, index, None), slot.row),
-        _write(slot.cache.v, latent, (None, index, None), slot.row),
+        write_in_place(slot.cache.k, rope_key, (None, index, None), slot.row),
+        write_in_place(slot.cache.v, latent, (None, index, None), slot.row),
     )
     mine = layer_view(cache, slot.row)
     o = absorbed_attention(attn, q_nope, q_rope, mine.v, mine.k, mask_BLS)

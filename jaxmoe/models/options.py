@@ -25,7 +25,7 @@ from jaxmoe.models.moe.expert_parallel import EXCHANGES
 from jaxmoe.models.moe.gates import BALANCE_FRACTIONS, GATES, GateOptions, num_slots
 from jaxmoe.models.moe.glu import CLAMPED_SWIGLU
 from jaxmoe.models.moe.router import TOPK_GATES, RouterOptions
-from jaxmoe.models.quantization import QUANTIZATIONS, SCALINGS
+from jaxmoe.models.quantization import QuantizationKind, Scaling
 from jaxmoe.models.stack import REMAT_POLICIES
 
 
@@ -249,17 +249,15 @@ class ModelOptions(Options):
         "passes them around the axis (ring; MLA gathers its latent either way)",
         CONTEXT_STRATEGIES,
     )
-    quantization: str = option(
+    quantization: QuantizationKind = option(
         "none",
         "projections' and experts' products in int8 (TPU v5) or fp8 (H100/B200, TPU v7), "
         "straight-through gradients, f32 master weights; docs/quantization.md",
-        QUANTIZATIONS,
     )
-    quantization_scaling: str = option(
+    quantization_scaling: Scaling = option(
         "channel",
         "quantization scales: channel (one per token row / weight column) | tensor (one per "
         "matrix); current scaling from each step's own max",
-        SCALINGS,
     )
     scan_layers: bool = option(
         False, "run the blocks under one scan (compile time independent of depth)"

@@ -32,12 +32,13 @@ what AQT/Qwix use for int8.
 
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
 
-QUANTIZATIONS = ("none", "int8", "fp8")
-SCALINGS = ("channel", "tensor")
+QuantizationKind = Literal["none", "int8", "fp8"]
+Scaling = Literal["channel", "tensor"]
 
 
 @dataclass(frozen=True)
@@ -56,21 +57,11 @@ E5M2 = NumberFormat(jnp.dtype(jnp.float8_e5m2), 57344.0, False)
 
 @dataclass(frozen=True)
 class Quantization:
-    """How the products compute (static, hashable: passed through jit and custom_vjp)."""
+    """How the products compute (static, hashable: passed through jit and custom_vjp). The
+    model section's keys are checked where the section is made (ModelOptions), not here."""
 
-    kind: str = "none"
-    scaling: str = "channel"
-
-    def __post_init__(self):
-        if self.kind not in QUANTIZATIONS:
-            raise ValueError(
-                f"model.quantization: got {self.kind!r}, expected {' | '.join(QUANTIZATIONS)}"
-            )
-        if self.scaling not in SCALINGS:
-            raise ValueError(
-                f"model.quantization_scaling: got {self.scaling!r}, expected "
-                + " | ".join(SCALINGS)
-            )
+    kind: QuantizationKind = "none"
+    scaling: Scaling = "channel"
 
     @classmethod
     def from_config(cls, cfg) -> "Quantization":

@@ -13,6 +13,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxmoe.models import build_model
+from jaxmoe.models.stack import split_params
 from jaxmoe.parallel.sharding import DEFAULT_RULES, param_specs
 
 
@@ -25,7 +26,7 @@ def str_keys(tree):
 
 def model_params(model) -> tuple[nnx.GraphDef, dict]:
     """(graphdef, params as a nested str-keyed dict of arrays) of an nnx model."""
-    graphdef, state, _ = nnx.split(model, nnx.Param, ...)
+    graphdef, state, _ = split_params(model)
     return graphdef, str_keys(nnx.to_pure_dict(state))
 
 
@@ -55,14 +56,14 @@ def _abstract_model(model_cfg):
 def abstract_params(model_cfg) -> dict:
     """The model's parameters as a str-keyed nested dict of ShapeDtypeStruct (nothing
     allocated). Converters pass `unrolled_config(cfg)` to get per-layer paths."""
-    _, state, _ = nnx.split(_abstract_model(model_cfg), nnx.Param, ...)
+    _, state, _ = split_params(_abstract_model(model_cfg))
     return str_keys(nnx.to_pure_dict(state))
 
 
 def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
     """Abstract parameters with their shardings on `mesh` and logical axes."""
     abstract = _abstract_model(model_cfg)
-    graphdef, state, rest = nnx.split(abstract, nnx.Param, ...)
+    graphdef, state, rest = split_params(abstract)
     specs = str_keys(nnx.to_pure_dict(param_specs(state, mesh, rules)))
     shapes = str_keys(nnx.to_pure_dict(state))
     axes = str_keys(

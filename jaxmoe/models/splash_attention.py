@@ -42,6 +42,7 @@ def _make_kernel(length: int, heads: int, window: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
     shape = (length, length)
+    mask: splash.Mask
     if window:
         mask = splash.LocalMask(shape, (window - 1, 0), offset=0)
     else:

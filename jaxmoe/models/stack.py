@@ -20,7 +20,7 @@ the other).
 """
 
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -172,6 +172,12 @@ def run_block(block, x, apply: Callable, remat):
     return _apply_pure(block, x, None, apply, remat_name(remat))
 
 
+def split_params(module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
+    """(graph, parameters, the rest of the state: RNG counters...) of an nnx module."""
+    # Two filters, three parts (nnx.split is typed for any number).
+    return cast(tuple[nnx.GraphDef, nnx.State, nnx.State], nnx.split(module, nnx.Param, ...))
+
+
 def _run_blocks(blocks, first_index: int, x, apply, policy_name, name, states):
     aux, new_states = {}, []
     for offset, block in enumerate(blocks):
@@ -190,12 +196,12 @@ def _apply_pure(block, x, state, apply, policy_name):
     """
     if policy_name == "none":
         return apply(block, x, state, None)
-    graphdef, params, rest = nnx.split(block, nnx.Param, ...)
+    graphdef, params, rest = split_params(block)
 
     def fn(x, state, params, rest):
         live = nnx.merge(graphdef, params, rest)
         x, layer_aux, state = apply(live, x, state, None)
-        return x, layer_aux, state, nnx.split(live, nnx.Param, ...)[2]
+        return x, layer_aux, state, split_params(live)[2]
 
     rematted = _checkpointed(fn, policy_name, in_scan=False)
     x, layer_aux, state, new_rest = rematted(x, state, params, rest)
@@ -218,14 +224,16 @@ def _run_scanned(stack: ScannedStack, x, apply, policy_name, name, states):
     x, tail_aux, tail_states = _run_blocks(
         list(stack.tail), first_tail, x, apply, policy_name, name, tail_states
     )
-    new_states = None if states is None else [*head_states, *period_states, *tail_states]
-    return x, aux | tail_aux, new_states
+    if states is None:
+        return x, aux | tail_aux, None
+    # Each part is a list when `states` is one.
+    return x, aux | tail_aux, [*(head_states or []), *(period_states or []), *(tail_states or [])]
 
 
 def _scan_periods(stack: ScannedStack, x, apply, policy_name, name, period_states):
     """The period blocks under one jax.lax.scan over the P periods."""
     h, k = len(stack.head), len(stack.period)
-    graphdef, params, rest = nnx.split(stack.period, nnx.Param, ...)
+    graphdef, params, rest = split_params(stack.period)
 
     def body(carry, slices):
         x, period_states = carry
@@ -238,7 +246,7 @@ def _scan_periods(stack: ScannedStack, x, apply, policy_name, name, period_state
             auxes.append(layer_aux)
             new_states.append(state)
         new_states = None if period_states is None else new_states
-        return (x, new_states), (auxes, nnx.split(period, nnx.Param, ...)[2])
+        return (x, new_states), (auxes, split_params(period)[2])
 
     rows = jnp.arange(stack.num_periods, dtype=jnp.int32)
     (x, period_states), (auxes, new_rest) = jax.lax.scan(

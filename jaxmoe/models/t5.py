@@ -258,6 +258,8 @@ class EncoderDecoderLM(nnx.Module):
             states = None
         else:
             check_matches_stack(cache.layers, self.decoder_layers, "EncoderDecoderLM")
+            if cache.cross is None:
+                raise ValueError("EncoderDecoderLM.decode: the cache holds no cross-attention K/V")
             self_mask = causal_cache_mask(cache, l)
             bias = self.decoder_relpos(l, cache_length(cache.layers[0]), query_offset=cache.index)
             states = list(zip(cache.layers, cache.cross, strict=True))

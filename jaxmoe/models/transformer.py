@@ -1,5 +1,8 @@
 """Decoder-only transformer LM: pre-norm blocks of GQA attention and a dense or MoE FFN."""
 
+import functools
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from flax import nnx
 
@@ -49,6 +52,7 @@ def causal_mask(length: int, segment_ids_BL=None):
 class DecoderBlock(nnx.Module):
     def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
+        self.attn: Attention | LatentAttention
         if cfg.attention == "mla":  # DeepSeek's latent attention (latent_cache.py decodes)
             self.attn = LatentAttention(cfg, rngs=rngs)
         else:
@@ -95,13 +99,16 @@ class DecoderBlock(nnx.Module):
         `segment_ids_BL` the documents of packed rows (`mask` already keeps them apart; a
         fused kernel reads them instead of the mask). `max_logits` (no cache) adds
         aux[MAX_LOGIT], the attention's largest logit per head."""
-        latent = isinstance(self.attn, LatentAttention)
-        attend = latent_self_attention if latent else self_attention
-        if slot is not None and not latent and self.attn.window:
-            attend = ring_self_attention  # a sliding-window layer's cache is a ring
+        attn = self.attn
+        attend: Callable[..., tuple]
+        if isinstance(attn, LatentAttention):
+            attend = functools.partial(latent_self_attention, attn)
+        elif slot is not None and attn.window:  # a sliding-window layer's cache is a ring
+            attend = functools.partial(ring_self_attention, attn)
+        else:
+            attend = functools.partial(self_attention, attn)
         normed_BLD = self.attn_norm(x_BLD)
         h_BLD, cache = attend(
-            self.attn,
             normed_BLD,
             mask=mask,
             positions_BL=positions_BL,

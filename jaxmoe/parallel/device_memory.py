@@ -1,11 +1,7 @@
-"""Refuse a train step that cannot fit in device memory before anything is compiled.
-
-The estimate is a lower bound from the config and the state's shardings alone, so it never
-refuses a step that fits: the exact parameters + optimizer state each device holds, their
-gradients, the float32 logits of one micro-batch (of one train.loss_chunk) and one
-residual-stream activation per layer (what even a fully rematerialised backward pass
-keeps). Anything it misses only makes the real step bigger. Without it, an impossible step
-costs a full compile before XLA (or the kernel) reports an out-of-memory error.
+"""One device's memory: the bytes a sharded tree holds on its most loaded device, what a
+device may use, and the one-line refusal of work that cannot fit, made before anything is
+compiled (training/step_memory.py for a train step; decoding's and the compile check's
+reports count state the same way).
 """
 
 import math
@@ -15,7 +11,6 @@ import jax
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.chips import GiB
-from jaxmoe.parallel.sharding import data_parallel_size
 
 
 def state_bytes_per_device(abstract_tree, shardings=None) -> int:
@@ -28,24 +23,6 @@ def state_bytes_per_device(abstract_tree, shardings=None) -> int:
         math.prod(sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
         for leaf, sharding in zip(leaves, placed, strict=True)
     )
-
-
-def step_bytes_lower_bound(config, mesh, abstract_state, shardings) -> dict[str, float]:
-    """Per-device bytes a train step needs at least, by part."""
-    m, t = config.model, config.train
-    rows = max(1.0, t.batch_size / t.grad_accum / data_parallel_size(mesh))
-    tensor = dict(mesh.shape).get("tensor", 1)
-    itemsize = 2 if m.dtype == "bfloat16" else 4
-    layers = m.num_layers
-    if m.arch == "encoder_decoder":
-        layers += m.num_encoder_layers or m.num_layers
-    return {
-        "state": state_bytes_per_device(abstract_state, shardings),
-        "gradients": state_bytes_per_device(abstract_state["params"], shardings["params"]),
-        # train.loss_chunk: the loss holds one chunk's logits at a time (training/chunked_loss.py)
-        "logits": rows * min(t.loss_chunk or t.seq_len, t.seq_len) * m.vocab_size * 4 / tensor,
-        "activations": rows * t.seq_len * m.d_model * itemsize * layers,
-    }
 
 
 def device_memory_bytes(device=None) -> tuple[float, str]:
@@ -80,14 +57,3 @@ def refuse_over_memory(parts: dict, what: str, advice: str, error=ConfigError, d
             f"{what} needs at least {need / GiB:.2f} GiB per device ({detail}), more than "
             f"the {have / GiB:.2f} GiB of {source}; {advice}"
         )
-
-
-def check_step_fits(config, mesh, abstract_state, shardings) -> None:
-    """A one-line ConfigError when the lower bound exceeds one device's memory."""
-    t = config.train
-    refuse_over_memory(
-        step_bytes_lower_bound(config, mesh, abstract_state, shardings),
-        f"train.batch_size={t.batch_size} x train.seq_len={t.seq_len} with this model",
-        "lower train.batch_size or train.seq_len, raise train.grad_accum, or shard over "
-        "more devices (mesh.fsdp)",
-    )

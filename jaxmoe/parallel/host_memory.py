@@ -50,7 +50,8 @@ def computes_on_cpu() -> bool:
     if "jax" in sys.modules:
         import jax
 
-        chosen = jax.config.jax_platforms  # skip_absent_tpu may have chosen the CPU
+        # skip_absent_tpu may have chosen the CPU (jax's flags are untyped attributes)
+        chosen = jax.config.jax_platforms  # type: ignore[attr-defined]
         if chosen:
             return chosen.split(",")[0].strip() == "cpu"
     return importlib.util.find_spec("libtpu") is None and not gpu_plugin_installed()

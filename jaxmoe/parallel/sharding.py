@@ -49,7 +49,7 @@ def logical_to_spec(
 ) -> PartitionSpec:
     """PartitionSpec for a tensor with logical `axes`; each mesh axis is used at most once."""
     used: set[str] = set()
-    spec = []
+    spec: list[str | tuple[str, ...] | None] = []
     for name, dim in zip(axes, shape, strict=True):
         if name is None:
             spec.append(None)

@@ -13,13 +13,10 @@ regularised, never what its parameters are). A model key left at its default tak
 
 from collections.abc import Collection
 
-from ml_collections import ConfigDict
-
-from jaxmoe.config.defaults import base_config
-from jaxmoe.config.loading import apply_overrides
-from jaxmoe.config.schema import JobConfig, leaf_fields
+from jaxmoe.config.loading import with_overrides
+from jaxmoe.config.schema import JobConfig, leaf_fields, typed
 from jaxmoe.config.stored import read_config
-from jaxmoe.config.validation import get, validate
+from jaxmoe.config.validation import get
 from jaxmoe.data.options import FORMAT_KEYS
 from jaxmoe.errors import ConfigError
 
@@ -68,23 +65,24 @@ def run_config(config_file: str | None, overrides) -> JobConfig:
 def config_from_checkpoint(overrides) -> JobConfig:
     """The config of `jaxmoe train` without --config: train.init_from's checkpoint's model,
     tokenizer and data format (see the module doc), defaults elsewhere, then `overrides`."""
-    config = base_config()
-    apply_overrides(config, overrides)  # paths made absolute, types checked
+    model_overrides = [o for o in overrides if _key(o).startswith("model.")]
+    others = [o for o in overrides if o not in model_overrides]
+    config = with_overrides(JobConfig(), others)  # paths made absolute, types checked
     stored = _stored(config.train.init_from)
     explicit = overridden_keys(overrides)
-    with config.unlocked():
-        config.model = ConfigDict(stored["model"])
-        for key in INHERITED_DATA_KEYS:
-            if f"data.{key}" not in explicit:
-                config.data[key] = stored["data"][key]
-    # The model keys the command line sets, again on the checkpoint's model: a run may
-    # change RUN_MODEL_KEYS; any other is refused by adopt_checkpoint_model.
-    apply_overrides(config, [o for o in overrides if _key(o).startswith("model.")])
-    return adopt_checkpoint_model(validate(config), explicit, stored)
+    inherited = {
+        key: getattr(stored.data, key)
+        for key in INHERITED_DATA_KEYS
+        if f"data.{key}" not in explicit
+    }
+    config = config.replace(model=stored.model, data=config.data.replace(**inherited))
+    # The model keys the command line sets, on the checkpoint's model: a run may change
+    # RUN_MODEL_KEYS; any other is refused by adopt_checkpoint_model.
+    return adopt_checkpoint_model(with_overrides(config, model_overrides), explicit, stored)
 
 
 def adopt_checkpoint_model(
-    config: JobConfig, explicit: Collection[str] = (), stored: dict | None = None
+    config: JobConfig, explicit: Collection[str] = (), stored: JobConfig | None = None
 ) -> JobConfig:
     """`config` with its model made the checkpoint's (train.init_from): keys that agree or
     are left at their defaults take the checkpoint's values; RUN_MODEL_KEYS the config sets
@@ -93,38 +91,37 @@ def adopt_checkpoint_model(
     if not config.train.init_from:
         return config
     stored = stored if stored is not None else _stored(config.train.init_from)
-    defaults = base_config()
-    fields = leaf_fields()
-    config = ConfigDict(config.to_dict())  # edited as a config file would be, then checked
-    with config.unlocked():
-        for key in (k for k in fields if k.startswith("model.")):
-            mine, theirs = get(config, key), get(stored, key)
-            if mine == theirs:
-                continue
-            chosen = key in explicit or mine != get(defaults, key)
-            if not chosen:
-                _set(config, key, theirs)
-            elif key not in RUN_MODEL_KEYS:
-                raise ConfigError(
-                    f"{key}={mine!r} disagrees with train.init_from's checkpoint ({theirs!r}): "
-                    f"a fine-tuning run takes its model from the checkpoint (leave {key} out, "
-                    f"or leave out --config to take the checkpoint's config)"
-                )
-    return validate(config)
+    # Compared key by key as nested plain dicts; the result typed and checked once.
+    values, theirs_all, defaults = config.to_dict(), stored.to_dict(), JobConfig().to_dict()
+    for key in (k for k in leaf_fields() if k.startswith("model.")):
+        mine, theirs = get(values, key), get(theirs_all, key)
+        if mine == theirs:
+            continue
+        chosen = key in explicit or mine != get(defaults, key)
+        if not chosen:
+            _set(values, key, theirs)
+        elif key not in RUN_MODEL_KEYS:
+            raise ConfigError(
+                f"{key}={mine!r} disagrees with train.init_from's checkpoint ({theirs!r}): "
+                f"a fine-tuning run takes its model from the checkpoint (leave {key} out, "
+                f"or leave out --config to take the checkpoint's config)"
+            )
+    return typed(values)
 
 
-def _stored(init_from: str) -> dict:
-    """The checkpoint's config, completed and checked, as nested plain dicts."""
+def _stored(init_from: str) -> JobConfig:
+    """The checkpoint's config, completed and checked."""
     try:
-        return read_config(init_from).to_dict()
+        return read_config(init_from)
     except Exception as error:  # a missing or unreadable checkpoint: one line naming it
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"train.init_from={init_from!r}: {first}") from None
 
 
-def _set(config, key: str, value) -> None:
+def _set(values: dict, key: str, value) -> None:
+    """`values` (nested plain dicts) with `key` ("model.moe.top_k") set to `value`."""
     *parents, leaf = key.split(".")
-    node = config
+    node = values
     for part in parents:
         node = node[part]
     node[leaf] = value

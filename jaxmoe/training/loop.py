@@ -25,7 +25,7 @@ from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
 from jaxmoe.models.stack import layer_layouts
 from jaxmoe.parallel.chips import device_peak_flops
-from jaxmoe.parallel.device_memory import check_step_fits, state_bytes_per_device
+from jaxmoe.parallel.device_memory import state_bytes_per_device
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
@@ -36,6 +36,7 @@ from jaxmoe.training.metrics import MetricsWriter, wandb_options
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.profiling import ProfileWindow
 from jaxmoe.training.state import init_state, state_shardings
+from jaxmoe.training.step_memory import check_step_fits
 from jaxmoe.training.steps import eval_metrics, eval_step, jit_train_step, step_fns
 from jaxmoe.training.workdir import WorkdirLock, check_workdir
 
@@ -237,7 +238,14 @@ def _train(
     from jaxmoe.training.curriculum_hooks import make_curriculum
 
     config = inherit_tokenizer(config)  # a train.init_from checkpoint's own, unless named
-    data = build_data(config, jax.process_index(), jax.process_count(), barrier)
+    data = build_data(
+        config.data,
+        config.train,
+        spans=config.span_corruption,
+        process_index=jax.process_index(),
+        process_count=jax.process_count(),
+        barrier=barrier,
+    )
     model = config.model.with_vocab(data.vocab_size)
     # Stored with the checkpoints: decode refuses longer prompts.
     config = config.replace(model=model.replace(max_len=max(model.max_len, config.train.seq_len)))
@@ -248,7 +256,7 @@ def _train(
     frozen = frozen_tree(spec.abstract_params, config.train.freeze, config.train.trainable)
     optimizer = with_frozen(optimizer, frozen)  # train.freeze: no state, no update
     abstract_state, shardings = state_shardings(mesh, spec, optimizer)
-    check_step_fits(config, mesh, abstract_state, shardings)
+    check_step_fits(config.model, config.train, mesh, abstract_state, shardings)
     check_batch(data.eval_batches[0])
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))

@@ -6,10 +6,11 @@ T5...) and names_moe.py (Qwen2-MoE, Qwen3-MoE, OLMoE) translate configs with the
 
 import math
 import re
-
-from ml_collections import ConfigDict
+from typing import Any
 
 from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.config.schema import typed
+from jaxmoe.models.options import ModelOptions
 
 # HF activation names whose function jaxmoe computes exactly (jaxmoe's gelu is the tanh form).
 _ACT_FROM_HF = {
@@ -23,6 +24,21 @@ _ACT_FROM_HF = {
 # Above any real model's dimension (XLA indexes with int32); the sizes below it are checked
 # against the tensors in the files, whose bytes bound them.
 _MAX_SIZE = 2**31 - 1
+
+
+# The `model` keys read from a config.json, model.moe's under "moe": a reader sets what the
+# file says; model_options types and checks them once, the schema's defaults for the rest.
+ModelKeys = dict[str, Any]
+
+
+def model_keys() -> ModelKeys:
+    """No key read yet."""
+    return {"moe": {}}
+
+
+def model_options(keys: ModelKeys) -> ModelOptions:
+    """The typed, checked model section of `keys`."""
+    return typed({"model": keys}).model
 
 
 def config_size(hf: dict, key: str, default=None) -> int:
@@ -73,7 +89,7 @@ def read_activation(hf_name: str, key: str) -> str:
     return _ACT_FROM_HF[hf_name]
 
 
-def read_rope(hf: dict, m: ConfigDict) -> None:
+def read_rope(hf: dict, m: ModelKeys) -> None:
     """The RoPE base and scaling: transformers 5.x's `rope_parameters` or 4.x's
     `rope_scaling` (+ top-level `rope_theta`); llama3 and linear scaling are implemented,
     others (dynamic NTK, yarn, longrope...) refused, and so are values transformers only
@@ -87,25 +103,25 @@ def read_rope(hf: dict, m: ConfigDict) -> None:
         )
     if params.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
         raise CheckpointError("config.json: partial_rotary_factor != 1 is not supported")
-    m.rope_theta = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
-    m.rope_type = rope_type
+    m["rope_theta"] = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m["rope_type"] = rope_type
     if rope_type == "default":
         return
-    m.rope_factor = config_number(params, "factor")
-    if m.rope_factor < 1:
+    m["rope_factor"] = config_number(params, "factor")
+    if m["rope_factor"] < 1:
         raise CheckpointError(
-            f"config.json: {rope_type} RoPE factor={m.rope_factor} must be >= 1 (it stretches "
+            f"config.json: {rope_type} RoPE factor={m['rope_factor']} must be >= 1 (it stretches "
             "positions; transformers warns about the same)"
         )
     if rope_type == "llama3":
-        m.rope_low_freq_factor = config_number(params, "low_freq_factor")
-        m.rope_high_freq_factor = config_number(params, "high_freq_factor")
-        if m.rope_high_freq_factor <= m.rope_low_freq_factor:
+        m["rope_low_freq_factor"] = config_number(params, "low_freq_factor")
+        m["rope_high_freq_factor"] = config_number(params, "high_freq_factor")
+        if m["rope_high_freq_factor"] <= m["rope_low_freq_factor"]:
             raise CheckpointError(
-                f"config.json: llama3 RoPE high_freq_factor={m.rope_high_freq_factor} must be "
-                f"greater than low_freq_factor={m.rope_low_freq_factor}"
+                f"config.json: llama3 RoPE high_freq_factor={m['rope_high_freq_factor']} must be "
+                f"greater than low_freq_factor={m['rope_low_freq_factor']}"
             )
-        m.rope_original_max_len = config_size(params, "original_max_position_embeddings")
+        m["rope_original_max_len"] = config_size(params, "original_max_position_embeddings")
 
 
 def _rope_params(hf: dict) -> dict:
@@ -142,36 +158,36 @@ def sliding_window(hf: dict) -> int | None:
     return window
 
 
-def read_decoder_sizes(hf: dict, present: set[str], m: ConfigDict) -> None:
+def read_decoder_sizes(hf: dict, present: set[str], m: ModelKeys) -> None:
     """A decoder's vocabulary, layers (checked against the tensors `present`), width and
     attention heads, as every HF decoder family names them."""
     heads = config_size(hf, "num_attention_heads")
-    m.arch = "decoder"
-    m.vocab_size = config_size(hf, "vocab_size")
-    m.num_layers = config_size(hf, "num_hidden_layers")
-    check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m.num_layers)
-    m.d_model = config_size(hf, "hidden_size")
-    m.num_heads = heads
-    m.num_kv_heads = config_size(hf, "num_key_value_heads", heads)
-    m.head_dim = config_size(hf, "head_dim", m.d_model // heads)
+    m["arch"] = "decoder"
+    m["vocab_size"] = config_size(hf, "vocab_size")
+    m["num_layers"] = config_size(hf, "num_hidden_layers")
+    check_layer_count(present, r"model\.layers\.(\d+)\.", "num_hidden_layers", m["num_layers"])
+    m["d_model"] = config_size(hf, "hidden_size")
+    m["num_heads"] = heads
+    m["num_kv_heads"] = config_size(hf, "num_key_value_heads", heads)
+    m["head_dim"] = config_size(hf, "head_dim", m["d_model"] // heads)
 
 
-def read_decoder_basics(hf: dict, present: set[str], m: ConfigDict) -> None:
+def read_decoder_basics(hf: dict, present: set[str], m: ModelKeys) -> None:
     """The sizes every Llama-like decoder shares: read_decoder_sizes, then the FFN width,
     activation, norm eps, RoPE, context and embedding tying."""
     read_decoder_sizes(hf, present, m)
-    m.ffn_dim = config_size(hf, "intermediate_size")
-    m.activation = read_activation(hf.get("hidden_act", "silu"), "hidden_act")
-    m.norm_eps = config_number(hf, "rms_norm_eps")
+    m["ffn_dim"] = config_size(hf, "intermediate_size")
+    m["activation"] = read_activation(hf.get("hidden_act", "silu"), "hidden_act")
+    m["norm_eps"] = config_number(hf, "rms_norm_eps")
     read_rope(hf, m)
-    m.max_len = config_size(hf, "max_position_embeddings", 0)
+    m["max_len"] = config_size(hf, "max_position_embeddings", 0)
     window = sliding_window(hf)
-    if window is not None and (not m.max_len or window < m.max_len):
+    if window is not None and (not m["max_len"] or window < m["max_len"]):
         raise CheckpointError(
             f"config.json: sliding_window={window} is shorter than max_position_embeddings="
-            f"{m.max_len}; jaxmoe attends to the whole context (no sliding windows)"
+            f"{m['max_len']}; jaxmoe attends to the whole context (no sliding windows)"
         )
     # A tied config whose file still holds lm_head.weight converts untied: same logits.
-    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False)) and (
+    m["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False)) and (
         "lm_head.weight" not in present
     )

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-from ml_collections import ConfigDict
 from safetensors import SafetensorError, safe_open
 
 from jaxmoe.checkpoints.dtypes import output_dtype
@@ -33,16 +32,16 @@ from jaxmoe.checkpoints.safe_paths import resolve_inside
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.tokenizer_item import TOKENIZER_DIR, check_tokenizer_fits
 from jaxmoe.checkpoints.trees import flatten, unflatten
-from jaxmoe.config.defaults import base_config
-from jaxmoe.config.loading import apply_overrides
+from jaxmoe.config.loading import override_keys, with_overrides
 from jaxmoe.config.schema import JobConfig
-from jaxmoe.config.validation import validate
 from jaxmoe.conversions.hf.names import ImportPlan, TensorMap, import_plan
 from jaxmoe.conversions.hf.names_deepseek import DEEPSEEK_FAMILIES, deepseek_plan
 from jaxmoe.conversions.hf.names_gpt_oss import MODEL_TYPE as GPT_OSS
 from jaxmoe.conversions.hf.names_gpt_oss import gpt_oss_plan
 from jaxmoe.conversions.hf.tokenizer_files import keep_tokenizer_files, kept_tokenizer
+from jaxmoe.data.options import DataOptions
 from jaxmoe.data.tokenizer import open_tokenizer
+from jaxmoe.models.options import ModelOptions
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import stack_layers, stacked_location, unrolled_config
 from jaxmoe.storage.received import JSON_LIMIT, check_file, read_text
@@ -334,13 +333,15 @@ def _check_tied_copies(plan: ImportPlan, folder) -> None:
             )
 
 
-def _regate_up_to_checkpoint_k(moe: ConfigDict, set_keys: list[str]) -> None:
+def _regated_up_to_checkpoint_k(model: ModelOptions, set_keys: list[str]) -> ModelOptions:
     """A checkpoint re-gated to `adaptive_k` or `top_p` without a `max_k` of the user's own
     may use as many experts per token as it was trained with (the plan's `top_k`), not the
     key's default of 2: re-gating a top-8 Qwen3-MoE keeps up to 8 slots."""
-    regated = "model.moe.gating" in set_keys and moe.gating in ("adaptive_k", "top_p")
-    if regated and "model.moe.max_k" not in set_keys and moe.top_k > 0:
-        moe.max_k = moe.top_k
+    gate = model.moe.gate
+    regated = "model.moe.gating" in set_keys and gate.gating in ("adaptive_k", "top_p")
+    if regated and "model.moe.max_k" not in set_keys and gate.top_k > 0:
+        return model.replace(moe=model.moe.replace(max_k=gate.top_k))
+    return model
 
 
 def convert_hf(
@@ -353,18 +354,18 @@ def convert_hf(
     src, dst = Path(src_dir), refuse_existing(dst_dir)
     folder = SafetensorsFolder(src)
     hf_config = read_hf_config(src)
-    config = base_config()
     plan_of = gpt_oss_plan if hf_config.get("model_type") == GPT_OSS else import_plan
     if hf_config.get("model_type") in DEEPSEEK_FAMILIES:  # names_deepseek builds on names
         plan_of = deepseek_plan
-    plan = plan_of(hf_config, set(folder.names), config.model)
+    model, plan = plan_of(hf_config, set(folder.names))
     kept = kept_tokenizer(src)  # the copy made below, if any
-    config.data.tokenizer = str(dst / kept) if kept else ""
-    set_keys = apply_overrides(config, overrides)  # which makes every path absolute
-    _regate_up_to_checkpoint_k(config.model.moe, set_keys)
-    if kept and config.data.tokenizer == str(dst / kept):
-        config.data.tokenizer = kept  # stored relative to DST: it moves with the checkpoint
-    config = validate(config)
+    copied = str(dst / kept) if kept else ""
+    config = with_overrides(JobConfig(model=model, data=DataOptions(tokenizer=copied)), overrides)
+    model = _regated_up_to_checkpoint_k(config.model, override_keys(overrides))
+    config = config.replace(model=model)
+    if kept and config.data.tokenizer == copied:
+        # Stored relative to DST: it moves with the checkpoint.
+        config = config.replace(data=config.data.replace(tokenizer=kept))
     if kept and config.data.tokenizer == kept:  # the copy made below: checked before any work
         own = src if kept == TOKENIZER_DIR else src / "tokenizer.model"
         check_tokenizer_fits(open_tokenizer(str(own)), config.model.vocab_size, f"{own}")

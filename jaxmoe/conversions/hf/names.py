@@ -14,19 +14,21 @@ import re
 from dataclasses import dataclass, field
 
 import numpy as np
-from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.hf_config import (
     check_layer_count,
     config_number,
     config_size,
+    model_keys,
+    model_options,
     read_activation,
     read_decoder_basics,
 )
 from jaxmoe.conversions.hf.names_moe import MOE_FAMILIES, read_moe_family
 from jaxmoe.conversions.hf.remote import MODEL_TYPE, import_gate
 from jaxmoe.models.layer_kinds import is_moe_layer
+from jaxmoe.models.options import ModelOptions
 
 SUPPORTED_MODEL_TYPES = (
     *("llama", "mistral", "mixtral", "qwen2", *MOE_FAMILIES, "t5", "gpt_oss", "jaxmoe_moe"),
@@ -157,7 +159,7 @@ class ImportPlan:
 # ----------------------------------------------------------------------------- tables
 
 
-def _attention_maps(
+def attention_maps(
     hf_prefix: str, path: tuple[str, ...], name_format: str, qkv_bias: bool = False
 ) -> list[TensorMap]:
     """q/k/v [H*dh or K*dh, D] -> [D, heads, dh]; o [D, H*dh] -> [H, dh, D]; with `qkv_bias`
@@ -176,7 +178,7 @@ def _attention_maps(
     return maps
 
 
-def _gated_ffn_maps(names: tuple[str, str, str], path: tuple[str, ...]) -> list[TensorMap]:
+def gated_ffn_maps(names: tuple[str, str, str], path: tuple[str, ...]) -> list[TensorMap]:
     """(gate, up, down) HF names -> wi_0 [D, F], wi_1 [D, F], wo [F, D]."""
     return [
         TensorMap(hf, (*path, leaf), Linear(1))
@@ -190,7 +192,7 @@ QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")  # also Qwen2-MoE, Qwe
 
 
 def _moe_maps(
-    m: ConfigDict,
+    m: ModelOptions,
     hf_prefix: str,
     path: tuple[str, ...],
     style: str,
@@ -214,14 +216,14 @@ def _moe_maps(
                 maps.append(TensorMap(f"{expert}{hf}.weight", (*path, leaf), Linear(1), expert=e))
     if m.moe.num_shared_experts:
         shared = tuple(f"{hf_prefix}shared_expert.{p}.weight" for p in QWEN_EXPERT_NAMES)
-        maps += _gated_ffn_maps(shared, (*path, "shared"))
+        maps += gated_ffn_maps(shared, (*path, "shared"))
     if m.moe.shared_expert_gate:
         gate_path = (*path, "shared_gate", "kernel")  # [D, 1]; HF [1, D]
         maps.append(TensorMap(hf_prefix + "shared_expert_gate.weight", gate_path, Linear(1)))
     return maps
 
 
-def _qk_norm_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...]) -> list[TensorMap]:
+def _qk_norm_maps(m: ModelOptions, hf_prefix: str, path: tuple[str, ...]) -> list[TensorMap]:
     """Query/key RMSNorm scales: [dh] per head (Qwen3) or [H*dh] / [K*dh] (OLMoE); the same
     layout on both sides."""
     if m.qk_norm == "none":
@@ -233,7 +235,7 @@ def _qk_norm_maps(m: ConfigDict, hf_prefix: str, path: tuple[str, ...]) -> list[
 
 
 def decoder_maps(
-    m: ConfigDict,
+    m: ModelOptions,
     *,
     moe_prefix: str = "block_sparse_moe",
     moe_style: str = "per_expert",
@@ -245,7 +247,7 @@ def decoder_maps(
     for i in range(m.num_layers):
         hf, path = f"model.layers.{i}.", ("layers", str(i))
         maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
-        maps += _attention_maps(hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.qkv_bias)
+        maps += attention_maps(hf + "self_attn.", (*path, "attn"), "{}_proj.weight", m.qkv_bias)
         maps += _qk_norm_maps(m, hf + "self_attn.", (*path, "attn"))
         maps.append(
             TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
@@ -254,14 +256,14 @@ def decoder_maps(
             maps += _moe_maps(m, f"{hf}{moe_prefix}.", (*path, "ffn"), moe_style, expert_names)
         else:
             names = tuple(f"{hf}mlp.{p}_proj.weight" for p in ("gate", "up", "down"))
-            maps += _gated_ffn_maps(names, (*path, "ffn"))
+            maps += gated_ffn_maps(names, (*path, "ffn"))
     maps.append(TensorMap("model.norm.weight", ("final_norm", "scale"), SAME))
     if not m.tie_embeddings:
         maps.append(TensorMap("lm_head.weight", ("lm_head",), Linear(1)))
     return maps
 
 
-def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scale: float = 1.0):
+def t5_maps(m: ModelOptions, *, lm_head_name: str = "lm_head.weight", lm_head_scale: float = 1.0):
     """T5 (v1.1, gated FFN) names for a jaxmoe EncoderDecoderLM with model config `m`."""
     relpos = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
     maps = [
@@ -286,18 +288,18 @@ def t5_maps(m: ConfigDict, *, lm_head_name: str = "lm_head.weight", lm_head_scal
             for j, (hf_attn, norm, attn) in enumerate(attentions):
                 hf = f"{stack}.block.{i}.layer.{j}."
                 maps.append(TensorMap(hf + "layer_norm.weight", (*path, norm, "scale"), SAME))
-                maps += _attention_maps(f"{hf}{hf_attn}.", (*path, attn), "{}.weight")
+                maps += attention_maps(f"{hf}{hf_attn}.", (*path, attn), "{}.weight")
             hf = f"{stack}.block.{i}.layer.{len(attentions)}."
             maps.append(TensorMap(hf + "layer_norm.weight", (*path, "ffn_norm", "scale"), SAME))
             names = tuple(f"{hf}DenseReluDense.{w}.weight" for w in ("wi_0", "wi_1", "wo"))
-            maps += _gated_ffn_maps(names, (*path, "ffn"))
+            maps += gated_ffn_maps(names, (*path, "ffn"))
     return maps
 
 
 # ----------------------------------------------------------------------------- import
 
 
-def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+def _decoder_plan(hf: dict, present: set[str]) -> tuple[ModelOptions, ImportPlan]:
     if hf.get("mlp_bias"):
         raise CheckpointError("config.json: mlp_bias=true: jaxmoe FFN projections have no bias")
     if hf.get("attention_bias"):  # Llama's flag: a bias on o_proj too
@@ -305,27 +307,28 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
             "config.json: attention_bias=true: jaxmoe has q/k/v biases (Qwen2) but no "
             "output-projection bias"
         )
-    m.qkv_bias = hf["model_type"] == "qwen2"  # Qwen2: q/k/v biases always, none on o_proj
+    m = model_keys()
+    m["qkv_bias"] = hf["model_type"] == "qwen2"  # Qwen2: q/k/v biases always, none on o_proj
     read_decoder_basics(hf, present, m)
     moe_prefix, moe_style = "block_sparse_moe", "per_expert"
     if hf["model_type"] in ("mixtral", MODEL_TYPE):
         k = config_size(hf, "num_experts_per_tok")
-        moe = m.moe
-        moe.num_experts = config_size(hf, "num_local_experts")
+        moe = m["moe"]
+        moe["num_experts"] = config_size(hf, "num_local_experts")
         if not any(n.endswith(".experts.gate_up_proj") for n in present):  # one name each
             experts = r"model\.layers\.0\.\w+\.experts\.(\d+)\.w1\."
-            check_layer_count(present, experts, "num_local_experts", moe.num_experts)
-        moe.every = 1
-        moe.ffn_dim = m.ffn_dim
-        moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
-        moe.top_k = k
-        moe.renormalize = True  # softmax over all experts, top-k, weights renormalised
-        moe.single_weight = "one"  # k = 1: the renormalised weight of one expert is 1
-        moe.eval_gating = ""
-        moe.capacity_factor = 0.0  # Mixtral is dropless
-        moe.jitter = config_number(hf, "router_jitter_noise", 0.0)
-        moe.balance_loss_weight = config_number(hf, "router_aux_loss_coef", 0.0)
-        moe.z_loss_weight = 0.0  # Mixtral trains without a router z-loss
+            check_layer_count(present, experts, "num_local_experts", moe["num_experts"])
+        moe["every"] = 1
+        moe["ffn_dim"] = m["ffn_dim"]
+        moe["gating"] = {1: "top1", 2: "top2"}.get(k, "topk")
+        moe["top_k"] = k
+        moe["renormalize"] = True  # softmax over all experts, top-k, weights renormalised
+        moe["single_weight"] = "one"  # k = 1: the renormalised weight of one expert is 1
+        moe["eval_gating"] = ""
+        moe["capacity_factor"] = 0.0  # Mixtral is dropless
+        moe["jitter"] = config_number(hf, "router_jitter_noise", 0.0)
+        moe["balance_loss_weight"] = config_number(hf, "router_aux_loss_coef", 0.0)
+        moe["z_loss_weight"] = 0.0  # Mixtral trains without a router z-loss
         if hf["model_type"] == MODEL_TYPE:  # a jaxmoe export: its gate, from jaxmoe_gate
             import_gate(hf, moe)
         if not any(".block_sparse_moe." in n for n in present):
@@ -333,11 +336,12 @@ def _decoder_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
         if any(n.endswith(".experts.gate_up_proj") for n in present):
             moe_style = "fused"
     else:
-        m.moe.num_experts = 0
-    return ImportPlan(decoder_maps(m, moe_prefix=moe_prefix, moe_style=moe_style))
+        m["moe"]["num_experts"] = 0
+    model = model_options(m)
+    return model, ImportPlan(decoder_maps(model, moe_prefix=moe_prefix, moe_style=moe_style))
 
 
-def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+def _t5_plan(hf: dict, present: set[str]) -> tuple[ModelOptions, ImportPlan]:
     ffn = hf.get("feed_forward_proj", "relu")
     if not ffn.startswith("gated-"):
         raise CheckpointError(
@@ -345,24 +349,25 @@ def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
             "jaxmoe implements T5 v1.1 (gated-gelu)"
         )
     act = ffn.removeprefix("gated-")
-    m.arch = "encoder_decoder"
-    m.vocab_size = config_size(hf, "vocab_size")
-    m.d_model = config_size(hf, "d_model")
-    m.num_heads = m.num_kv_heads = config_size(hf, "num_heads")
-    m.encoder_num_kv_heads = 0
-    m.head_dim = config_size(hf, "d_kv")
-    m.ffn_dim = config_size(hf, "d_ff")
-    m.num_encoder_layers = config_size(hf, "num_layers")
-    m.num_layers = config_size(hf, "num_decoder_layers", m.num_encoder_layers)
-    check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m.num_encoder_layers)
-    check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m.num_layers)
-    m.activation = read_activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
-    m.norm_eps = config_number(hf, "layer_norm_epsilon", 1e-6)
-    m.rope_theta = 0.0
-    m.relpos_buckets = config_size(hf, "relative_attention_num_buckets", 32)
-    m.relpos_max_distance = config_size(hf, "relative_attention_max_distance", 128)
-    m.tie_embeddings = False  # jaxmoe's T5 always has its own output layer
-    m.moe.num_experts = 0
+    m = model_keys()
+    m["arch"] = "encoder_decoder"
+    m["vocab_size"] = config_size(hf, "vocab_size")
+    m["d_model"] = config_size(hf, "d_model")
+    m["num_heads"] = m["num_kv_heads"] = config_size(hf, "num_heads")
+    m["encoder_num_kv_heads"] = 0
+    m["head_dim"] = config_size(hf, "d_kv")
+    m["ffn_dim"] = config_size(hf, "d_ff")
+    m["num_encoder_layers"] = config_size(hf, "num_layers")
+    m["num_layers"] = config_size(hf, "num_decoder_layers", m["num_encoder_layers"])
+    check_layer_count(present, r"encoder\.block\.(\d+)\.", "num_layers", m["num_encoder_layers"])
+    check_layer_count(present, r"decoder\.block\.(\d+)\.", "num_decoder_layers", m["num_layers"])
+    m["activation"] = read_activation("gelu_new" if act == "gelu" else act, "feed_forward_proj")
+    m["norm_eps"] = config_number(hf, "layer_norm_epsilon", 1e-6)
+    m["rope_theta"] = 0.0
+    m["relpos_buckets"] = config_size(hf, "relative_attention_num_buckets", 32)
+    m["relpos_max_distance"] = config_size(hf, "relative_attention_max_distance", 128)
+    m["tie_embeddings"] = False  # jaxmoe's T5 always has its own output layer
+    m["moe"]["num_experts"] = 0
     # transformers: v4 configs scale decoder outputs by d**-0.5 unless tie_word_embeddings is
     # false (T5 v1.1); v5 writes the flag itself. Folding it into lm_head keeps logits exact.
     if "scale_decoder_outputs" in hf:
@@ -370,27 +375,32 @@ def _t5_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
     else:
         scaled = hf.get("tie_word_embeddings", True) is not False
     lm_head = "lm_head.weight" if "lm_head.weight" in present else "shared.weight"
-    maps = t5_maps(m, lm_head_name=lm_head, lm_head_scale=m.d_model**-0.5 if scaled else 1.0)
+    model = model_options(m)
+    scale = model.d_model**-0.5 if scaled else 1.0
+    maps = t5_maps(model, lm_head_name=lm_head, lm_head_scale=scale)
     copies = {
         name: "shared.weight"
         for name in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight")
         if name in present
     }
-    return ImportPlan(maps, copies)
+    return model, ImportPlan(maps, copies)
 
 
-def import_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
-    """Sets the jaxmoe model config `m` from HF's config.json `hf` and returns the tensor
-    plan for the tensor names `present` in the checkpoint."""
+def import_plan(hf: dict, present: set[str]) -> tuple[ModelOptions, ImportPlan]:
+    """The jaxmoe model section HF's config.json `hf` describes, and the tensor plan for the
+    tensor names `present` in the checkpoint."""
     model_type = hf.get("model_type")
     if model_type in ("llama", "mistral", "mixtral", "qwen2", MODEL_TYPE):
-        return _decoder_plan(hf, present, m)
+        return _decoder_plan(hf, present)
     if model_type in MOE_FAMILIES:
+        m = model_keys()
         style = read_moe_family(hf, present, m)
-        return ImportPlan(
-            decoder_maps(m, moe_prefix="mlp", moe_style=style, expert_names=QWEN_EXPERT_NAMES)
+        model = model_options(m)
+        maps = decoder_maps(
+            model, moe_prefix="mlp", moe_style=style, expert_names=QWEN_EXPERT_NAMES
         )
+        return model, ImportPlan(maps)
     if model_type == "t5":
-        return _t5_plan(hf, present, m)
+        return _t5_plan(hf, present)
     supported = " | ".join(SUPPORTED_MODEL_TYPES)
     raise CheckpointError(f"config.json: model_type {model_type!r} is not supported ({supported})")

@@ -29,14 +29,14 @@ a warning; MTP tensors the config does not announce are refused.
 import re
 import sys
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.config.schema import typed
 from jaxmoe.conversions.hf.hf_config import (
+    ModelKeys,
     check_layer_count,
     config_number,
     config_size,
+    model_keys,
+    model_options,
     read_decoder_basics,
 )
 from jaxmoe.conversions.hf.names import (
@@ -47,7 +47,7 @@ from jaxmoe.conversions.hf.names import (
     Linear,
     StackedDown,
     TensorMap,
-    _gated_ffn_maps,
+    gated_ffn_maps,
 )
 from jaxmoe.models.layer_kinds import is_moe_layer
 from jaxmoe.models.options import ModelOptions
@@ -63,7 +63,7 @@ def _rope_params(hf: dict) -> dict:
     return params
 
 
-def _read_rope(hf: dict, m: ConfigDict) -> None:
+def _read_rope(hf: dict, m: ModelKeys) -> None:
     """Plain or YaRN rotary of the rope dims (transformers 5.x `rope_parameters` or 4.x
     `rope_scaling` + `rope_theta`)."""
     params = _rope_params(hf)
@@ -72,21 +72,21 @@ def _read_rope(hf: dict, m: ConfigDict) -> None:
         raise CheckpointError(
             f"config.json: rope_type {rope_type!r} is not supported for DeepSeek (default | yarn)"
         )
-    m.rope_theta = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
-    m.rope_type = rope_type
+    m["rope_theta"] = config_number(params if "rope_theta" in params else hf, "rope_theta", 10000.0)
+    m["rope_type"] = rope_type
     if rope_type == "default":
         return
-    m.rope_original_max_len = config_size(params, "original_max_position_embeddings")
+    m["rope_original_max_len"] = config_size(params, "original_max_position_embeddings")
     if params.get("factor") is None:  # transformers' rule: the context's stretch
-        m.rope_factor = m.max_len / m.rope_original_max_len
+        m["rope_factor"] = m["max_len"] / m["rope_original_max_len"]
     else:
-        m.rope_factor = config_number(params, "factor")
+        m["rope_factor"] = config_number(params, "factor")
     defaults = {"beta_fast": 32.0, "beta_slow": 1.0}
     for key in _YARN_KEYS:
         value = params.get(key)
         value = defaults.get(key, 0.0) if not value else config_number(params, key)
-        setattr(m, f"rope_{key}", value)
-    m.rope_truncate = bool(params.get("truncate", True))
+        m[f"rope_{key}"] = value
+    m["rope_truncate"] = bool(params.get("truncate", True))
 
 
 def _mtp_layers(hf: dict, present: set[str], num_layers: int) -> int:
@@ -139,65 +139,64 @@ def _refuse_unsupported(hf: dict, family: str) -> None:
         )
 
 
-def read_deepseek(hf: dict, present: set[str], m: ConfigDict) -> str:
-    """Sets model config `m` from a DeepSeek-V2/V3 config.json `hf`; returns the experts'
-    tensor style (`per_expert` or `fused`)."""
+def read_deepseek(hf: dict, present: set[str], m: ModelKeys) -> None:
+    """Sets model keys `m` from a DeepSeek-V2/V3 config.json `hf` (tensor names `present`)."""
     family = hf["model_type"]
     _refuse_unsupported(hf, family)
     layers = config_size(hf, "num_hidden_layers")
-    m.mtp_depth = _mtp_layers(hf, present, layers)
+    m["mtp_depth"] = _mtp_layers(hf, present, layers)
     # The Llama-like sizes; rotary is read below (YaRN is MLA's, not read_rope's).
     basics = {k: v for k, v in hf.items() if k not in ("rope_parameters", "rope_scaling")}
     basics["head_dim"] = None
-    mtp = tuple(f"model.layers.{layers + k}." for k in range(m.mtp_depth))
+    mtp = tuple(f"model.layers.{layers + k}." for k in range(m["mtp_depth"]))
     read_decoder_basics(basics, {n for n in present if not n.startswith(mtp)}, m)
-    m.attention = "mla"
-    m.num_kv_heads = m.num_heads  # every head has its own key and value (rebuilt)
-    m.q_lora_rank = config_size(hf, "q_lora_rank", 0) if hf.get("q_lora_rank") else 0
-    m.kv_lora_rank = config_size(hf, "kv_lora_rank")
-    m.qk_nope_head_dim = config_size(hf, "qk_nope_head_dim")
-    m.qk_rope_head_dim = config_size(hf, "qk_rope_head_dim")
-    m.v_head_dim = config_size(hf, "v_head_dim")
-    m.head_dim = m.qk_nope_head_dim + m.qk_rope_head_dim
-    m.qkv_bias, m.qk_norm = False, "none"
+    m["attention"] = "mla"
+    m["num_kv_heads"] = m["num_heads"]  # every head has its own key and value (rebuilt)
+    m["q_lora_rank"] = config_size(hf, "q_lora_rank", 0) if hf.get("q_lora_rank") else 0
+    m["kv_lora_rank"] = config_size(hf, "kv_lora_rank")
+    m["qk_nope_head_dim"] = config_size(hf, "qk_nope_head_dim")
+    m["qk_rope_head_dim"] = config_size(hf, "qk_rope_head_dim")
+    m["v_head_dim"] = config_size(hf, "v_head_dim")
+    m["head_dim"] = m["qk_nope_head_dim"] + m["qk_rope_head_dim"]
+    m["qkv_bias"], m["qk_norm"] = False, "none"
     _read_rope(hf, m)
     _read_moe(hf, m, family)
-    return _expert_style(present, m)
 
 
-def _read_moe(hf: dict, m: ConfigDict, family: str) -> None:
-    moe = m.moe
-    moe.num_experts = config_size(hf, "n_routed_experts")
+def _read_moe(hf: dict, m: ModelKeys, family: str) -> None:
+    moe = m["moe"]
+    moe["num_experts"] = config_size(hf, "n_routed_experts")
     k = config_size(hf, "num_experts_per_tok")
-    if k > moe.num_experts:
+    if k > moe["num_experts"]:
         raise CheckpointError(
-            f"config.json: num_experts_per_tok={k} exceeds n_routed_experts={moe.num_experts}"
+            f"config.json: num_experts_per_tok={k} exceeds n_routed_experts={moe['num_experts']}"
         )
-    moe.ffn_dim = config_size(hf, "moe_intermediate_size")
-    moe.every, moe.dense_layers = 1, ""
-    moe.first_dense_layers = int(hf.get("first_k_dense_replace") or 0)
-    moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
-    moe.top_k, moe.eval_gating = k, ""
-    moe.routed_scaling_factor = config_number(hf, "routed_scaling_factor", 1.0)
-    moe.capacity_factor, moe.jitter, moe.z_loss_weight = 0.0, 0.0, 0.0
-    moe.balance_loss_weight = config_number(hf, "aux_loss_alpha", 0.0)
+    moe["ffn_dim"] = config_size(hf, "moe_intermediate_size")
+    moe["every"], moe["dense_layers"] = 1, ""
+    moe["first_dense_layers"] = int(hf.get("first_k_dense_replace") or 0)
+    moe["gating"] = {1: "top1", 2: "top2"}.get(k, "topk")
+    moe["top_k"], moe["eval_gating"] = k, ""
+    moe["routed_scaling_factor"] = config_number(hf, "routed_scaling_factor", 1.0)
+    moe["capacity_factor"], moe["jitter"], moe["z_loss_weight"] = 0.0, 0.0, 0.0
+    moe["balance_loss_weight"] = config_number(hf, "aux_loss_alpha", 0.0)
     shared = int(hf.get("n_shared_experts") or 0)
-    moe.num_shared_experts = shared
-    moe.shared_ffn_dim = moe.ffn_dim if shared else 0
-    moe.shared_expert_gate = False
+    moe["num_shared_experts"] = shared
+    moe["shared_ffn_dim"] = moe["ffn_dim"] if shared else 0
+    moe["shared_expert_gate"] = False
     if family == "deepseek_v3":
-        moe.router_scoring, moe.selection_bias = "sigmoid", True
-        moe.renormalize = bool(hf.get("norm_topk_prob", True))
-        moe.n_group = config_size(hf, "n_group", 1)
-        moe.topk_group = config_size(hf, "topk_group", 1)
-        moe.balance_loss_weight = 0.0  # auxiliary-loss-free (selection bias)
+        moe["router_scoring"], moe["selection_bias"] = "sigmoid", True
+        moe["renormalize"] = bool(hf.get("norm_topk_prob", True))
+        moe["n_group"] = config_size(hf, "n_group", 1)
+        moe["topk_group"] = config_size(hf, "topk_group", 1)
+        moe["balance_loss_weight"] = 0.0  # auxiliary-loss-free (selection bias)
     else:  # transformers' V2 router: the softmax top-k, never renormalised
-        moe.router_scoring, moe.selection_bias, moe.renormalize = "softmax", False, False
-        moe.single_weight = "prob"
-        moe.n_group, moe.topk_group = 1, 1
+        moe["router_scoring"], moe["selection_bias"], moe["renormalize"] = "softmax", False, False
+        moe["single_weight"] = "prob"
+        moe["n_group"], moe["topk_group"] = 1, 1
 
 
-def _expert_style(present: set[str], m: ConfigDict) -> str:
+def _expert_style(present: set[str], m: ModelOptions) -> str:
+    """`fused` (transformers 5.x in-memory names) or `per_expert`, the expert count checked."""
     if any(n.endswith(".experts.gate_up_proj") for n in present):
         return "fused"
     first = next((i for i in range(m.num_layers) if is_moe_layer(m, i)), None)
@@ -207,7 +206,7 @@ def _expert_style(present: set[str], m: ConfigDict) -> str:
     return "per_expert"
 
 
-def _attention_maps(m: ModelOptions, hf: str, path: tuple[str, ...]) -> list[TensorMap]:
+def _mla_attention_maps(m: ModelOptions, hf: str, path: tuple[str, ...]) -> list[TensorMap]:
     if m.q_lora_rank:
         maps = [
             TensorMap(hf + "q_a_proj.weight", (*path, "q_down"), Linear(1)),
@@ -243,21 +242,21 @@ def _moe_maps(m: ModelOptions, hf: str, path: tuple[str, ...], style: str) -> li
                 maps.append(TensorMap(weight, (*path, leaf), Linear(1), expert=e))
     if m.moe.num_shared_experts:
         shared = tuple(f"{hf}shared_experts.{p}.weight" for p in QWEN_EXPERT_NAMES)
-        maps += _gated_ffn_maps(shared, (*path, "shared"))
+        maps += gated_ffn_maps(shared, (*path, "shared"))
     return maps
 
 
 def _layer_maps(m: ModelOptions, hf: str, path: tuple[str, ...], layer: int, style: str):
     """One decoder layer (HF prefix `hf`, jaxmoe `path`), dense or MoE as `layer` is."""
     maps = [TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME)]
-    maps += _attention_maps(m, hf + "self_attn.", (*path, "attn"))
+    maps += _mla_attention_maps(m, hf + "self_attn.", (*path, "attn"))
     maps.append(
         TensorMap(hf + "post_attention_layernorm.weight", (*path, "ffn_norm", "scale"), SAME)
     )
     if is_moe_layer(m, layer):
         return maps + _moe_maps(m, hf + "mlp.", (*path, "ffn"), style)
     names = tuple(f"{hf}mlp.{p}.weight" for p in QWEN_EXPERT_NAMES)
-    return maps + _gated_ffn_maps(names, (*path, "ffn"))
+    return maps + gated_ffn_maps(names, (*path, "ffn"))
 
 
 def _mtp_maps(m: ModelOptions, style: str) -> list[TensorMap]:
@@ -306,17 +305,20 @@ def deepseek_maps(m: ModelOptions, style: str = "per_expert") -> list[TensorMap]
     return maps + _mtp_maps(m, style)
 
 
-def deepseek_export_maps(m: ConfigDict) -> list[TensorMap]:
+def deepseek_export_maps(m: ModelOptions) -> list[TensorMap]:
     """deepseek_maps plus the MTP layers' copies of the embedding and output layer."""
     copies = [TensorMap(name, path, layout) for name, (_, path, layout) in mtp_copies(m).items()]
     return deepseek_maps(m) + copies
 
 
-def deepseek_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
-    style = read_deepseek(hf, present, m)
-    model = typed({"model": m}).model
+def deepseek_plan(hf: dict, present: set[str]) -> tuple[ModelOptions, ImportPlan]:
+    """names.import_plan for DeepSeek-V2/V3."""
+    m = model_keys()
+    read_deepseek(hf, present, m)
+    model = model_options(m)
+    style = _expert_style(present, model)
     copies = {name: source for name, (source, _, _) in mtp_copies(model).items()}
-    return ImportPlan(deepseek_maps(model, style), copies)
+    return model, ImportPlan(deepseek_maps(model, style), copies)
 
 
 # ----------------------------------------------------------------------------- export

@@ -16,16 +16,18 @@ What GPT-OSS computes and where jaxmoe has it (docs/gpt_oss.md):
 from dataclasses import dataclass
 
 import numpy as np
-from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.hf_config import (
+    ModelKeys,
     config_number,
     config_size,
+    model_keys,
+    model_options,
     read_decoder_sizes,
     read_rope,
 )
-from jaxmoe.conversions.hf.names import SAME, ImportPlan, Linear, TensorMap, _attention_maps
+from jaxmoe.conversions.hf.names import SAME, ImportPlan, Linear, TensorMap, attention_maps
 from jaxmoe.fields import as_dict
 from jaxmoe.models.attention_window import SLIDING, parse_layer_types
 from jaxmoe.models.options import ModelOptions
@@ -67,97 +69,99 @@ class InterleavedBias(InterleavedGateUp):
         return ("wi_1_bias", "wi_0_bias")[self.part]
 
 
-def read_gpt_oss(hf: dict, present: set[str], m: ConfigDict) -> None:
+def read_gpt_oss(hf: dict, present: set[str], m: ModelKeys) -> None:
     """Sets jaxmoe model config `m` from a GPT-OSS config.json `hf` (tensor names `present`)."""
     read_decoder_sizes(hf, present, m)
-    m.norm_eps = config_number(hf, "rms_norm_eps")
+    m["norm_eps"] = config_number(hf, "rms_norm_eps")
     _read_yarn(hf, m)
-    m.max_len = config_size(hf, "max_position_embeddings", 0)
-    m.tie_embeddings = bool(hf.get("tie_word_embeddings", False)) and (
+    m["max_len"] = config_size(hf, "max_position_embeddings", 0)
+    m["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False)) and (
         "lm_head.weight" not in present
     )
     bias = hf.get("attention_bias", True)
     if bias is not True:
         raise CheckpointError(f"config.json: attention_bias={bias!r}: GPT-OSS has biases")
-    m.qkv_bias = m.out_bias = m.attention_sinks = True
+    m["qkv_bias"] = m["out_bias"] = m["attention_sinks"] = True
     _read_layer_types(hf, m)
-    m.activation = "swiglu_clamped"
-    m.swiglu_alpha = config_number(hf, "swiglu_alpha", 1.702)
-    m.swiglu_limit = config_number(hf, "swiglu_limit", 7.0)
-    moe = m.moe
-    moe.num_experts = config_size(hf, "num_local_experts")
+    m["activation"] = "swiglu_clamped"
+    m["swiglu_alpha"] = config_number(hf, "swiglu_alpha", 1.702)
+    m["swiglu_limit"] = config_number(hf, "swiglu_limit", 7.0)
+    moe = m["moe"]
+    moe["num_experts"] = config_size(hf, "num_local_experts")
     k = config_size(hf, "num_experts_per_tok")
-    if k > moe.num_experts:
+    if k > moe["num_experts"]:
         raise CheckpointError(
-            f"config.json: num_experts_per_tok={k} exceeds num_local_experts={moe.num_experts}"
+            f"config.json: num_experts_per_tok={k} exceeds num_local_experts={moe['num_experts']}"
         )
-    m.ffn_dim = moe.ffn_dim = config_size(hf, "intermediate_size")
-    moe.every, moe.first_dense_layers, moe.dense_layers = 1, 0, ""
-    moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
-    moe.top_k, moe.renormalize, moe.single_weight, moe.eval_gating = k, True, "one", ""
-    moe.router_scoring, moe.router_bias, moe.expert_bias = "softmax", True, True
-    moe.capacity_factor, moe.jitter, moe.z_loss_weight = 0.0, 0.0, 0.0
-    moe.balance_loss_weight = config_number(hf, "router_aux_loss_coef", 0.0)
-    moe.num_shared_experts = 0
+    m["ffn_dim"] = moe["ffn_dim"] = config_size(hf, "intermediate_size")
+    moe["every"], moe["first_dense_layers"], moe["dense_layers"] = 1, 0, ""
+    moe["gating"] = {1: "top1", 2: "top2"}.get(k, "topk")
+    moe["top_k"], moe["renormalize"], moe["single_weight"], moe["eval_gating"] = k, True, "one", ""
+    moe["router_scoring"], moe["router_bias"], moe["expert_bias"] = "softmax", True, True
+    moe["capacity_factor"], moe["jitter"], moe["z_loss_weight"] = 0.0, 0.0, 0.0
+    moe["balance_loss_weight"] = config_number(hf, "router_aux_loss_coef", 0.0)
+    moe["num_shared_experts"] = 0
 
 
-def _read_yarn(hf: dict, m: ConfigDict) -> None:
+def _read_yarn(hf: dict, m: ModelKeys) -> None:
     """GPT-OSS's rotary scaling: yarn (or none); the others go through read_rope."""
     params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     if params.get("rope_type", params.get("type")) != "yarn":
         read_rope(hf, m)
         return
-    m.rope_theta = config_number(params if "rope_theta" in params else hf, "rope_theta")
-    m.rope_type = "yarn"
-    m.rope_factor = config_number(params, "factor")
-    m.rope_original_max_len = config_size(params, "original_max_position_embeddings")
-    m.rope_beta_fast = config_number(params, "beta_fast", 32.0)
-    m.rope_beta_slow = config_number(params, "beta_slow", 1.0)
-    m.rope_attention_factor = config_number(params, "attention_factor", 0.0)
+    m["rope_theta"] = config_number(params if "rope_theta" in params else hf, "rope_theta")
+    m["rope_type"] = "yarn"
+    m["rope_factor"] = config_number(params, "factor")
+    m["rope_original_max_len"] = config_size(params, "original_max_position_embeddings")
+    m["rope_beta_fast"] = config_number(params, "beta_fast", 32.0)
+    m["rope_beta_slow"] = config_number(params, "beta_slow", 1.0)
+    m["rope_attention_factor"] = config_number(params, "attention_factor", 0.0)
     for key in ("mscale", "mscale_all_dim"):
         if params.get(key):
             raise CheckpointError(f"config.json: rope_parameters.{key} with GPT-OSS attention")
     truncate = params.get("truncate", True)
     if not isinstance(truncate, bool):
         raise CheckpointError(f"config.json: rope_parameters.truncate={truncate!r} is no bool")
-    m.rope_truncate = truncate
+    m["rope_truncate"] = truncate
 
 
-def _read_layer_types(hf: dict, m: ConfigDict) -> None:
+def _read_layer_types(hf: dict, m: ModelKeys) -> None:
     types = hf.get("layer_types")
     if types is None:  # GptOssConfig's default: sliding, full, sliding, ...
-        types = [("sliding_attention", "full_attention")[i % 2] for i in range(m.num_layers)]
-    if not isinstance(types, list) or len(types) != m.num_layers:
+        types = [("sliding_attention", "full_attention")[i % 2] for i in range(m["num_layers"])]
+    if not isinstance(types, list) or len(types) != m["num_layers"]:
         raise CheckpointError(
-            f"config.json: layer_types must list num_hidden_layers={m.num_layers} kinds"
+            f"config.json: layer_types must list num_hidden_layers={m['num_layers']} kinds"
         )
     window = hf.get("sliding_window")
     sliding = "sliding_attention" in types
     if sliding and (not isinstance(window, int) or isinstance(window, bool) or window <= 0):
         raise CheckpointError(f"config.json: sliding_window={window!r} is not a positive integer")
     try:
-        parse_layer_types(",".join(types), m.num_layers, 1)
+        parse_layer_types(",".join(types), m["num_layers"], 1)
     except ValueError as error:
         raise CheckpointError(f"config.json: layer_types: {error}") from None
-    m.sliding_window = int(window) if sliding else 0
-    m.layer_types = ",".join(types) if sliding else ""
+    m["sliding_window"] = int(window) if sliding else 0
+    m["layer_types"] = ",".join(types) if sliding else ""
 
 
-def gpt_oss_plan(hf: dict, present: set[str], m: ConfigDict) -> ImportPlan:
+def gpt_oss_plan(hf: dict, present: set[str]) -> tuple[ModelOptions, ImportPlan]:
     """names.import_plan for GPT-OSS (importer.py asks here: this module builds on names.py,
     which therefore cannot import it)."""
+    m = model_keys()
     read_gpt_oss(hf, present, m)
-    return ImportPlan(gpt_oss_maps(m))
+    model = model_options(m)
+    return model, ImportPlan(gpt_oss_maps(model))
 
 
-def gpt_oss_maps(m: ConfigDict) -> list[TensorMap]:
+def gpt_oss_maps(m: ModelOptions) -> list[TensorMap]:
     """The tensor table of a jaxmoe GPT-OSS model `m` (import and export)."""
     maps = [TensorMap("model.embed_tokens.weight", ("embed", "embedding"), SAME)]
     for i in range(m.num_layers):
         hf, path = f"model.layers.{i}.", ("layers", str(i))
         attn = (*path, "attn")
         maps.append(TensorMap(hf + "input_layernorm.weight", (*path, "attn_norm", "scale"), SAME))
-        maps += _attention_maps(hf + "self_attn.", attn, "{}_proj.weight", qkv_bias=True)
+        maps += attention_maps(hf + "self_attn.", attn, "{}_proj.weight", qkv_bias=True)
         maps.append(TensorMap(hf + "self_attn.o_proj.bias", (*attn, "out_bias"), SAME))
         maps.append(TensorMap(hf + "self_attn.sinks", (*attn, "sinks"), SAME))
         maps.append(

@@ -18,10 +18,9 @@ in one line naming it. The reverse direction is export_moe.py.
 
 import re
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.conversions.hf.hf_config import (
+    ModelKeys,
     check_layer_count,
     config_number,
     config_size,
@@ -79,7 +78,7 @@ def _dense_layers(hf: dict, num_layers: int) -> str:
     return ",".join(str(i) for i in sorted(set(layers)))
 
 
-def _expert_style(present: set[str], m: ConfigDict) -> str:
+def _expert_style(present: set[str], m: ModelKeys) -> str:
     """`fused` (transformers 5.x in-memory names) or `per_expert` (save_pretrained's), with
     the expert count checked against the first MoE layer's tensors."""
     if any(n.endswith(".experts.gate_up_proj") for n in present):
@@ -90,51 +89,51 @@ def _expert_style(present: set[str], m: ConfigDict) -> str:
     if layers:
         first = min(layers)
         pattern = rf"model\.layers\.{first}\.mlp\.experts\.(\d+)\.gate_proj\."
-        check_layer_count(present, pattern, "num_experts", m.moe.num_experts)
+        check_layer_count(present, pattern, "num_experts", m["moe"]["num_experts"])
     return "per_expert"
 
 
-def read_moe_family(hf: dict, present: set[str], m: ConfigDict) -> str:
+def read_moe_family(hf: dict, present: set[str], m: ModelKeys) -> str:
     """Sets model config `m` from a Qwen3-MoE / Qwen2-MoE / OLMoE config.json `hf` (tensor
     names `present`); returns the experts' tensor style for names.decoder_maps."""
     family = hf["model_type"]
     _refuse_unsupported(hf, family)
-    m.qkv_bias = family == "qwen2_moe" and _flag(hf, "qkv_bias", True)
+    m["qkv_bias"] = family == "qwen2_moe" and _flag(hf, "qkv_bias", True)
     read_decoder_basics(hf, present, m)
-    m.qk_norm = QK_NORM[family]
-    if family == "olmoe" and m.num_heads * m.head_dim != m.d_model:
+    m["qk_norm"] = QK_NORM[family]
+    if family == "olmoe" and m["num_heads"] * m["head_dim"] != m["d_model"]:
         raise CheckpointError(
-            f"config.json: head_dim={m.head_dim} x num_attention_heads={m.num_heads} != "
-            f"hidden_size={m.d_model}: OLMoE's query norm spans hidden_size"
+            f"config.json: head_dim={m['head_dim']} x num_attention_heads={m['num_heads']} != "
+            f"hidden_size={m['d_model']}: OLMoE's query norm spans hidden_size"
         )
-    moe = m.moe
-    moe.num_experts = _num_experts(hf)
+    moe = m["moe"]
+    moe["num_experts"] = _num_experts(hf)
     k = config_size(hf, "num_experts_per_tok")
-    if k > moe.num_experts:
+    if k > moe["num_experts"]:
         raise CheckpointError(
-            f"config.json: num_experts_per_tok={k} exceeds num_experts={moe.num_experts}"
+            f"config.json: num_experts_per_tok={k} exceeds num_experts={moe['num_experts']}"
         )
     if family == "olmoe":  # experts as wide as intermediate_size, in every layer
-        moe.ffn_dim, moe.every, moe.dense_layers = m.ffn_dim, 1, ""
+        moe["ffn_dim"], moe["every"], moe["dense_layers"] = m["ffn_dim"], 1, ""
     else:
-        moe.ffn_dim = config_size(hf, "moe_intermediate_size")
-        moe.every = config_size(hf, "decoder_sparse_step", 1)
-        moe.dense_layers = _dense_layers(hf, m.num_layers)
-    moe.first_dense_layers = 0
+        moe["ffn_dim"] = config_size(hf, "moe_intermediate_size")
+        moe["every"] = config_size(hf, "decoder_sparse_step", 1)
+        moe["dense_layers"] = _dense_layers(hf, m["num_layers"])
+    moe["first_dense_layers"] = 0
     # Softmax over all experts, the top k kept; norm_topk_prob divides them by their sum.
     norm = _flag(hf, "norm_topk_prob", False)
-    moe.router_scoring = "softmax"
-    moe.gating = {1: "top1", 2: "top2"}.get(k, "topk")
-    moe.top_k = k
-    moe.renormalize = norm
-    moe.single_weight = "one" if norm else "prob"  # k = 1: p / p, or the raw p
-    moe.eval_gating = ""
-    moe.capacity_factor = 0.0  # dropless
-    moe.jitter = 0.0
-    moe.balance_loss_weight = config_number(hf, "router_aux_loss_coef", 0.0)
-    moe.z_loss_weight = 0.0  # trained without a router z-loss
+    moe["router_scoring"] = "softmax"
+    moe["gating"] = {1: "top1", 2: "top2"}.get(k, "topk")
+    moe["top_k"] = k
+    moe["renormalize"] = norm
+    moe["single_weight"] = "one" if norm else "prob"  # k = 1: p / p, or the raw p
+    moe["eval_gating"] = ""
+    moe["capacity_factor"] = 0.0  # dropless
+    moe["jitter"] = 0.0
+    moe["balance_loss_weight"] = config_number(hf, "router_aux_loss_coef", 0.0)
+    moe["z_loss_weight"] = 0.0  # trained without a router z-loss
     shared = family == "qwen2_moe"
-    moe.num_shared_experts = 1 if shared else 0
-    moe.shared_ffn_dim = config_size(hf, "shared_expert_intermediate_size") if shared else 0
-    moe.shared_expert_gate = shared
+    moe["num_shared_experts"] = 1 if shared else 0
+    moe["shared_ffn_dim"] = config_size(hf, "shared_expert_intermediate_size") if shared else 0
+    moe["shared_expert_gate"] = shared
     return _expert_style(present, m)

@@ -12,10 +12,10 @@ import dataclasses
 import shutil
 from pathlib import Path
 
-from ml_collections import ConfigDict
-
 from jaxmoe.checkpoints.manager import CheckpointError
-from jaxmoe.fields import as_dict
+from jaxmoe.config.schema import as_type
+from jaxmoe.errors import ConfigError
+from jaxmoe.fields import as_dict, value_type
 from jaxmoe.models.moe.gates import GateOptions
 from jaxmoe.models.options import MoEOptions
 
@@ -40,20 +40,21 @@ def gate_options(gate: GateOptions) -> dict:
     return as_dict(gate)
 
 
-def import_gate(hf: dict, moe: ConfigDict) -> None:
-    """`moe` (model.moe) routed as `jaxmoe_gate` of config.json `hf` says (convert hf of an
-    export); the values are checked when the config is (gates.GateOptions)."""
+def import_gate(hf: dict, moe: dict) -> None:
+    """The model.moe keys `moe` routed as `jaxmoe_gate` of config.json `hf` says (convert hf
+    of an export), each value of the type its key has (the values themselves are checked
+    with the model section: gates.GateOptions)."""
     gate = hf.get("jaxmoe_gate")
-    expected = {f.name for f in dataclasses.fields(GateOptions)}
-    if not isinstance(gate, dict) or set(gate) != expected:
+    fields = {f.name: f for f in dataclasses.fields(GateOptions)}
+    if not isinstance(gate, dict) or set(gate) != set(fields):
         raise CheckpointError(
-            f"config.json: jaxmoe_gate={gate!r} must be an object with keys {sorted(expected)}"
+            f"config.json: jaxmoe_gate={gate!r} must be an object with keys {sorted(fields)}"
         )
     for key, value in gate.items():
         try:
-            moe[key] = value
-        except TypeError:  # ConfigDict keeps each field's type
-            raise CheckpointError(f"config.json: jaxmoe_gate.{key}={value!r}") from None
+            moe[key] = as_type(f"config.json: jaxmoe_gate.{key}", value, value_type(fields[key]))
+        except ConfigError as error:
+            raise CheckpointError(str(error)) from None
 
 
 def remote_fields(moe: MoEOptions, gate: GateOptions) -> dict:

@@ -39,9 +39,9 @@ from jaxmoe.checkpoints.finite import check_finite
 from jaxmoe.checkpoints.manager import CheckpointError
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
-from jaxmoe.config.defaults import base_config
-from jaxmoe.config.schema import JobConfig
-from jaxmoe.conversions.t5x.moe import infer_moe, switch_recipe, t5x_moe_name
+from jaxmoe.config.loading import with_overrides
+from jaxmoe.config.schema import JobConfig, typed
+from jaxmoe.conversions.t5x.moe import SWITCH_RECIPE, infer_moe, t5x_moe_name
 from jaxmoe.conversions.t5x.reader import TensorTable, open_t5x
 from jaxmoe.models.spec import abstract_params
 from jaxmoe.models.stack import unrolled_config
@@ -244,42 +244,48 @@ def _ffn_form(table: TensorTable, src, num_layers: int, moe: dict) -> tuple[bool
     return gated, _shape(table, name, src, "model.ffn_dim")[1]
 
 
+# T5.1.1's pre-training recipe in T5X (its gin defaults), by section: T5X's Adafactor (decay
+# 0.8, update clipping 1.0, parameter scaling, no momentum), lr = 1 / sqrt(max(step, 10k)),
+# no weight decay or global clipping, no dropout, span corruption 15% / mean span 3,
+# output-logit z-loss 1e-4. Batch and lengths stay jaxmoe's (T5.1.1: 2048 sequences of 512
+# encoder / 114 decoder tokens).
+T5_1_1_RECIPE = {
+    "optimizer": {
+        "name": "t5x_adafactor",
+        "schedule": "t5x_rsqrt",
+        "learning_rate": 1.0,
+        "warmup_steps": 10_000,
+        "weight_decay": 0.0,
+        "grad_clip_norm": 0.0,
+        "decay_rate": 0.8,
+        "clipping_threshold": 1.0,
+        "momentum": 0.0,
+    },
+    "model": {"dropout_rate": 0.0},
+    "train": {"logits_z_loss": 1e-4},
+    "data": {"noise_density": 0.15, "mean_noise_span": 3.0},
+}
+
+
 def t5_1_1_recipe(config: ConfigDict) -> ConfigDict:
-    """T5.1.1's pre-training recipe in T5X (its gin defaults), set on `config` in place:
-    T5X's Adafactor (decay 0.8, update clipping 1.0, parameter scaling, no momentum),
-    lr = 1 / sqrt(max(step, 10k)), no weight decay or global clipping, no dropout, span
-    corruption 15% / mean span 3, output-logit z-loss 1e-4. Batch and lengths stay jaxmoe's
-    (T5.1.1: 2048 sequences of 512 encoder / 114 decoder tokens)."""
-    o = config.optimizer
-    o.name, o.schedule = "t5x_adafactor", "t5x_rsqrt"
-    o.learning_rate, o.warmup_steps = 1.0, 10_000
-    o.weight_decay, o.grad_clip_norm = 0.0, 0.0
-    o.decay_rate, o.clipping_threshold, o.momentum = 0.8, 1.0, 0.0
-    config.model.dropout_rate = 0.0
-    config.train.logits_z_loss = 1e-4
-    config.data.noise_density, config.data.mean_noise_span = 0.15, 3.0
+    """A config file's `config` with T5_1_1_RECIPE set (ConfigDict.update: section by
+    section)."""
+    config.update(T5_1_1_RECIPE)
     return config
 
 
 def build_config(model_values: dict, overrides=(), source_step: int = 0) -> JobConfig:
-    """The full jaxmoe config of a converted checkpoint: defaults, the inferred model (a
-    dense FFN, or MoE layers with Switch's routing options for a Flaxformer MoE checkpoint),
-    T5.1.1's recipe, the T5X step it stopped at (`source.step`), then the user's
-    `--config.*` overrides."""
-    from jaxmoe.config.loading import apply_overrides
-    from jaxmoe.config.validation import validate
-
-    config = t5_1_1_recipe(base_config())
-    for key, value in model_values.items():
-        if key != "moe":
-            config.model[key] = value
-    moe = model_values.get("moe", {"num_experts": 0})
-    config.model.moe.update(moe)
+    """The full jaxmoe config of a converted checkpoint: the inferred model (a dense FFN, or
+    MoE layers with Switch's routing options for a Flaxformer MoE checkpoint), T5.1.1's
+    recipe, the T5X step it stopped at (`source.step`), the defaults for the rest, then the
+    user's `--config.*` overrides."""
+    moe = {"num_experts": 0, **model_values.get("moe", {})}
     if moe["num_experts"]:
-        switch_recipe(config)
-    config.source = ConfigDict({"format": "t5x", "step": int(source_step)})
-    apply_overrides(config, overrides)
-    return validate(config)
+        moe |= SWITCH_RECIPE
+    values = {section: dict(keys) for section, keys in T5_1_1_RECIPE.items()}
+    values["model"] |= {**model_values, "moe": moe}
+    values["source"] = {"format": "t5x", "step": int(source_step)}
+    return with_overrides(typed(values), overrides)
 
 
 def plan_conversion(table: TensorTable, model_cfg, src) -> list[tuple[tuple[str, ...], str, tuple]]:

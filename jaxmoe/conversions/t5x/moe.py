@@ -106,13 +106,18 @@ def infer_moe(table, src, num_layers: dict[str, int]) -> dict:
     }
 
 
-def switch_recipe(config) -> None:
-    """The MoE options of Flaxformer's Switch configs that map to jaxmoe, set in place: top-1
-    routing weighted by the router probability, balance loss 0.01, no router z-loss, no
-    jitter. Capacity stays off (dropless): Flaxformer's capacity counts per group of up to
-    4096-8192 tokens across the batch, jaxmoe's per sequence (docs/t5x_moe.md)."""
-    moe = config.model.moe
-    moe.gating, moe.eval_gating = "top1", ""
-    moe.single_weight, moe.renormalize = "prob", False
-    moe.balance_loss_weight, moe.balance_fractions = 0.01, "auto"
-    moe.z_loss_weight, moe.jitter, moe.capacity_factor = 0.0, 0.0, 0.0
+# The model.moe options of Flaxformer's Switch configs that map to jaxmoe: top-1 routing
+# weighted by the router probability, balance loss 0.01, no router z-loss, no jitter.
+# Capacity stays off (dropless): Flaxformer's capacity counts per group of up to 4096-8192
+# tokens across the batch, jaxmoe's per sequence (docs/t5x_moe.md).
+SWITCH_RECIPE = {
+    "gating": "top1",
+    "eval_gating": "",
+    "single_weight": "prob",
+    "renormalize": False,
+    "balance_loss_weight": 0.01,
+    "balance_fractions": "auto",
+    "z_loss_weight": 0.0,
+    "jitter": 0.0,
+    "capacity_factor": 0.0,
+}

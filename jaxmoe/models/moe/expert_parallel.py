@@ -79,7 +79,9 @@ def _layout(mesh, x_shape, num_experts: int) -> tuple[P, int]:
         if size > 1 and length % (split * size) == 0:
             length_axes.append(axis)
             split *= size
-    length_axis = tuple(length_axes) if len(length_axes) > 1 else (length_axes or [None])[0]
+    length_axis: str | tuple[str, ...] | None = None
+    if length_axes:
+        length_axis = tuple(length_axes) if len(length_axes) > 1 else length_axes[0]
     ep = _size(mesh, EXPERT_AXIS)
     if EXPERT_AXIS not in batch_axes or num_experts % ep:
         ep = 1

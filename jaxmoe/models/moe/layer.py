@@ -146,7 +146,7 @@ class MoE(nnx.Module):
         router bias added when there is one). Routing analysis calls this too, so its
         decisions are the layer's to the bit."""
         router_in = x_BLD.astype(jnp.float32)
-        if train and self.jitter > 0:
+        if train and self.jitter_rngs is not None:  # model.moe.jitter > 0
             noise = jax.random.uniform(
                 self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
             )
@@ -194,37 +194,45 @@ class MoE(nnx.Module):
 
         dtype = x_BLD.dtype
         kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
-        experts = tuple(cast_weight(w[...], dtype) for w in kernels)
+        wi_0, wi_1, wo = (cast_weight(w[...], dtype) for w in kernels)
         # T5X's expert dropout: each expert's hidden units, one mask per expert shared by all
         # the tokens it serves this step (Flaxformer vmaps MlpBlock over experts, mask
         # broadcast along the tokens). On rows of wo that is the same product, value and
         # gradient, for every dispatch and exchange: (h * m_e) wo_e = h (m_e[:, None] * wo_e).
-        keep_EF1 = dropout_multiplier(self.expert_dropout, (*experts[2].shape[:2], 1), dtype, train)
+        keep_EF1 = dropout_multiplier(self.expert_dropout, (*wo.shape[:2], 1), dtype, train)
         if keep_EF1 is not None:
-            experts = (*experts[:2], experts[2] * keep_EF1)
-        options = dict(
-            act=self.act,
-            impl=self.impl,
-            block_size=self.block_size,
-            capacity=capacity,
-            quant=self.quant,
-        )
+            wo = wo * keep_EF1
+        experts: dispatch.Experts = (wi_0, wi_1, wo)
         x_in = x_BLD
         if hasattr(self, "wo_bias"):
             biases = (self.wi_0_bias[...].astype(dtype), self.wi_1_bias[...].astype(dtype))
             x_in, experts = expert_bias.with_bias_column(x_BLD, experts, *biases)
-        args = (x_in, indices_BLK, weights_BLK, keep_BLK, experts)
+        routed = (x_in, indices_BLK, weights_BLK, keep_BLK, experts)
         mesh = expert_parallel.current_mesh()
         overflow_BLK = jnp.zeros(keep_BLK.shape, bool)
         if mesh is None:
-            if not train:
-                options["impl"] = dispatch.inference_dispatch(self.impl, batch * length, capacity)
-            y_BLD = dispatch.local_moe_ffn(*args, **options)
+            impl = (
+                self.impl
+                if train
+                else dispatch.inference_dispatch(self.impl, batch * length, capacity)
+            )
+            y_BLD = dispatch.local_moe_ffn(
+                *routed,
+                act=self.act,
+                impl=impl,
+                block_size=self.block_size,
+                capacity=capacity,
+                quant=self.quant,
+            )
         else:
             y_BLD, overflow_BLK = expert_parallel.sharded_moe_ffn(
                 mesh,
-                *args,
-                **options,
+                *routed,
+                act=self.act,
+                impl=self.impl,
+                block_size=self.block_size,
+                capacity=capacity,
+                quant=self.quant,
                 exchange=self.ep_exchange,
                 buffer_factor=self.ep_buffer_factor,
             )
