@@ -103,3 +103,12 @@ def test_ragged_dot_is_estimated(compile_one_chip):
     assert cost["flops"] == flops and count_pallas_calls(hlo) == 0
     seconds, _ = step_time_estimate(cost, hlo)
     assert 1.0 <= seconds / (flops / V5P_PEAK) < 1.6
+
+
+def test_an_estimate_that_is_not_a_time_is_said_in_words():
+    assert step_time_estimate({"optimal_seconds": -7.998526}, "") == (
+        None,
+        "the compiler's estimate is not a time (-8 s)",
+    )
+    assert step_time_estimate({}, "") == (None, "the compiler gave none")
+    assert step_time_estimate({"optimal_seconds": 0.25}, "") == (0.25, "")

@@ -169,3 +169,30 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert scanned[:-2] == lines[:-2]
     with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):
         decode_main(str(tmp_path / "ckpt"))
+
+
+def test_top_k_or_top_p_without_a_temperature_samples_at_one(caplog):
+    """transformers samples when top-k/top-p are asked for; greedy decoding would ignore them."""
+    assert Sampling.from_flags(None) == Sampling(0.0, 0, 1.0)
+    assert Sampling.from_flags(None, top_p=0.9) == Sampling(1.0, 0, 0.9)
+    assert Sampling.from_flags(None, top_k=5) == Sampling(1.0, 5, 1.0)
+    assert Sampling.from_flags(0.7, top_p=0.9) == Sampling(0.7, 0, 0.9)
+    assert not caplog.records
+    with caplog.at_level("WARNING", logger="jaxmoe"):
+        assert Sampling.from_flags(0.0, top_p=0.9) == Sampling(0.0, 0, 0.9)
+    assert [r.getMessage() for r in caplog.records] == [
+        "--temperature 0 decodes greedily: --top_k=0 / --top_p=0.9 change nothing (leave out "
+        "--temperature, or give one > 0, to sample)"
+    ]
+    assert Sampling(1.0, 0, 0.9).describe() == "sample temperature=1.0 top_p=0.9"
+    assert Sampling().describe() == "greedy"
+
+
+@pytest.mark.parametrize("command", [["decode", "--prompt", "x"], ["eval", "--data", "embedded"]])
+def test_sampling_flags_leave_the_temperature_unset(command):
+    from jaxmoe.cli import build_parser
+
+    args = build_parser().parse_args(
+        [command[0], "--checkpoint", "c", *command[1:], "--top_p", "0.9"]
+    )
+    assert args.temperature is None and args.top_p == 0.9

@@ -235,3 +235,17 @@ def test_uptrain_alpha_override_reaches_train_steps(source):
         convert_gqa(str(root / "mha"), str(root / "mean"), num_kv_heads=2)
     config = load_config(f"configs/uptrain_gqa.py:{root / 'mean'}", ["--config.uptrain.alpha=0.5"])
     assert config.train.steps == 2
+
+
+def test_pooling_to_the_head_count_a_model_has_is_refused():
+    """It would write SRC again under a new name (an identical eval loss, to the last digit)."""
+    from jaxmoe.conversions.surgery import check_num_kv_heads
+
+    decoder = tiny_config("model.num_heads=4", "model.num_kv_heads=2").model
+    with pytest.raises(ValueError, match=r"already has 2 KV heads .* DST would equal SRC"):
+        check_num_kv_heads(decoder, 2, "mean", include_encoder=False)
+    check_num_kv_heads(decoder, 1, "mean", include_encoder=False)  # fewer: pooled
+    t5 = tiny_config("model.arch=encoder_decoder", "model.num_heads=4", "model.num_kv_heads=2")
+    with pytest.raises(ValueError, match="already has 2 KV heads"):
+        check_num_kv_heads(t5.model, 2, "mean", include_encoder=False)
+    check_num_kv_heads(t5.model, 2, "mean", include_encoder=True)  # its encoder has 4: pooled

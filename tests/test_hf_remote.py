@@ -10,6 +10,7 @@ from flax import nnx
 from transformers import AutoModelForCausalLM
 
 from jaxmoe.checkpoints.manager import save_params
+from jaxmoe.cli import main
 from jaxmoe.config.stored import read_config
 from jaxmoe.conversions.hf.exporter import export_hf
 from jaxmoe.conversions.hf.importer import convert_hf
@@ -69,11 +70,23 @@ def test_exported_gate_matches_jaxmoe_in_transformers(tmp_path, name):
     assert np.abs(other - want).max() > 1e-2
 
 
-def test_folder_refuses_to_load_without_trust_remote_code(tmp_path):
+def test_folder_refuses_to_load_without_trust_remote_code(tmp_path, capsys):
+    """...and `jaxmoe export hf` says so when it writes one (a Mixtral-gated one: nothing)."""
     _random_checkpoint(tmp_path / "ckpt", *GATES["adaptive"])
-    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
+    assert main(["export", "hf", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["trust_remote_code"] is True
+    assert err == (
+        f"note: {tmp_path / 'hf'} holds JaxmoeMoeForCausalLM, whose gate is Python code it "
+        "carries (modeling_jaxmoe_moe.py): transformers loads it, and its tokenizer, with "
+        "trust_remote_code=True\n"
+    )
     with pytest.raises(ValueError, match="trust_remote_code"):
         AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=False)
+    _random_checkpoint(tmp_path / "mixtral", "model.moe.gating=top2", "model.moe.renormalize=True")
+    assert main(["export", "hf", str(tmp_path / "mixtral"), str(tmp_path / "hf2")]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)["trust_remote_code"] is False and not err
 
 
 def test_convert_hf_reads_an_exported_gate_back(tmp_path):

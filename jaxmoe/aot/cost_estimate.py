@@ -55,8 +55,10 @@ def step_time_estimate(cost: dict, hlo_text: str) -> tuple[float | None, str]:
         reasons.append(f"{loops} while loops (the compiler counts a loop body once)")
     if kernels:
         reasons.append(f"{kernels} Pallas kernels (no time estimate for them)")
-    if seconds is None or seconds <= 0:
-        reasons.append(f"optimal_seconds={seconds}")
+    if seconds is None:
+        reasons.append("the compiler gave none")
+    elif seconds <= 0:  # e.g. megablox's kernels make it negative (the module doc)
+        reasons.append(f"the compiler's estimate is not a time ({seconds:.3g} s)")
     if reasons:
         return None, "; ".join(reasons)
     return float(seconds), ""

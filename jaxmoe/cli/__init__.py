@@ -18,6 +18,7 @@ from jaxmoe.cli import compile as compile_command  # not the builtins
 from jaxmoe.cli import config as config_command
 from jaxmoe.cli import eval as eval_command
 from jaxmoe.cli.flags import CommandParser
+from jaxmoe.cli.progress import announced
 from jaxmoe.errors import ConfigError
 from jaxmoe.parallel.environment import check_environment
 from jaxmoe.parallel.host_memory import retain_freed_host_memory
@@ -83,7 +84,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in COMPUTING:
         retain_freed_host_memory()  # before any backend starts its threads
     try:
-        with quiet_disk_full(), quiet_background_errors(), terminate_as_interrupt():
+        with (
+            quiet_disk_full(),
+            quiet_background_errors(),
+            terminate_as_interrupt(),
+            announced(args.command, _doing(args)),
+        ):
             args.overrides = overrides
             return args.run(args)
     except KeyboardInterrupt as interrupt:  # Ctrl-C or SIGTERM: `finally` blocks cleaned up
@@ -108,6 +114,25 @@ def main(argv: list[str] | None = None) -> int:
         _silence_abandoned_reads()  # first: the collector may report them while printing
         print(f"jaxmoe {args.command}: error: {error}", file=sys.stderr)
         return 2
+
+
+def _doing(args) -> str | None:
+    """What a command that can work for minutes before printing anything is doing (the
+    progress line at a terminal, cli/progress.py); None for the others."""
+    if args.command == "compile":
+        return (
+            f"compiling the train step of {args.config} for {args.topology} (the TPU "
+            f"compiler takes minutes for a large model)"
+        )
+    if args.command == "convert":
+        return f"converting {args.src} into {args.dst}"
+    if args.command == "export":
+        return (
+            f"exporting {args.ckpt} as {args.target} into {getattr(args, 'dst', None) or args.out}"
+        )
+    if args.command == "prepare":
+        return f"tokenizing and caching the data of {args.config}"
+    return None
 
 
 def _silence_abandoned_reads() -> None:

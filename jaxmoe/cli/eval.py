@@ -70,7 +70,12 @@ def add_generate_flags(parser) -> None:
     group.add_argument(
         "--length_penalty", type=non_negative_float, default=0.6, help="T5X's beam-search alpha"
     )
-    group.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 = greedy")
+    group.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=None,
+        help="0 = greedy; default: 1 when --top_k or --top_p is given, else 0",
+    )
     group.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
     group.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
     group.add_argument("--seed", type=non_negative_int, default=0)

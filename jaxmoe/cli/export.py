@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -46,9 +47,19 @@ def export_hf_summary(
         "architecture": hf_config["architectures"][0],
         "dtype": dtype,
         "tokenizer": any((Path(dst) / name).exists() for name in TOKENIZER_FILES),
+        # transformers runs the model's own code (a gate Mixtral's has not) only when asked.
+        "trust_remote_code": "auto_map" in hf_config,
         "seconds": round(time.perf_counter() - start, 2),
     }
     print(json.dumps(summary))
+    if summary["trust_remote_code"]:
+        modules = sorted({name.split(".")[0] + ".py" for name in hf_config["auto_map"].values()})
+        print(
+            f"note: {dst} holds {summary['architecture']}, whose gate is Python code it "
+            f"carries ({', '.join(modules)}): transformers loads it, and its tokenizer, with "
+            f"trust_remote_code=True",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -28,26 +28,29 @@ def add_parser(subparsers) -> None:
     parser.set_defaults(run=run)
 
 
+# A test hook, never a user setting (the README does not show it): tests/test_readme.py runs
+# the README's commands exactly as typed and caps every training at this many steps, so the
+# walkthrough fits in CI's time.
+TEST_MAX_STEPS_ENV = "JAXMOE_TEST_MAX_STEPS"
+
+
 def run(args) -> int:
+    import os
+
     import jax
 
+    from jaxmoe.storage.paths import absolute_path
     from jaxmoe.training.init_from import run_config
     from jaxmoe.training.loop import train
+    from jaxmoe.training.run_report import report
 
     config = run_config(args.config, args.overrides)
+    if os.environ.get(TEST_MAX_STEPS_ENV):
+        config.train.steps = min(config.train.steps, int(os.environ[TEST_MAX_STEPS_ENV]))
     initialize_from_flags(args)
     summary = train(config, args.workdir, progress=not args.no_progress)
     if jax.process_index() == 0:
+        print("\n".join(report(summary, absolute_path(args.workdir), config)))
         ev = summary["eval"] or {}
-        if summary["stopped"] == "preempted":
-            print(f"preempted at step {summary['step']}: checkpoint saved; rerun to resume")
-        print(
-            f"done: step {summary['step']}, eval loss {ev.get('loss', float('nan')):.4f} "
-            f"(perplexity {ev.get('perplexity', float('nan')):.2f}, "
-            f"accuracy {ev.get('accuracy', float('nan')):.3f})\n"
-            f"checkpoints: {summary['checkpoints']}\n"
-            f"tensorboard: tensorboard --logdir {summary['tensorboard']}\n"
-            f"metrics:     {summary['metrics']}"
-        )
         print(json.dumps({"step": summary["step"], **{f"eval_{k}": v for k, v in ev.items()}}))
     return 0

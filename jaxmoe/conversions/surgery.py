@@ -106,9 +106,16 @@ def check_num_kv_heads(model_cfg, num_kv_heads: int, method: str, include_encode
             f"--num_kv_heads={num_kv_heads} does not divide model.num_heads={heads} "
             f"(query heads must split into equal groups)"
         )
+    targets = gqa_targets(model_cfg, include_encoder)
+    if {kv_heads for _, _, kv_heads in targets} == {num_kv_heads}:
+        raise ValueError(
+            f"--num_kv_heads={num_kv_heads}: the checkpoint already has {num_kv_heads} KV "
+            f"heads wherever they would be pooled (model.num_kv_heads="
+            f"{model_cfg.num_kv_heads}), so DST would equal SRC; give fewer (1 = MQA)"
+        )
     if method == "random":
         return
-    for stack, module, kv_heads in gqa_targets(model_cfg, include_encoder):
+    for stack, module, kv_heads in targets:
         if kv_heads % num_kv_heads:
             key = "encoder_num_kv_heads" if stack == "encoder_layers" else "num_kv_heads"
             raise ValueError(

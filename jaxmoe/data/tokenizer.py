@@ -142,13 +142,22 @@ class Tokenizer:
 
 def open_tokenizer(path: str, eos_token: str = ""):
     """The tokenizer at `path`: a Hugging Face tokenizer.json (or a folder holding one),
-    else a SentencePiece model file. `eos_token` (data.eos_token) names the EOS of a
-    tokenizer.json whose files do not."""
+    else a SentencePiece model file (or a folder holding one without a tokenizer.json: a
+    checkpoint's `tokenizer/`, T5's `spiece.model`). `eos_token` (data.eos_token) names the
+    EOS of a tokenizer.json whose files do not."""
     from jaxmoe.data import hf_tokenizer  # imports `tokenizers` only when asked for
 
+    if os.path.isdir(path) and not os.path.exists(hf_tokenizer.tokenizer_file(path)):
+        for name in SENTENCEPIECE_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                return Tokenizer(os.path.join(path, name))
     if path.endswith(".json") or os.path.isdir(path):
         return hf_tokenizer.HFTokenizer(path, eos_token=eos_token)
     return Tokenizer(path)
+
+
+# A folder's SentencePiece model, by the names checkpoints and Hugging Face give it.
+SENTENCEPIECE_FILES = ("tokenizer.model", "spiece.model")
 
 
 def with_bos(tokenizer, ids: list[int]) -> list[int]:

@@ -50,6 +50,33 @@ class Sampling:
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"--top_p={self.top_p} must be in (0, 1] (1 = off)")
 
+    @classmethod
+    def from_flags(cls, temperature: float | None, top_k: int = 0, top_p: float = 1.0):
+        """The decoding `--temperature/--top_k/--top_p` ask for. top-k and top-p narrow the
+        distribution a token is sampled from: without a temperature they sample at 1 (as
+        transformers' do_sample does); with temperature 0 (greedy) they would change
+        nothing, and a warning says so once."""
+        narrowed = top_k > 0 or top_p < 1.0
+        if temperature is None:
+            temperature = 1.0 if narrowed else 0.0
+        elif temperature == 0.0 and narrowed:
+            log.warning(
+                "--temperature 0 decodes greedily: --top_k=%d / --top_p=%s change nothing "
+                "(leave out --temperature, or give one > 0, to sample)",
+                top_k,
+                top_p,
+            )
+        return cls(temperature, top_k, top_p)
+
+    def describe(self) -> str:
+        """'greedy', or what is sampled ('sample temperature=1.0 top_p=0.9')."""
+        if self.temperature == 0.0:
+            return "greedy"
+        narrowing = (f" top_k={self.top_k}" if self.top_k else "") + (
+            f" top_p={self.top_p}" if self.top_p < 1.0 else ""
+        )
+        return f"sample temperature={self.temperature}{narrowing}"
+
 
 def fit_context(
     prompts: list[list[int]],

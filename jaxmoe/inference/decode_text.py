@@ -38,7 +38,7 @@ def decode_main(
     prompt: str | None = None,
     prompts_file: str | None = None,
     max_new_tokens: int = 64,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -58,7 +58,7 @@ def decode_main(
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.trained_model import TrainedModel
 
-    sampling = Sampling(temperature, top_k, top_p)
+    sampling = Sampling.from_flags(temperature, top_k, top_p)
     texts = read_prompts(prompt, prompts_file)
     model = TrainedModel.open(checkpoint, config=config, overrides=overrides)
     config, tokenizer, mesh = model.config, model.tokenizer, model.mesh
@@ -85,6 +85,7 @@ def decode_main(
         "prefill_s": result.prefill_s,
         "decode_s": result.decode_s,
         "compile_s": result.compile_s,
+        "decoding": sampling.describe(),
         # What one more token of context costs in the decode cache, all layers together.
         "cache_bytes_per_token": cache_bytes_per_token(config.model),
         "checkpoint": model.checkpoint,

@@ -129,7 +129,7 @@ def generate_eval(
     max_new_tokens: int = 64,
     num_beams: int = 1,
     length_penalty: float = 0.6,
-    temperature: float = 0.0,
+    temperature: float | None = None,
     top_k: int = 0,
     top_p: float = 1.0,
     seed: int = 0,
@@ -152,9 +152,12 @@ def generate_eval(
     path = data_spec.removeprefix("jsonl:")
     numbered = read_numbered_pairs(path)
     pairs = [(inputs, targets) for _, inputs, targets in numbered]
-    sampling = Sampling(temperature, top_k, top_p)
-    if num_beams > 1 and temperature > 0:
-        raise ValueError("--num_beams > 1 searches; it does not sample (use --temperature=0)")
+    if num_beams > 1 and (temperature or top_k or top_p < 1.0):
+        raise ValueError(
+            "--num_beams > 1 searches; it does not sample (leave out --temperature, --top_k "
+            "and --top_p)"
+        )
+    sampling = Sampling.from_flags(temperature, top_k, top_p)
     from jaxmoe.inference.trained_model import checkpoint_config
 
     if config is None:
@@ -200,7 +203,7 @@ def generate_eval(
         **text_metrics(predictions, targets),
         "decoding": f"beam{num_beams} alpha={length_penalty}"
         if num_beams > 1
-        else ("greedy" if temperature == 0 else f"sample temperature={temperature}"),
+        else sampling.describe(),
         "new_tokens": total.num_new_tokens,
         "decode_steps": total.steps,
         "tokens_per_s": total.tokens_per_s,

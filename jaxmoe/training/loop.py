@@ -30,6 +30,7 @@ from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.storage.paths import absolute_path
+from jaxmoe.training.curves import CURVES_FILE, write_curves
 from jaxmoe.training.freezing import frozen_tree, with_frozen
 from jaxmoe.training.goodput import Goodput
 from jaxmoe.training.metrics import MetricsWriter, wandb_options
@@ -286,6 +287,19 @@ def _train(
                 f"{error}; changed since checkpoint {start}: {', '.join(changed)}; resume "
                 f"with the values it was saved with, or start a new --workdir"
             ) from None
+        if start >= total_steps:  # finished: nothing to compile, train or evaluate again
+            checkpoints.close()
+            if hasattr(data.train, "close"):
+                data.train.close()  # stops the prefetch thread
+            return {
+                "step": start,
+                "eval": None,
+                "stopped": "finished",
+                "checkpoints": str(checkpoints.directory),
+                "tensorboard": str(workdir_path / "tensorboard"),
+                "metrics": str(workdir_path / "metrics.jsonl"),
+                "curves": None,
+            }
     else:
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
@@ -429,9 +443,21 @@ def _train(
         "metrics": str(writer.path),
     }
     writer.close()
+    if jax.process_index() == 0:
+        summary["curves"] = _draw_curves(workdir_path)
     if stop_reason and stop_reason != "preempted":
         raise RuntimeError(stop_reason)
     return summary
+
+
+def _draw_curves(workdir_path) -> str | None:
+    """WORKDIR/curves.png from the metrics just written; a picture that cannot be drawn is
+    a warning, never the run's failure."""
+    try:
+        return write_curves(workdir_path)
+    except Exception as error:
+        log.warning("could not draw %s/%s: %s", workdir_path, CURVES_FILE, error)
+        return None
 
 
 class _IntervalTimer:

@@ -22,7 +22,6 @@ stored config records it (`source.step`) beside T5.1.1's pre-training recipe, so
 converts T5X's Adafactor moments (optimizer.py) into an `opt_state` item.
 """
 
-import json
 import os
 import re
 import shutil
@@ -36,7 +35,7 @@ from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.dtypes import output_dtype
 from jaxmoe.checkpoints.finite import check_finite
-from jaxmoe.checkpoints.manager import CheckpointError
+from jaxmoe.checkpoints.manager import CheckpointError, write_config
 from jaxmoe.checkpoints.staging import refuse_existing, staged_directory
 from jaxmoe.checkpoints.trees import flatten, unflatten
 from jaxmoe.config.loading import with_overrides
@@ -398,8 +397,7 @@ def convert_t5x(
         if opt_state is not None:
             with ocp.StandardCheckpointer() as checkpointer:
                 checkpointer.save(staging / "opt_state", opt_state)
-        (staging / "config").mkdir()
-        (staging / "config" / "config.json").write_text(json.dumps(config.to_dict(), indent=1))
+        write_config(staging, config)  # with a copy of a tokenizer named by data.tokenizer
     return config
 
 
