@@ -57,11 +57,16 @@ def source(tmp_path_factory):
 
 
 def test_groups_equal_to_heads_is_the_identity(source):
-    root, config, params = source
-    convert_gqa(str(root / "mha"), str(root / "same"), num_kv_heads=H)
-    new_config, new_params = load(root / "same")
-    assert new_config.to_dict() == config.to_dict()
-    jax.tree.map(np.testing.assert_array_equal, new_params, params)
+    """Pooling H heads into H groups changes nothing, so the command refuses to write it."""
+    root, _, params = source
+    for method in ("mean", "first"):
+        for layer in params["layers"].values():
+            for name in ("key", "value"):
+                kernel = np.asarray(layer["attn"][name])
+                np.testing.assert_array_equal(pool_kv_heads(kernel, H, method), kernel)
+    with pytest.raises(ValueError, match="DST would equal SRC"):
+        convert_gqa(str(root / "mha"), str(root / "same"), num_kv_heads=H)
+    assert not (root / "same").exists()
 
 
 @pytest.mark.parametrize("method", ["mean", "first"])
@@ -245,6 +250,7 @@ def test_pooling_to_the_head_count_a_model_has_is_refused():
     with pytest.raises(ValueError, match=r"already has 2 KV heads .* DST would equal SRC"):
         check_num_kv_heads(decoder, 2, "mean", include_encoder=False)
     check_num_kv_heads(decoder, 1, "mean", include_encoder=False)  # fewer: pooled
+    check_num_kv_heads(decoder, 2, "random", include_encoder=False)  # fresh K/V: a change
     t5 = tiny_config("model.arch=encoder_decoder", "model.num_heads=4", "model.num_kv_heads=2")
     with pytest.raises(ValueError, match="already has 2 KV heads"):
         check_num_kv_heads(t5.model, 2, "mean", include_encoder=False)

@@ -107,7 +107,7 @@ def check_num_kv_heads(model_cfg, num_kv_heads: int, method: str, include_encode
             f"(query heads must split into equal groups)"
         )
     targets = gqa_targets(model_cfg, include_encoder)
-    if {kv_heads for _, _, kv_heads in targets} == {num_kv_heads}:
+    if method != "random" and {kv for _, _, kv in targets} == {num_kv_heads}:
         raise ValueError(
             f"--num_kv_heads={num_kv_heads}: the checkpoint already has {num_kv_heads} KV "
             f"heads wherever they would be pooled (model.num_kv_heads="
