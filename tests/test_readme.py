@@ -7,8 +7,9 @@ Two things differ from a user's machine, both invisible to the README:
 
 - `pip install` really runs (it resolves every requirement of the extra against what is
   installed, builds jaxmoe and installs it into the new venv), but offline: the packages it
-  finds already installed are this test run's own (its site-packages on PYTHONPATH, the CI
-  venv's), with no index and no build isolation. So nothing is downloaded at test time.
+  finds already installed are this test run's own (links to the CI venv's site-packages,
+  its jaxmoe left out, on PYTHONPATH), with no index and no build isolation. So nothing is
+  downloaded at test time.
 - `JAXMOE_TEST_MAX_STEPS` caps every `jaxmoe train` (cli/train.py's test hook): the first
   command's 600 steps take minutes on 2 cores.
 
@@ -157,19 +158,32 @@ def _fresh_clone(where: Path) -> Path:
     return clone
 
 
+def _installed_packages(links: Path) -> Path:
+    """A folder of links to what this test run has installed, without jaxmoe: the clone's
+    venv must import the clone's jaxmoe (the editable install's finder module has the same
+    name in every venv), and pip must not find a jaxmoe installed already."""
+    links.mkdir()
+    for site in {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}:
+        for entry in Path(site).iterdir():
+            name = entry.name.lower()
+            if "jaxmoe" in name or entry.suffix == ".pth" or (links / entry.name).exists():
+                continue  # .pth files run only in a venv's own site-packages
+            (links / entry.name).symlink_to(entry)
+    return links
+
+
 def _user_env(where: Path) -> dict:
     """A new user's shell: a fresh HOME, `python3` the base interpreter, nothing of this
     test run's environment but the offline package source (see the module doc)."""
     bin_dir = where / "bin"
     bin_dir.mkdir()
     (bin_dir / "python3").symlink_to(getattr(sys, "_base_executable", sys.executable))
-    installed = {sysconfig.get_paths()[k] for k in ("purelib", "platlib")}
     env = {
         "PATH": f"{bin_dir}:/usr/local/bin:/usr/bin:/bin",
         "HOME": str(where / "home"),
         "LANG": "C.UTF-8",
         "TMPDIR": os.environ.get("TMPDIR", "/tmp"),
-        "PYTHONPATH": os.pathsep.join(sorted(installed)),
+        "PYTHONPATH": str(_installed_packages(where / "site-packages")),
         "PIP_NO_INDEX": "1",
         "PIP_NO_BUILD_ISOLATION": "0",  # pip reads this variable inverted: 0 = no isolation
         "PIP_CONFIG_FILE": os.devnull,
