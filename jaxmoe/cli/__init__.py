@@ -131,7 +131,9 @@ def _doing(args) -> str | None:
             f"exporting {args.ckpt} as {args.target} into {getattr(args, 'dst', None) or args.out}"
         )
     if args.command == "prepare":
-        return f"tokenizing and caching the data of {args.config}"
+        # No --config: the config `jaxmoe train` would run (prepare.py's default).
+        config = args.config or "configs/default.py (or the init_from checkpoint's config)"
+        return f"tokenizing and caching the data of {config}"
     return None
 
 
