@@ -46,7 +46,8 @@ def run(args) -> int:
 
     config = run_config(args.config, args.overrides)
     if os.environ.get(TEST_MAX_STEPS_ENV):
-        config.train.steps = min(config.train.steps, int(os.environ[TEST_MAX_STEPS_ENV]))
+        steps = min(config.train.steps, int(os.environ[TEST_MAX_STEPS_ENV]))
+        config = config.replace(train=config.train.replace(steps=steps))
     initialize_from_flags(args)
     summary = train(config, args.workdir, progress=not args.no_progress)
     if jax.process_index() == 0:
