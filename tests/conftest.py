@@ -36,3 +36,10 @@ jax.config.update(
 
 # Session fixtures, imported here so every test module sees them.
 from tests.fixtures_data import data_cache, embedded_data_cache  # noqa: E402, F401
+
+# Each lane's wall time and slowest tests to a dated JSON (JAXMOE_TEST_TIMES, .ci/run).
+from tests.lane_times import (  # noqa: E402, F401
+    pytest_runtest_logreport,
+    pytest_sessionfinish,
+    pytest_sessionstart,
+)
