@@ -12,7 +12,6 @@ with the step like `params`; converted ones get the folder in their staging dire
 """
 
 import dataclasses
-import os
 
 import jax
 import orbax.checkpoint as ocp
@@ -57,24 +56,6 @@ def write_tokenizer_files(folder, files: dict[str, bytes]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     for name, data in files.items():
         (folder / name).write_bytes(data)
-
-
-def copy_tokenizer_dir(src_checkpoint, dst_checkpoint) -> bool:
-    """`src_checkpoint`/tokenizer/ copied into `dst_checkpoint` (convert gqa / upcycle);
-    False when the source holds none. Regular files only: a symlink is never followed."""
-    source = epath.Path(src_checkpoint) / TOKENIZER_DIR
-    if not source.is_dir():
-        return False
-    if is_remote(source):
-        files = {child.name: child.read_bytes() for child in source.iterdir()}
-    else:
-        files = {
-            child.name: read_file(child, f"tokenizer file {child.name}", TOKENIZER_LIMIT)
-            for child in source.iterdir()
-            if child.is_file() and not os.path.islink(child)
-        }
-    write_tokenizer_files(epath.Path(dst_checkpoint) / TOKENIZER_DIR, files)
-    return True
 
 
 def check_tokenizer_fits(tokenizer, model_vocab: int, where: str) -> None:

@@ -4,11 +4,9 @@ import argparse
 
 from jaxmoe.cli.flags import (
     add_checkpoint_flags,
+    add_sampling_flags,
     checkpoint_config_override,
-    non_negative_float,
-    non_negative_int,
     positive_int,
-    probability,
 )
 from jaxmoe.inference.choices import SPECULATIVE
 from jaxmoe.storage.paths import absolute_path
@@ -24,15 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--prompts_file", type=absolute_path, help="a text file, one prompt per non-empty line"
     )
     parser.add_argument("--max_new_tokens", type=positive_int, default=64)
-    parser.add_argument(
-        "--temperature",
-        type=non_negative_float,
-        default=None,
-        help="0 = greedy; default: 1 when --top_k or --top_p is given, else 0",
-    )
-    parser.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
-    parser.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
-    parser.add_argument("--seed", type=non_negative_int, default=0)
+    add_sampling_flags(parser)
     parser.add_argument(
         "--speculative",
         choices=SPECULATIVE,

@@ -6,12 +6,12 @@ import json
 from jaxmoe.cli.flags import (
     add_checkpoint_flags,
     add_distributed_flags,
+    add_sampling_flags,
     checkpoint_config_override,
     initialize_from_flags,
     non_negative_float,
     non_negative_int,
     positive_int,
-    probability,
     writable_file,
 )
 
@@ -70,15 +70,7 @@ def add_generate_flags(parser) -> None:
     group.add_argument(
         "--length_penalty", type=non_negative_float, default=0.6, help="T5X's beam-search alpha"
     )
-    group.add_argument(
-        "--temperature",
-        type=non_negative_float,
-        default=None,
-        help="0 = greedy; default: 1 when --top_k or --top_p is given, else 0",
-    )
-    group.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
-    group.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
-    group.add_argument("--seed", type=non_negative_int, default=0)
+    add_sampling_flags(group)
     group.add_argument(
         "--stop",
         action="append",

@@ -180,3 +180,17 @@ def module_docstring(name: str) -> str:
     spec = importlib.util.find_spec(name)
     with open(spec.origin, encoding="utf-8") as source:
         return ast.get_docstring(ast.parse(source.read())) or ""
+
+
+def add_sampling_flags(parser) -> None:
+    """The sampling flags of `jaxmoe decode` and `jaxmoe eval --task generate` (a parser or
+    an argument group): temperature, top-k, top-p and the sampling seed."""
+    parser.add_argument(
+        "--temperature",
+        type=non_negative_float,
+        default=None,
+        help="0 = greedy; default: 1 when --top_k or --top_p is given, else 0",
+    )
+    parser.add_argument("--top_k", type=non_negative_int, default=0, help="0 = off")
+    parser.add_argument("--top_p", type=probability, default=1.0, help="1 = off")
+    parser.add_argument("--seed", type=non_negative_int, default=0)

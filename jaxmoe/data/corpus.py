@@ -39,7 +39,6 @@ TEXT = RecordFields("text", ("text",))
 TRAIN = "train"
 VALIDATION = "validation"
 LOCAL_SPLITS = (TRAIN, VALIDATION)
-DEFAULT_VALIDATION_FRACTION = 0.05
 
 # One or more blank (whitespace-only) lines separate paragraphs.
 _PARAGRAPH_BREAK = re.compile(r"\n[ \t\r\f\v]*(?:\n[ \t\r\f\v]*)*\n")

@@ -264,8 +264,3 @@ class LatentAttention(nnx.Module):
 def _pad_last(x, width: int):
     extra = width - x.shape[-1]
     return x if not extra else jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, extra)])
-
-
-def latent_cache_width(cfg) -> int:
-    """Numbers one MLA layer caches per token: the latent and the shared rotary key."""
-    return cfg.kv_lora_rank + cfg.qk_rope_head_dim

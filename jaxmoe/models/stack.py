@@ -336,11 +336,6 @@ def stack_sizes(cfg) -> dict[str, int]:
     return {"layers": cfg.num_layers}
 
 
-def is_stacked(params, cfg) -> bool:
-    """Whether a params tree holds its layers in the scanned layout."""
-    return any(_stacked_tree(params.get(name, {})) for name in stack_sizes(cfg))
-
-
 def _stacked_tree(layers: dict) -> bool:
     return HEAD in layers or PERIOD in layers or TAIL in layers
 
