@@ -1,11 +1,12 @@
-"""Peak HBM per chip and compile time of a pod train step against MaxText, ahead of time.
+"""Peak memory per device and compile time of a pod or GPU-cluster train step against MaxText,
+ahead of time.
 
-Both systems compile the same training step for a TPU topology on this host (libtpu's
-compile-only devices, no TPU needed), each in its own process, one after the other (never
-two compiles at once): `jaxmoe compile --json` and MaxText's
-`maxtext.trainers.pre_train.train_compile`, whose "Memory analysis" line gives the same
-per-chip sum jaxmoe reports as peak_hbm_bytes (arguments + outputs - aliases + temporaries +
-generated code). Cases:
+Both systems compile the same training step for a TPU topology or an NVIDIA GPU cluster on
+this host (compile-only devices: libtpu's, or JAX's CUDA plugin's; no TPU or GPU needed),
+each in its own process, one after the other (never two compiles at once): `jaxmoe compile
+--json` and MaxText's `maxtext.trainers.pre_train.train_compile`, whose "Memory analysis"
+line gives the same per-device sum jaxmoe reports as peak_hbm_bytes (arguments + outputs -
+aliases + temporaries + generated code). TPU cases:
 
 - mixtral_8x7b: Mixtral-8x7B on v5p-256 (128 chips), 128 sequences of 2048 tokens per step
   (one per chip, no micro-batches), bf16 compute, f32 weights, AdamW, fsdp 16 x expert 8,
@@ -42,6 +43,19 @@ generated code). Cases:
   quantization=int8, AQT); jaxmoe's rows add its compiled products by operand types
   (`dot_types`: "s8 x s8 -> s32" are the int8 ones).
 
+GPU cases (H100 nodes of 8, one 4096-token sequence per GPU, no micro-batches, full remat,
+bf16 compute, f32 weights, AdamW, cuDNN flash attention, dropless experts through
+`ragged_dot`; MaxText with sparse_matmul and without megablox, its GPU settings). MaxText
+runs through benchmarks/maxtext_gpu_compile.py on jaxmoe's compile-only devices for the
+same cluster, in its own venv with JAX's CUDA plugin (`--maxtext_gpu_venv`, default
+~/.cache/maxtext_gpu_venv: `pip install "maxtext[tpu]==0.2.5" "jax[cuda13]==0.12.0.1"`):
+
+- mixtral_8x7b_h100: Mixtral-8x7B top-2 (configs/mixtral_8x7b_adaptive.py:top2) on
+  h100-32 (4 nodes), 32 x 4096 tokens, fsdp 4 x expert 8;
+- qwen3_30b_a3b_h100: Qwen3-30B-A3B on h100-16 (2 nodes), 16 x 4096 tokens, fsdp 2 x
+  expert 8;
+- deepseek2_16b_h100: DeepSeek-V2-Lite on h100-8 (1 node), 8 x 4096 tokens, expert 8.
+
 The two venvs carry different compilers (jaxmoe's jax 0.10.2 with libtpu 0.0.42.1 here,
 MaxText's jax 0.12 with libtpu 0.0.52), and the older libtpu reports about 2.3 GiB more
 temporaries per chip for the same jaxmoe program on Mixtral-8x7B, none of them in its own
@@ -60,8 +74,12 @@ virtual environment (`--maxtext_venv`, default ~/.cache/maxtext_venv):
     python -m benchmarks pod_compile_peer [--cases mixtral_8x7b]   # a table
     python -m benchmarks pod_compile_peer --json   # + docs/results/DATE-pod_compile_peer.json
     python -m benchmarks pod_compile_peer --cases qwen3_30b_a3b --systems maxtext jaxmoe@maxtext_env
+    python -m benchmarks pod_compile_peer --cases mixtral_8x7b_h100 \
+        --systems maxtext jaxmoe@maxtext_env
 
 Without that venv the MaxText column is skipped with one line and jaxmoe is still measured.
+For GPU cases, `jaxmoe` runs under this interpreter, which needs the `gpu` extra;
+`jaxmoe@maxtext_env` under MaxText's, whose CUDA plugin and cuDNN then compile both.
 """
 
 import argparse
@@ -84,6 +102,7 @@ from benchmarks.peer_harness import (
 )
 from benchmarks.results import add_json_flag, publish
 
+DEFAULT_MAXTEXT_GPU_VENV = os.environ.get("MAXTEXT_GPU_VENV", "~/.cache/maxtext_gpu_venv")
 GiB = 2**30
 SAME_COMPILER = "jaxmoe@maxtext_env"  # jaxmoe run by MaxText's interpreter
 SYSTEMS = ("maxtext", "jaxmoe", SAME_COMPILER)
@@ -264,6 +283,62 @@ CASES |= {
     ),
 }
 
+# MaxText's GPU settings shared by the GPU cases: dropless experts through ragged_dot (no
+# megablox: a TPU kernel), cuDNN flash attention, as jaxmoe's defaults on GPU.
+_MAXTEXT_GPU = [
+    "max_target_length=4096",
+    "remat_policy=full",
+    "sparse_matmul=true",
+    "megablox=false",
+    "dtype=bfloat16",
+    "weight_dtype=float32",
+    "attention=cudnn_flash_jax",
+]
+# One sequence per GPU; MaxText's batch is per device of one 8-GPU node, so x nodes.
+GPU_CASES = {
+    "mixtral_8x7b_h100": {
+        "platform": "gpu",
+        "topology": "h100-32",
+        "jaxmoe": [
+            "configs/mixtral_8x7b_adaptive.py:top2",
+            "--config.train.batch_size=32",
+            "--config.train.grad_accum=1",
+            "--config.train.seq_len=4096",
+        ],
+        "maxtext": [
+            "model_name=mixtral-8x7b",
+            "per_device_batch_size=4",
+            "ici_fsdp_parallelism=4",
+            "ici_expert_parallelism=8",
+            *_MAXTEXT_GPU,
+        ],
+    },
+    "qwen3_30b_a3b_h100": {
+        "platform": "gpu",
+        "topology": "h100-16",
+        "jaxmoe": ["configs/qwen3_30b_a3b.py", "--config.train.batch_size=16"],
+        "maxtext": [
+            "model_name=qwen3-30b-a3b",
+            "per_device_batch_size=2",
+            "ici_fsdp_parallelism=2",
+            "ici_expert_parallelism=8",
+            *_MAXTEXT_GPU,
+        ],
+    },
+    "deepseek2_16b_h100": {
+        "platform": "gpu",
+        "topology": "h100-8",
+        "jaxmoe": ["configs/deepseek2_16b.py", "--config.train.batch_size=8"],
+        "maxtext": [
+            "model_name=deepseek2-16b",
+            "per_device_batch_size=1",
+            "ici_fsdp_parallelism=1",
+            "ici_expert_parallelism=8",
+            *_MAXTEXT_GPU,
+        ],
+    },
+}
+CASES |= GPU_CASES
 
 MEMORY_FIELDS = (
     "generated_code_size_in_bytes",
@@ -295,8 +370,16 @@ def parse_memory_analysis(log: str) -> dict:
     }
 
 
+def is_gpu_case(case: dict) -> bool:
+    return case.get("platform") == "gpu"
+
+
 def maxtext_command(venv: Path, case: dict, output_dir: str) -> list[str]:
-    """MaxText's train_compile for a case (its base.yml comes from the installed package)."""
+    """MaxText's train_compile for a case (its base.yml comes from the installed package);
+    for a GPU cluster, through benchmarks/maxtext_gpu_compile.py (which finds base.yml)."""
+    if is_gpu_case(case):
+        runner = [str(venv / "bin" / "python"), "-m", "benchmarks.maxtext_gpu_compile"]
+        return [*runner, case["topology"], *case["maxtext"], f"base_output_directory={output_dir}"]
     base = venv / "lib"
     configs = sorted(base.glob("python3*/site-packages/maxtext/configs/base.yml"))
     if not configs:
@@ -345,8 +428,11 @@ def compile_env() -> dict:
 
 
 def run_maxtext(venv: Path, case: dict) -> dict:
+    env = compile_env()
+    if is_gpu_case(case):  # benchmarks.maxtext_gpu_compile imports jaxmoe from this checkout
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     with tempfile.TemporaryDirectory() as out:
-        result, timing = timed(maxtext_command(venv, case, out), compile_env())
+        result, timing = timed(maxtext_command(venv, case, out), env)
     log = result.stdout + result.stderr
     if result.returncode:
         tail = [line for line in log.strip().splitlines() if line.strip()][-1:]
@@ -354,11 +440,20 @@ def run_maxtext(venv: Path, case: dict) -> dict:
     return {**parse_memory_analysis(log), **timing}
 
 
-def compiler_versions(python: str) -> dict:
-    """The jax and libtpu versions an interpreter compiles with."""
+COMPILER_PACKAGES = ("jax", "libtpu", "jax-cuda13-plugin", "jax-cuda12-plugin",
+                     "nvidia-cudnn-cu13", "nvidia-cudnn-cu12")  # fmt: skip
+
+
+def compiler_versions(python: str, gpu: bool = False) -> dict:
+    """The jax and libtpu versions an interpreter compiles with; for GPU cases jax, its CUDA
+    plugin and cuDNN (those installed)."""
+    names = COMPILER_PACKAGES[2:] if gpu else COMPILER_PACKAGES[1:2]
     code = (
-        "import importlib.metadata as m, json; "
-        "print(json.dumps({k: m.version(k) for k in ('jax', 'libtpu')}))"
+        "import importlib.metadata as m, json\n"
+        "def v(k):\n"
+        "    try: return m.version(k)\n"
+        "    except m.PackageNotFoundError: return None\n"
+        f"print(json.dumps({{k: v(k) for k in {('jax', *names)!r} if v(k)}}))"
     )
     result = subprocess.run([python, "-c", code], capture_output=True, text=True)
     return json.loads(result.stdout) if result.returncode == 0 else {}
@@ -381,17 +476,18 @@ def run_jaxmoe(case: dict, python: str = sys.executable) -> dict:
 
 
 def run(args) -> dict:
-    venv = Path(args.maxtext_venv).expanduser()
-    maxtext_python = venv_python(venv)
-    have_maxtext = maxtext_python is not None
-    if not have_maxtext:
-        print(f"MaxText is not installed in {venv}: its column is skipped", file=sys.stderr)
     rows, loads = [], []
-    pythons = [sys.executable] + ([str(maxtext_python)] if have_maxtext else [])
-    versions = {python: compiler_versions(python) for python in pythons}
     wanted = set(args.systems)
     for name in args.cases:
         case = CASES[name]
+        gpu = is_gpu_case(case)
+        venv = Path(args.maxtext_gpu_venv if gpu else args.maxtext_venv).expanduser()
+        maxtext_python = venv_python(venv)
+        have_maxtext = maxtext_python is not None
+        if not have_maxtext:
+            print(f"MaxText is not installed in {venv}: its column is skipped", file=sys.stderr)
+        pythons = [sys.executable] + ([str(maxtext_python)] if have_maxtext else [])
+        versions = {python: compiler_versions(python, gpu) for python in pythons}
         row = {"case": name, "topology": case["topology"]}
         if have_maxtext and "maxtext" in wanted:
             compiler = versions[str(maxtext_python)]
@@ -412,7 +508,8 @@ def run(args) -> dict:
             row["jaxmoe_over_maxtext_cpu"] = round(jm["cpu_s"] / mt["cpu_s"], 2)
         rows.append(row)
     # A compile keeps about one core busy.
-    return {"rows": rows, "maxtext_venv": str(venv), "quiet": is_quiet(loads or [0.0], 1)}
+    venvs = {"maxtext_venv": args.maxtext_venv, "maxtext_gpu_venv": args.maxtext_gpu_venv}
+    return {"rows": rows, **venvs, "quiet": is_quiet(loads or [0.0], 1)}
 
 
 def _gib(system: dict) -> str:
@@ -423,7 +520,7 @@ def _gib(system: dict) -> str:
 
 def table(result: dict) -> str:
     lines = [
-        "| case | topology | system | peak HBM / chip | compile wall (CPU) | load | compiler |",
+        "| case | topology | system | peak per device | compile wall (CPU) | load | compiler |",
         "|---|---|---|---|---|---|---|",
     ]
     for row in result["rows"]:
@@ -454,6 +551,11 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--maxtext_venv", default=DEFAULT_MAXTEXT_VENV, help="MaxText's venv")
+    parser.add_argument(
+        "--maxtext_gpu_venv",
+        default=DEFAULT_MAXTEXT_GPU_VENV,
+        help="MaxText's venv with JAX's CUDA plugin, for the GPU cases",
+    )
     parser.add_argument(
         "--systems",
         nargs="+",

@@ -17,11 +17,9 @@ pytest.importorskip(
 )
 
 from jaxmoe.aot import compile_check as compile_module
-from jaxmoe.aot.compile_check import (
-    all_to_all_bytes,
-    compile_for_topology,
-    count_collectives,
-)
+from jaxmoe.aot.compile_check import compile_for_topology
+from jaxmoe.aot.hlo_reading import all_to_all_bytes, count_collectives
+from jaxmoe.aot.report import format_report
 from jaxmoe.aot.topologies import parse_topology, topology_devices
 from jaxmoe.cli import build_parser
 from jaxmoe.errors import ConfigError
@@ -332,4 +330,4 @@ def test_loop_free_step_reports_the_compilers_estimate(v5p_8):
     assert seconds >= v5p_8["hlo_flops_per_device"] / 459e12  # no faster than v5p's peak
     mfu = v5p_8["model_flops_per_step"] / (seconds * 4 * 459e12)  # 4 chips
     assert v5p_8["estimated_mfu"] == pytest.approx(mfu)
-    assert "compiler's step estimate" in compile_module.format_report(v5p_8)
+    assert "compiler's step estimate" in format_report(v5p_8)

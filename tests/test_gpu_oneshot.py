@@ -162,6 +162,8 @@ def test_run_sh_dry_run_in_the_image_set(wheel_folder, tmp_path):
     attention = result["attention"]
     assert attention["kernel"] == "dot_product_attention" and attention["passed"], attention
     assert "attention dot_product_attention (xla)" in run.stdout
+    # The preflight of the tiny model needs JAX's CUDA plugin, which the image set here lacks.
+    assert result["aot_prediction_tiny"] == {"skipped": "JAX's CUDA plugin is not installed"}
     # The blocker saw the run: no data or metrics package was imported from anywhere.
     (imported,) = [
         set(p.read_text().split())
@@ -170,3 +172,19 @@ def test_run_sh_dry_run_in_the_image_set(wheel_folder, tmp_path):
     ]
     assert {"jax", "torch", "transformers", "ml_collections"} <= imported
     assert not imported & {"grain", "tensorflow_datasets", "array_record", "tensorboardX"}
+
+
+def test_measured_peak_against_the_preflight():
+    """The GPU's peak counter never resets: a model's measured peak is its own only where
+    the counter rose during its steps."""
+    from benchmarks.gpu.oneshot import memory_check, preflight_lines
+
+    predicted = {"topology": "h200-1", "peak_hbm_bytes": 40 * 2**30}
+    own = memory_check(predicted, {"peak_bytes_in_use": 2**30}, {"peak_bytes_in_use": 44 * 2**30})
+    assert own == {"measured_peak_bytes": 44 * 2**30, "peak_set_here": True,
+                   "measured_over_predicted": 1.1}  # fmt: skip
+    earlier = memory_check(predicted, {"peak_bytes_in_use": 50}, {"peak_bytes_in_use": 50})
+    assert earlier["peak_set_here"] is False
+    rows = {"dense": {"jaxmoe": {"aot_prediction": predicted, "memory": own}}}
+    (line,) = preflight_lines({"models": rows})
+    assert line == "preflight dense (h200-1): predicted 40.00 GiB, measured 44.00 GiB"

@@ -74,3 +74,30 @@ def test_without_maxtext_jaxmoe_is_still_measured(tmp_path, capsys, monkeypatch)
     assert 0 < row["jaxmoe"]["peak_hbm_bytes"] < 95.74 * 2**30
     assert row["jaxmoe"]["wall_s"] > 0 and isinstance(result["quiet"], bool)
     assert "| tiny | v5p-8 | jaxmoe |" in captured.out
+
+
+def test_gpu_cases_run_maxtext_on_jaxmoes_devices_at_one_sequence_per_gpu(tmp_path):
+    """MaxText runs through benchmarks/maxtext_gpu_compile.py on the same cluster name; both
+    systems take one 4096-token sequence per GPU (MaxText counts its per-device batch over
+    one 8-GPU node, so it is x nodes)."""
+    from jaxmoe.aot.topologies import parse_target
+
+    bench = load_bench()
+    command = bench.maxtext_command(tmp_path, bench.CASES["mixtral_8x7b_h100"], "/out")
+    assert command[:4] == [
+        str(tmp_path / "bin/python"),
+        "-m",
+        "benchmarks.maxtext_gpu_compile",
+        "h100-32",
+    ]
+    for setting in ("model_name=mixtral-8x7b", "ici_fsdp_parallelism=4",
+                    "ici_expert_parallelism=8", "attention=cudnn_flash_jax", "megablox=false",
+                    "base_output_directory=/out"):  # fmt: skip
+        assert setting in command
+    for name, case in bench.GPU_CASES.items():
+        gpus = parse_target(case["topology"]).num_chips
+        settings = dict(s.split("=", 1) for s in case["maxtext"])
+        assert int(settings["per_device_batch_size"]) * 8 == gpus, name
+        assert settings["max_target_length"] == "4096"
+        batch = [a for a in case["jaxmoe"] if a.startswith("--config.train.batch_size=")]
+        assert batch == [f"--config.train.batch_size={gpus}"], name

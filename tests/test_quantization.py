@@ -181,7 +181,7 @@ def test_tiny_moe_loss_and_grads_near_unquantized(kind):
 
 
 def test_compile_report_counts_dots_by_operand_types():
-    from jaxmoe.aot.compile_check import count_dot_types
+    from jaxmoe.aot.hlo_reading import count_dot_types
 
     mode = Quantization("int8")
 

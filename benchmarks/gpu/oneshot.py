@@ -13,6 +13,9 @@ after its share is spent is recorded as skipped, never half-run):
      Llama-style model and Mixtral-style top-2 and adaptive MoE models of ~2.4B parameters;
   4. the same models' step in PyTorch + transformers (SDPA attention, bf16 autocast,
      gradient checkpointing): eager, then torch.compile; the faster one is the peer.
+  With each model of 3, the preflight checked: `jaxmoe compile`'s prediction for one GPU
+  of the kind found (compiled for compile-only devices from jaxmoe's description of it,
+  aot/gpu_topologies.py) against the peak memory the GPU measured (memory_stats()).
   Before 3, the attention kernel check: one bf16 attention of the dense model's shape
   through model.attention_kernel=auto (cuDNN flash attention on GPU) against jaxmoe's XLA
   path, outputs, gradients and forward + backward time. The models run with `auto`.
@@ -35,6 +38,7 @@ import traceback
 
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12}
 EQUALITY_STEPS, RTOL = 5, 1e-3
+DRY_RUN_GPU = "NVIDIA H200 141GB HBM3e"  # the preflight the dry run checks: the image's GPU
 WARMUP, TIMED = 2, 5
 
 # Models of ~2.4B parameters that fill an H200 with AdamW state (16 bytes a parameter).
@@ -92,11 +96,11 @@ TINY = {
     "train.batch_size": 4,
 }
 # Seconds each part may start within (from the run's start); the whole run must end < 8 min.
-SHARE = {"equality": 0.15, "jaxmoe": 0.55, "torch": 0.95}
+SHARE = {"equality": 0.15, "aot": 0.45, "jaxmoe": 0.55, "torch": 0.95}
 
 
 # The least time left in which a part is started (first compile and steps of a 2.4B model).
-NEEDS_S = {"equality": 30.0, "jaxmoe": 60.0, "torch": 45.0}
+NEEDS_S = {"equality": 30.0, "aot": 90.0, "jaxmoe": 60.0, "torch": 45.0}
 
 
 class TimeUp(Exception):
@@ -307,18 +311,61 @@ def attention_check(platform: str) -> dict:
     }
 
 
-def jaxmoe_throughput(name: str, peak: float) -> dict:
+def aot_prediction(config, device_kind: str) -> dict:
+    """What `jaxmoe compile` predicts for this step on one GPU of `device_kind`, compiled
+    for a compile-only device (JAX's CUDA plugin, jaxmoe's description of the GPU)."""
+    from jaxmoe.aot.gpu_topologies import cuda_plugin_installed
+    from jaxmoe.parallel.chips import gpu_of_kind
+
+    gpu = gpu_of_kind(device_kind)
+    if gpu is None:
+        return {"skipped": f"jaxmoe/parallel/chips.py does not describe {device_kind!r}"}
+    if not cuda_plugin_installed():
+        return {"skipped": "JAX's CUDA plugin is not installed"}
+    from jaxmoe.aot.compile_check import compile_for_topology
+
+    report = compile_for_topology(config, f"{gpu.name}-1")
+    keys = ("verdict", "peak_hbm_bytes", "argument_bytes", "temp_bytes", "hbm_bytes")
+    return {"topology": report["topology"], **{key: report[key] for key in keys}} | {
+        "gpu_kernels": report["gpu_kernels"],
+        "compile_s": round(report["lower_s"] + report["compile_s"], 1),
+    }
+
+
+def memory_check(predicted: dict, before: dict, after: dict) -> dict:
+    """The GPU's measured peak (memory_stats) against the prediction. The peak counter never
+    resets: it is this model's own only where it rose during this model's steps."""
+    peak = after.get("peak_bytes_in_use", 0)
+    result = {
+        "measured_peak_bytes": peak,
+        "peak_set_here": peak > before.get("peak_bytes_in_use", 0),
+    }
+    if "peak_hbm_bytes" in predicted and peak:
+        result["measured_over_predicted"] = round(peak / predicted["peak_hbm_bytes"], 3)
+    return result
+
+
+def jaxmoe_throughput(name: str, peak: float, clock: Clock | None = None) -> dict:
     import jax
 
     from jaxmoe.models import attention_kernel
 
     config = make_config(MODELS[name])
+    device = jax.devices("gpu")[0]
+    predicted = {"skipped": "time budget spent"}
+    if clock is None or clock.allows("aot"):
+        try:
+            predicted = aot_prediction(config, device.device_kind)
+        except Exception as error:  # recorded: the run itself still tells what the step does
+            predicted = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
     logged_before = set(attention_kernel.fallbacks())
-    steps = JaxSteps(config, jax.devices("gpu")[0])
+    memory_before = device.memory_stats() or {}
+    steps = JaxSteps(config, device)
     compile_s = steps.step()
     for _ in range(WARMUP - 1):
         steps.step()
     times = sorted(steps.step() for _ in range(TIMED))
+    memory = memory_check(predicted, memory_before, device.memory_stats() or {})
     fraction = None
     if config.model.moe.num_experts:
         fraction = float(steps.metrics["top2_fraction"])
@@ -330,6 +377,8 @@ def jaxmoe_throughput(name: str, peak: float) -> dict:
             config.model.attention_kernel, "gpu"
         ),
         "attention_fallbacks": sorted(set(attention_kernel.fallbacks()) - logged_before),
+        "aot_prediction": predicted,
+        "memory": memory,
     }
 
 
@@ -438,6 +487,37 @@ def gpu_peak(device) -> float:
     return next((flops for key, flops in PEAK_BF16.items() if key in name), 0.0)
 
 
+def preflight_lines(result: dict) -> list[str]:
+    """`jaxmoe compile`'s predicted peak per model against the GPU's measured one."""
+    lines = []
+    gib = 2**30
+    for name, row in result["models"].items():
+        aot, memory = row.get("jaxmoe", {}).get("aot_prediction", {}), row.get("jaxmoe", {})
+        memory = memory.get("memory", {})
+        if "peak_hbm_bytes" not in aot:
+            if aot.get("error") or aot.get("skipped"):
+                lines.append(f"preflight {name}: {aot.get('error') or aot.get('skipped')}")
+            continue
+        measured = memory.get("measured_peak_bytes", 0)
+        own = "" if memory.get("peak_set_here") else " (an earlier model's peak)"
+        lines.append(
+            f"preflight {name} ({aot['topology']}): predicted {aot['peak_hbm_bytes'] / gib:.2f} "
+            f"GiB, measured {measured / gib:.2f} GiB{own}"
+        )
+    tiny = result.get("aot_prediction_tiny", {})
+    if "peak_hbm_bytes" in tiny:
+        kernels = tiny["gpu_kernels"]
+        lines.append(
+            f"preflight of the tiny model for {tiny['topology']}: {tiny['verdict']}, "
+            f"{tiny['peak_hbm_bytes'] / 2**20:.1f} MiB, cuDNN attention "
+            f"{kernels['cudnn_attention_forward']} forward / "
+            f"{kernels['cudnn_attention_backward']} backward"
+        )
+    elif tiny:
+        lines.append(f"preflight of the tiny model: {tiny.get('skipped') or tiny.get('error')}")
+    return lines
+
+
 def table(result: dict) -> str:
     lines = [
         "| model | params | system | tokens/s | step s | TFLOP/s | MFU | jaxmoe / torch |",
@@ -456,6 +536,7 @@ def table(result: dict) -> str:
                 f"{r.get('tokens_per_s', note or '-')} | {r.get('step_s', '-')} | "
                 f"{r.get('tflops_per_s', '-')} | {mfu} | {ratio if system == 'jaxmoe' else ''} |"
             )
+    lines += preflight_lines(result)
     eq = result["equality"]
     if "max_rel_diff" in eq:
         verdict = "passed" if eq["passed"] else "FAILED"
@@ -530,7 +611,7 @@ def run(args) -> dict:
             row["torch"] = {"skipped": "dry run"}
         elif clock.allows("jaxmoe"):
             try:
-                row["jaxmoe"] = jaxmoe_throughput(name, peak)
+                row["jaxmoe"] = jaxmoe_throughput(name, peak, clock)
             except (Exception, TimeUp) as error:
                 row["jaxmoe"] = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
                 traceback.print_exc()
@@ -539,6 +620,11 @@ def run(args) -> dict:
             row["jaxmoe"] = {"skipped": "time budget spent"}
         result["timings_s"][f"jaxmoe_{name}"] = round(clock.elapsed(), 1)
     if args.dry_run:  # the peer's code path, on a tiny model on the CPU
+        try:  # the preflight's, for the image's GPU (where its CUDA plugin is importable)
+            aot = aot_prediction(make_config({**TINY, "model.dtype": "bfloat16"}), DRY_RUN_GPU)
+        except Exception as error:
+            aot = {"error": f"{type(error).__name__}: {str(error).splitlines()[0]}"}
+        result["aot_prediction_tiny"] = aot
         times = torch_steps(make_config(TINY), 2, "cpu", False, 2)
         result["torch_cpu_tiny_step_s"] = round(times[-1], 4)
     else:

@@ -1,16 +1,20 @@
-"""`jaxmoe compile`: compile the real train step for a TPU topology, ahead of time, anywhere.
+"""`jaxmoe compile`: compile the real train step for a TPU pod or a GPU cluster, ahead of
+time, anywhere.
 
 The same model_spec / state_shardings / train_step that `jaxmoe train` jits are lowered with
-abstract inputs (ShapeDtypeStructs carrying their shardings) on a mesh of libtpu's
-compile-only devices, and compiled by the TPU compiler on this host: no TPU is needed. The
-report says whether one step fits in HBM and what it costs, before a pod is allocated.
+abstract inputs (ShapeDtypeStructs carrying their shardings) on a mesh of compile-only
+devices (libtpu's for TPU topologies, JAX's CUDA plugin's for GPU clusters), and compiled
+by that platform's compiler on this host: no TPU or GPU is needed. The report says whether
+one step fits in device memory and what it costs, before the machines are allocated.
 
     jaxmoe compile --config configs/t5_1_1_xxl_gqa8.py --topology v5p-128 [--num_slices 2]
         [--step_time 1.5] [--json] [--config.mesh.fsdp=32 ...]
+    jaxmoe compile --config configs/mixtral_8x7b_adaptive.py:top2 --topology h100-32
 
 Exit status: 0 the step fits, 2 it does not (out of memory) or the check failed.
 """
 
+import contextlib
 import functools
 import math
 import re
@@ -21,27 +25,27 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
 from jaxmoe.aot.cost_estimate import count_while_loops, pallas_kernels, step_time_estimate
-from jaxmoe.aot.topologies import Topology, parse_topology, topology_devices
+from jaxmoe.aot.gpu_topologies import GpuTopology, software_versions
+from jaxmoe.aot.hlo_reading import (
+    all_to_all_bytes,
+    collectives_across,
+    count_collectives,
+    count_dcn_transfers,
+    count_dot_types,
+    gpu_kernels,
+)
+from jaxmoe.aot.topologies import Topology, parse_target, target_devices
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.attention import AUTO
+from jaxmoe.models.attention_kernel import fallback_counts
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
-from jaxmoe.parallel.chips import GiB
 from jaxmoe.parallel.device_memory import state_bytes_per_device
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import state_shardings
 from jaxmoe.training.steps import step_fns, train_step
-
-COLLECTIVES = (
-    "all-reduce",
-    "all-gather",
-    "reduce-scatter",
-    "all-to-all",
-    "ragged-all-to-all",  # the expert-parallel exchange sized to the routing
-    "collective-permute",
-)
 
 
 def model_vocab_size(config) -> int:
@@ -60,18 +64,19 @@ def model_vocab_size(config) -> int:
     return config.data.vocab_size + (EXTRA_IDS if config.span_corruption else 0)
 
 
-def for_tpu(config):
-    """A copy of `config` with what `jaxmoe train` decides at run time fixed as on a TPU."""
+def for_platform(config, platform: str):
+    """A copy of `config` with what `jaxmoe train` decides at run time fixed as on
+    `platform` ("tpu" or "gpu")."""
     model = config.model.replace(vocab_size=model_vocab_size(config))
     moe = model.moe
     if moe.num_experts and moe.dispatch == "auto":
         # "auto" picks by the default backend, which here is this host's CPU.
         from jaxmoe.models.moe.dispatch import resolve_dispatch
 
-        dispatch = resolve_dispatch("auto", moe.capacity_factor, backend="tpu")
+        dispatch = resolve_dispatch("auto", moe.capacity_factor, backend=platform)
         model = model.replace(moe=moe.replace(dispatch=dispatch))
     if model.attention_block == AUTO:
-        model = model.replace(attention_block=0)  # what AUTO picks on a TPU: dense attention
+        model = model.replace(attention_block=0)  # what AUTO picks off CPU: dense attention
     return config.replace(model=model)
 
 
@@ -109,101 +114,6 @@ def abstract_batch(config, mesh: Mesh) -> dict[str, jax.ShapeDtypeStruct]:
     }
 
 
-def count_collectives(hlo_text: str) -> dict[str, int]:
-    """Collective ops in a compiled HLO module, by kind (each op once, loops not unrolled).
-
-    Counts plain and async (`-start`) ops, and the TPU's fused collectives (a kCustom fusion
-    calling e.g. %all-reduce-scatter.3) by their fusion, not the ops inside them.
-    """
-    counts = dict.fromkeys(COLLECTIVES, 0)
-    kind_of_name = [("all-reduce-scatter", "reduce-scatter")] + [(k, k) for k in COLLECTIVES]
-
-    def kind(name: str) -> str | None:
-        return next((k for prefix, k in kind_of_name if name.startswith(prefix)), None)
-
-    fused_bodies = set()
-    for match in re.finditer(r"^%([\w.-]+) \(", hlo_text, re.MULTILINE):
-        if kind(match.group(1)):
-            fused_bodies.add(match.group(1))
-    body = None
-    for line in hlo_text.splitlines():
-        header = re.match(r"^(?:ENTRY )?%([\w.-]+) \(", line)
-        if header:
-            body = header.group(1)
-            continue
-        if body in fused_bodies:
-            continue
-        called = re.search(r"\bcalls=%([\w.-]+)", line)
-        if called and called.group(1) in fused_bodies:
-            counts[kind(called.group(1))] += 1
-            continue
-        op = re.search(r"= .*?\s([a-z-]+)(?<!-done)\(", line)
-        if op:
-            name = op.group(1).removesuffix("-start")
-            if name in counts:
-                counts[name] += 1
-    return counts
-
-
-_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([\w.-]+) = (\w+)\[", re.MULTILINE)
-_TYPED = r"(?:(\w+)\[[^\]]*\](?:\{[^}]*\})? )?"  # an operand's type, where the text prints it
-_DOT = re.compile(
-    r"^\s*(?:ROOT )?%[\w.-]+ = (\w+)\[[^=]*? (?:dot|convolution|ragged-dot)\("
-    + _TYPED
-    + r"%([\w.-]+), "
-    + _TYPED
-    + r"%([\w.-]+)",
-    re.MULTILINE,
-)
-
-
-def count_dot_types(hlo_text: str) -> dict[str, int]:
-    """Matrix products in a compiled HLO module by operand and result types ("s8 x s8 ->
-    s32": int8 products, "f8e4m3fn x f8e4m3fn -> f32": fp8 ones), fused bodies included,
-    each instruction once (loops not unrolled): where model.quantization shows."""
-    types = dict(_DEFINITION.findall(hlo_text))  # instruction names are unique per module
-    counts: dict[str, int] = {}
-    for out, lhs_type, lhs, rhs_type, rhs in _DOT.findall(hlo_text):
-        lhs_type, rhs_type = lhs_type or types.get(lhs, "?"), rhs_type or types.get(rhs, "?")
-        key = f"{lhs_type} x {rhs_type} -> {out}"
-        counts[key] = counts.get(key, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2}
-
-
-def all_to_all_bytes(hlo_text: str) -> int:
-    """Bytes the all-to-all ops' results hold, per device, each op once (loop bodies once).
-
-    A padded all_to_all moves all of it whatever the routing. Ragged all-to-alls are left
-    out: their output shapes only bound the rows that the routing moves at run time.
-    """
-    total = 0
-    for result in re.findall(r"= (\(.*?\)|\S+) all-to-all(?:-start)?\(", hlo_text):
-        for dtype, dims in re.findall(r"([a-z]+\d*)\[([\d,]*)\]", result):
-            size = math.prod(int(d) for d in dims.split(",") if d)
-            total += size * _DTYPE_BYTES.get(dtype, 8 if dtype.endswith("64") else 4)
-    return total
-
-
-def count_dcn_transfers(hlo_text: str) -> dict[str, int]:
-    """Cross-slice (data-center network) transfers in a multislice program, by kind.
-
-    The TPU compiler turns each slice's share of a cross-slice collective into a host
-    transfer to the multislice runtime (a `send` tagged `_xla_megascale_transfer_type`,
-    e.g. ALL_REDUCE); collectives inside a slice stay ordinary HLO collectives.
-    """
-    counts: dict[str, int] = {}
-    for line in hlo_text.splitlines():
-        if " send(" not in line:
-            continue
-        kind = re.search(r'_xla_megascale_transfer_type="(\w+)"', line)
-        if kind:
-            counts[kind.group(1)] = counts.get(kind.group(1), 0) + 1
-    return counts
-
-
 def _compile_error_numbers(message: str) -> dict:
     """Sizes named in a TPU out-of-memory message, as bytes ('95.74G' -> 95.74 GiB)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
@@ -239,29 +149,31 @@ def jitted_train_step(config, mesh: Mesh):
 def compile_for_topology(
     config, topology: str, num_slices: int = 1, step_time_s: float | None = None
 ) -> dict:
-    """Compile one train step of `config` for `topology` (e.g. "v5p-128"); a report dict.
+    """Compile one train step of `config` for `topology` (e.g. "v5p-128", "h100-32"); a
+    report dict.
 
-    `verdict` is "fits" or "oom"; memory figures are per device (one chip). Configuration
-    mistakes raise ConfigError / ValueError; other compiler errors propagate.
+    `verdict` is "fits" or "oom"; memory figures are per device (one chip or GPU).
+    Configuration mistakes raise ConfigError / ValueError; other compiler errors propagate.
     """
-    topo = parse_topology(topology, num_slices)
+    topo = parse_target(topology, num_slices)
     started = time.perf_counter()
-    devices = topology_devices(topo)
-    mesh = make_mesh(config.mesh, devices)
+    devices, slice_ids = target_devices(topo)
+    mesh = make_mesh(config.mesh, devices, slice_ids)
     dp = data_parallel_size(mesh)
     if config.train.batch_size % (dp * config.train.grad_accum):
         raise ConfigError(
             f"train.batch_size={config.train.batch_size} is not divisible by the data-parallel "
             f"size {dp} times train.grad_accum={config.train.grad_accum} (mesh {dict(mesh.shape)})"
         )
-    config = for_tpu(config)
+    config = for_platform(config, topo.platform)
 
     step, spec, abstract_state, batch = jitted_train_step(config, mesh)
-    with jax.set_mesh(mesh):
+    fallbacks_before = fallback_counts()
+    with jax.set_mesh(mesh), _tracing_for(topo):
         lowered = step.lower(abstract_state, batch)
     lowered_s = time.perf_counter() - started
 
-    hbm = topo.chip.hbm_bytes
+    hbm = topo.hbm_bytes
     result = _describe(config, topo, mesh, spec, abstract_state, batch, step_time_s)
     try:
         compiled = lowered.compile()
@@ -287,7 +199,7 @@ def compile_for_topology(
         + memory.generated_code_size_in_bytes
     )
     cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, list) else cost
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}  # None: the CUDA plugin
     result |= {
         "verdict": "fits" if peak <= hbm else "oom",
         "argument_bytes": int(memory.argument_size_in_bytes),
@@ -298,23 +210,29 @@ def compile_for_topology(
         "peak_hbm_bytes": int(peak),
         "hbm_bytes": hbm,
         "headroom_bytes": int(hbm - peak),
-        "hlo_flops_per_device": float(cost.get("flops", 0.0)),
+        "hlo_flops_per_device": float(cost["flops"]) if "flops" in cost else None,
         **_estimate(result, cost, hlo_text, topo),
         "collectives": count_collectives(hlo_text),
         "dot_types": count_dot_types(hlo_text),
         "all_to_all_bytes": all_to_all_bytes(hlo_text),
         "dcn_transfers": count_dcn_transfers(hlo_text),
+        **(_gpu_program(hlo_text, mesh, devices, slice_ids) if topo.platform == "gpu" else {}),
+        "attention_fallbacks": sorted(
+            reason for reason, n in fallback_counts().items() if n > fallbacks_before.get(reason, 0)
+        ),
         "lower_s": lowered_s,
         "compile_s": time.perf_counter() - started - lowered_s,
     }
     return result
 
 
-def _estimate(result: dict, cost: dict, hlo_text: str, topo: Topology) -> dict:
+def _estimate(result: dict, cost: dict, hlo_text: str, topo: Topology | GpuTopology) -> dict:
     """The compiler's step-time estimate and its MFU, where it can be trusted
     (cost_estimate.py); `estimate_note` says why not otherwise."""
     seconds, note = step_time_estimate(cost, hlo_text)
-    peak = topo.num_chips * topo.chip.peak_bf16_flops
+    if not cost:
+        note = "the compiler gives no cost analysis for these compile-only devices"
+    peak = topo.num_chips * topo.peak_bf16_flops
     return {
         "optimal_seconds": cost.get("optimal_seconds"),
         "while_loops": count_while_loops(hlo_text),
@@ -325,21 +243,68 @@ def _estimate(result: dict, cost: dict, hlo_text: str, topo: Topology) -> dict:
     }
 
 
-def _describe(config, topo: Topology, mesh, spec, abstract_state, batch, step_time_s) -> dict:
+def _tracing_for(topo):
+    """Where the trace asks the local device what a kernel takes, answers for the target:
+    jax's cuDNN attention checks the GPU's compute capability (compat/private_apis.py)."""
+    if not isinstance(topo, GpuTopology):
+        return contextlib.nullcontext()
+    from jaxmoe.compat.private_apis import cudnn_attention_for
+
+    return cudnn_attention_for(topo.gpu.compute_capability)
+
+
+def _gpu_facts(topo: GpuTopology) -> dict:
+    """The GPU compiled for, the cluster's shape and the CUDA libraries compiled with."""
+    gpu = topo.gpu
+    return {
+        "device_kind": gpu.device_kind,
+        "compute_capability": ".".join(map(str, gpu.compute_capability)),
+        "memory_bytes": gpu.memory_bytes,
+        "memory_fraction": topo.memory_fraction,
+        "hosts": topo.num_hosts,
+        "gpus_per_host": topo.gpus_per_host,
+        "nvlink_domains": topo.domains,
+        **{name: ".".join(map(str, v)) for name, v in software_versions().items()},
+    }
+
+
+def _gpu_program(hlo_text: str, mesh: Mesh, devices: list, slice_ids: list[int]) -> dict:
+    """cuDNN attention and grouped GEMMs in the program, and its collectives that leave a
+    host (process) or an NVLink domain."""
+    domain_of = {device.id: domain for device, domain in zip(devices, slice_ids, strict=True)}
+    placed = list(mesh.devices.flat)  # SPMD partition i runs on placed[i]
+    return {
+        "gpu_kernels": gpu_kernels(hlo_text),
+        "collectives_across_hosts": collectives_across(
+            hlo_text, [device.process_index for device in placed]
+        ),
+        "collectives_across_domains": collectives_across(
+            hlo_text, [domain_of[device.id] for device in placed]
+        ),
+    }
+
+
+def _describe(
+    config, topo: Topology | GpuTopology, mesh, spec, abstract_state, batch, step_time_s
+) -> dict:
     """The parts of the report known before compiling: sizes, shardings, model FLOPs."""
     t = config.train
     length, enc_len = batch_lengths(config)
     flops = train_flops_per_step(config.model, t.batch_size, length, enc_len)
-    peak_flops = topo.num_chips * topo.chip.peak_bf16_flops
+    peak_flops = topo.num_chips * topo.peak_bf16_flops
     params = jax.tree.leaves(spec.abstract_params)
+    where = {"libtpu_topology": topo.device_topology}
+    if isinstance(topo, GpuTopology):
+        where = {"cuda_topology": topo.device_topology, "gpu": _gpu_facts(topo)}
     return {
+        "platform": topo.platform,
         "topology": topo.name,
         "num_slices": topo.num_slices,
         "num_chips": topo.num_chips,
-        "libtpu_topology": topo.libtpu_name,
+        **where,
         "mesh": dict(mesh.shape),
         "moe_dispatch": config.model.moe.dispatch if config.model.moe.num_experts else None,
-        "moe_grouping": moe_grouping(config, mesh, length),
+        "moe_grouping": moe_grouping(config, mesh, length, topo.platform),
         "num_params": int(sum(math.prod(p.shape) for p in params)),
         "param_bytes_per_device": state_bytes_per_device(abstract_state["params"]),
         "optimizer_bytes_per_device": state_bytes_per_device(abstract_state["opt_state"]),
@@ -353,7 +318,7 @@ def _describe(config, topo: Topology, mesh, spec, abstract_state, batch, step_ti
     }
 
 
-def moe_grouping(config, mesh, length: int) -> str | None:
+def moe_grouping(config, mesh, length: int, platform: str = "tpu") -> str | None:
     """How the MoE dispatch groups one device's rows (grouping.py), or None without MoE."""
     moe = config.model.moe
     if not moe.num_experts:
@@ -365,97 +330,10 @@ def moe_grouping(config, mesh, length: int) -> str | None:
     t = config.train
     tokens = t.batch_size * length // (data_parallel_size(mesh) * max(t.grad_accum, 1))
     return grouping_summary(
-        resolve_dispatch(moe.dispatch, moe.capacity_factor, backend="tpu"),
+        resolve_dispatch(moe.dispatch, moe.capacity_factor, backend=platform),
         tokens=max(tokens, 1),
         slots=num_slots(moe.gate),
         num_experts=moe.num_experts,
         block_size=moe.block_size,
-    )
-
-
-def _gib(n: float) -> str:
-    return f"{n / GiB:.2f} GiB"
-
-
-def format_report(result: dict, config_name: str = "") -> str:
-    """The human-readable table `jaxmoe compile` prints."""
-    mesh = " ".join(f"{axis}={size}" for axis, size in result["mesh"].items())
-    slices = f" x {result['num_slices']} slices" if result["num_slices"] > 1 else ""
-    rows = [
-        ("config", config_name or "-"),
-        (
-            "topology",
-            f"{result['topology']}{slices}: {result['num_chips']} chips "
-            f"({result['libtpu_topology']})",
-        ),
-        ("mesh", mesh),
-        *([("MoE grouping", result["moe_grouping"])] if result.get("moe_grouping") else []),
-        ("parameters", f"{result['num_params'] / 1e9:.3f} B"),
-        ("params / device", _gib(result["param_bytes_per_device"])),
-        ("optimizer / device", _gib(result["optimizer_bytes_per_device"])),
-        ("batch / device", _gib(result["batch_bytes_per_device"])),
-    ]
-    if "peak_hbm_bytes" in result:
-        rows += [
-            ("arguments / device", _gib(result["argument_bytes"])),
-            ("temporaries / device", _gib(result["temp_bytes"])),
-            (
-                "peak HBM / device",
-                f"{_gib(result['peak_hbm_bytes'])} of "
-                f"{_gib(result['hbm_bytes'])} usable "
-                f"({result['peak_hbm_bytes'] / result['hbm_bytes']:.0%})",
-            ),
-            ("headroom / device", _gib(result["headroom_bytes"])),
-        ]
-    rows.append(("model FLOPs / step", f"{result['model_flops_per_step']:.3e}"))
-    if "hlo_flops_per_device" in result:
-        hlo = result["hlo_flops_per_device"] * result["num_chips"]
-        rows.append(("compiled FLOPs / step", f"{hlo:.3e} (loop bodies counted once)"))
-    if result.get("pallas_kernels"):
-        kernels = ", ".join(f"{k} {v}" for k, v in sorted(result["pallas_kernels"].items()))
-        rows.append(("Pallas kernels", kernels))
-    if "estimate_note" in result:
-        if result["estimated_step_s"]:
-            estimate = f"{result['estimated_step_s']:.3g} s (MFU {result['estimated_mfu']:.1%})"
-        else:
-            estimate = f"n/a: {result['estimate_note']}"
-        rows.append(("compiler's step estimate", estimate))
-    if result["mfu"] is not None:
-        rows.append((f"MFU at {result['step_time_s']:g} s/step", f"{result['mfu']:.1%}"))
-    rows.append(("step time at 100% MFU", f"{result['ideal_step_time_s']:.3g} s"))
-    if "collectives" in result:
-        rows.append(
-            ("collectives", ", ".join(f"{k} {v}" for k, v in result["collectives"].items()))
-        )
-    if result.get("all_to_all_bytes"):
-        size = result["all_to_all_bytes"]
-        text = f"{size / 2**20:.1f} MiB" if size >= 2**20 else f"{size / 2**10:.1f} KiB"
-        rows.append(("all-to-all / device", text))
-    if result.get("dcn_transfers"):
-        transfers = ", ".join(f"{k.lower()} {v}" for k, v in result["dcn_transfers"].items())
-        rows.append(("across slices (DCN)", transfers))
-    if "error" in result:
-        rows.append(("compiler", result["error"]))
-    rows.append(("compile time", f"{result['lower_s']:.1f} s lower + {result['compile_s']:.1f} s"))
-    width = max(len(name) for name, _ in rows)
-    lines = [f"  {name:<{width}}  {value}" for name, value in rows]
-    return "\n".join(lines) + "\n" + verdict_line(result)
-
-
-def verdict_line(result: dict) -> str:
-    where = f"{result['topology']}" + (
-        f" x {result['num_slices']}" if result["num_slices"] > 1 else ""
-    )
-    if result["verdict"] == "fits":
-        return (
-            f"verdict: fits on {where}: peak {_gib(result['peak_hbm_bytes'])} of "
-            f"{_gib(result['hbm_bytes'])} HBM per chip, headroom {_gib(result['headroom_bytes'])}"
-        )
-    state = result["param_bytes_per_device"] + result["optimizer_bytes_per_device"]
-    need = result.get("required_bytes", result.get("peak_hbm_bytes"))
-    needs = f"needs {_gib(need)}" if need else "does not fit"
-    return (
-        f"verdict: OUT OF MEMORY on {where}: {needs} per chip, {_gib(result['hbm_bytes'])} "
-        f"usable (params+optimizer alone {_gib(state)}); shard more (mesh.fsdp / "
-        f"mesh.tensor / mesh.expert), raise train.grad_accum or set model.remat=full"
+        platform=platform,
     )

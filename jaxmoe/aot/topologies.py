@@ -1,4 +1,5 @@
-"""TPU topologies by name and their compile-only devices (chip facts: parallel/chips.py).
+"""TPU topologies by name and their compile-only devices (chip facts: parallel/chips.py);
+`parse_target` and `target_devices` also take the GPU clusters of gpu_topologies.py.
 
 `v5p-128` counts TensorCores the way Cloud TPU names do: a v4 or v5p chip has two cores run
 as one device (megacore), so v5p-128 is 64 chips in a 4x4x4 torus; a v5e or v6e chip has one
@@ -11,7 +12,14 @@ import math
 import os
 from dataclasses import dataclass
 
-from jaxmoe.parallel.chips import CHIPS, Chip
+from jaxmoe.aot.gpu_topologies import (
+    GpuTopology,
+    gpu_topology_devices,
+    is_gpu_topology,
+    nvlink_domains,
+    parse_gpu_topology,
+)
+from jaxmoe.parallel.chips import CHIPS, GPUS, Chip
 
 ALIASES = {"v5litepod": "v5e", "v5lite": "v5e"}
 
@@ -24,6 +32,20 @@ class Topology:
     chip: Chip
     shape: tuple[int, ...]  # chips per torus/grid dimension of one slice
     num_slices: int = 1
+
+    platform = "tpu"
+
+    @property
+    def hbm_bytes(self) -> int:
+        return self.chip.hbm_bytes
+
+    @property
+    def peak_bf16_flops(self) -> float:
+        return self.chip.peak_bf16_flops
+
+    @property
+    def device_topology(self) -> str:
+        return self.libtpu_name
 
     @property
     def chips_per_slice(self) -> int:
@@ -73,8 +95,8 @@ def _chip(generation: str, name: str) -> Chip:
     generation = ALIASES.get(generation, generation)
     if generation not in CHIPS:
         raise ValueError(
-            f"--topology {name!r}: unknown TPU generation {generation!r} "
-            f"(known: {', '.join(CHIPS)})"
+            f"--topology {name!r}: unknown TPU generation or GPU {generation!r} "
+            f"(TPU: {', '.join(CHIPS)}; GPU: {', '.join(GPUS)})"
         )
     return CHIPS[generation]
 
@@ -153,3 +175,17 @@ def topology_devices(topology: Topology) -> list:
             f"expected {topology.num_chips}"
         )
     return devices
+
+
+def parse_target(name: str, num_slices: int = 1) -> Topology | GpuTopology:
+    """A TPU topology (`v5p-128`, `v5p:4x4x4`) or a GPU cluster (`h100-32`, `h100:4x8`)."""
+    if is_gpu_topology(name):
+        return parse_gpu_topology(name, num_slices)
+    return parse_topology(name, num_slices)
+
+
+def target_devices(target: Topology | GpuTopology) -> tuple[list, list[int] | None]:
+    """(compile-only devices, each one's slice where the devices do not say it) of a target."""
+    if isinstance(target, GpuTopology):
+        return gpu_topology_devices(target), nvlink_domains(target)
+    return topology_devices(target), None

@@ -1,5 +1,6 @@
-"""`jaxmoe compile --config C --topology v5p-128`: the train step compiled ahead of time for a
-TPU topology on this host; exit 0 if it fits, 2 if not or on error."""
+"""`jaxmoe compile --config C --topology v5p-128|h100-32`: the train step compiled ahead of time
+for a TPU topology or an NVIDIA GPU cluster on this host; exit 0 if it fits, 2 if not or on
+error."""
 
 import json
 import sys
@@ -13,15 +14,23 @@ def add_parser(subparsers) -> None:
     """Register `jaxmoe compile` on the CLI's subparsers (`--config.a.b=v` handled by caller)."""
     parser = subparsers.add_parser(
         "compile",
-        help="compile the train step for a TPU topology on this host and check it fits",
+        help="compile the train step for a TPU pod or GPU cluster on this host; does it fit",
         description=module_docstring("jaxmoe.aot.compile_check").split("\n\n")[1],
     )
     parser.add_argument("--config", required=True, help="config file, optionally with :variant")
     add_override_flag(parser)
     parser.add_argument(
-        "--topology", required=True, help="TPU slice, e.g. v5p-128, v6e-256, or v5p:4x4x8"
+        "--topology",
+        required=True,
+        help="TPU slice (v5p-128, v6e-256, v5p:4x4x8) or GPU cluster (h100-32: 32 H100s in "
+        "nodes of 8; h100:4x8; h200, b200, a100-80g; gb200-72: one NVL72 rack)",
     )
-    parser.add_argument("--num_slices", type=positive_int, default=1, help="slices joined over DCN")
+    parser.add_argument(
+        "--num_slices",
+        type=positive_int,
+        default=1,
+        help="slices joined over DCN (GPU: NVLink domains joined by the cluster network)",
+    )
     parser.add_argument(
         "--step_time", type=positive_float, default=None, help="seconds per step, to report MFU"
     )
@@ -30,8 +39,8 @@ def add_parser(subparsers) -> None:
 
 
 def _compile_on_cpu_host() -> None:
-    """Keep this process off any local TPU: compiling needs none, and a running job may hold
-    it. Only when the user chose no platform."""
+    """Keep this process off any local TPU or GPU: compiling needs none, and a running job
+    may hold it. Only when the user chose no platform."""
     import jax
 
     if jax.config.jax_platforms is None:
@@ -41,7 +50,8 @@ def _compile_on_cpu_host() -> None:
 def run(args) -> int:
     """`jaxmoe compile`: print the report (or JSON); 0 if the step fits, 2 if not or on error."""
     overrides = args.overrides
-    from jaxmoe.aot.compile_check import compile_for_topology, format_report
+    from jaxmoe.aot.compile_check import compile_for_topology
+    from jaxmoe.aot.report import format_report
     from jaxmoe.config.loading import load_config
 
     _compile_on_cpu_host()

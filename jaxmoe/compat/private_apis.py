@@ -7,6 +7,7 @@ Each library is imported only when its function is called (Orbax and tfds are sl
 import; tfds and lm-eval are optional).
 """
 
+import contextlib
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,3 +88,48 @@ def lm_eval_single_task_kinds() -> tuple:
     from lm_eval.tasks._index import Kind
 
     return (Kind.TASK, Kind.PY_TASK)
+
+
+def cuda_library_versions() -> dict[str, tuple[int, ...]] | None:
+    """The CUDA runtime ((major, minor)) and cuDNN ((major, minor, patch)) versions JAX's
+    installed CUDA plugin loads, without a GPU or a driver; None without the plugin. A
+    compile-only GPU description must name them (aot/gpu_topologies.py): the compiler
+    builds cuDNN's fused kernels with that library. JAX asks the same module
+    (jax._src.lib.cuda_versions) before it runs cuDNN attention; no public API reports it."""
+    try:
+        from jax._src.lib import cuda_versions
+    except ImportError:
+        return None
+    if cuda_versions is None:
+        return None
+    runtime, cudnn = cuda_versions.cuda_runtime_get_version(), cuda_versions.cudnn_get_version()
+    return {
+        "cuda_runtime": (runtime // 1000, runtime % 1000 // 10),
+        "cudnn": (cudnn // 10000, cudnn % 10000 // 100, cudnn % 100),
+    }
+
+
+@contextlib.contextmanager
+def cudnn_attention_for(compute_capability: tuple[int, int]):
+    """Inside, jax's cuDNN attention wrapper judges what cuDNN takes (head widths up to 256
+    from Hopper on, MLA's widths, packed sequences) as on a GPU of `compute_capability`.
+
+    It asks the local GPU (jax._src.cudnn.fused_attention_stablehlo's capability checks),
+    so on a host without one (`jaxmoe compile` for a GPU cluster) it answers "not Hopper"
+    and refuses head widths over 128 that the target GPU takes. No public API says which GPU
+    a trace is for. Only for tracing: the checks are restored on exit.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fused
+
+    def parse(capability: str) -> tuple[int, ...]:
+        return tuple(int(part) for part in capability.split("."))
+
+    saved = fused.check_compute_capability, fused.is_cuda_compute_capability_equal
+    fused.check_compute_capability = lambda capability: compute_capability >= parse(capability)
+    fused.is_cuda_compute_capability_equal = lambda capability: (
+        compute_capability == parse(capability)
+    )
+    try:
+        yield
+    finally:
+        fused.check_compute_capability, fused.is_cuda_compute_capability_equal = saved

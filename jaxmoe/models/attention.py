@@ -329,6 +329,8 @@ class Attention(nnx.Module):
             o = self._kernel(q, k, v, mask, causal, segment_ids_BL if kv_BSD is None else None)
             if o is not None:
                 return self.project_out(o)
+        elif (kernel := resolve_attention_kernel(self.kernel, mesh_platform())) != XLA:
+            log_once(f"{kernel} takes no {_unsupported(sinks, bias)}")
         if block:
             o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep, sinks)
         else:
@@ -396,3 +398,12 @@ class Attention(nnx.Module):
         return splash_attention(
             q, k, v, scale=self.scale, window=window, segment_ids_BL=segment_ids_BL
         )
+
+
+def _unsupported(sinks, bias) -> str:
+    """What of this attention the kernels cannot express (the XLA path runs it)."""
+    if sinks is not None:
+        return "learned sinks (a softmax logit without a value)"
+    if bias is not None:
+        return "additive bias (T5's relative positions)"
+    return "attention-probability dropout"

@@ -11,11 +11,12 @@
 The platform is that of the mesh in context, else the default backend (platform.py).
 
 What the kernel cannot express keeps the XLA path: learned sinks (GPT-OSS: an extra
-logit in the denominator with no value), attention-probability dropout, additive biases
-(T5's relative positions) and MLA (its keys are wider than its values). Where cuDNN
-refuses a shape or dtype (f32, head_dim over the limit, odd lengths with a mask in
-training, no cuDNN) the call also keeps the XLA path, and says why once per reason in
-the log (logger "jaxmoe").
+logit in the denominator with no value), attention-probability dropout and additive
+biases (T5's relative positions). MLA (keys wider than values) pads its values to the
+keys' width to use it. Where cuDNN refuses a shape or dtype (f32, head_dim over the
+limit, odd lengths with a mask in training, no cuDNN) the call also keeps the XLA path.
+Either way, where the kernel was asked for (`auto` on GPU), the log says why once per
+reason (logger "jaxmoe"), and `jaxmoe compile` lists the reasons of its trace.
 """
 
 import logging
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmoe.models.platform import mesh_platform
+from jaxmoe.parallel.chips import gpu_of_kind
 
 log = logging.getLogger("jaxmoe")
 
@@ -32,6 +34,7 @@ SPLASH = "splash"  # Pallas splash attention, TPU (splash_attention.py)
 ATTENTION_KERNELS = (AUTO, XLA, DOT_PRODUCT_ATTENTION, SPLASH)
 CUDNN_DTYPES = (jnp.float16, jnp.bfloat16)
 _logged: set[str] = set()  # reasons already logged: one line each per process
+_times: dict[str, int] = {}  # how often each reason kept an attention on the XLA path
 
 
 def resolve_attention_kernel(name: str, platform: str | None = None) -> str:
@@ -71,7 +74,13 @@ def cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, *, masked: bool, head_dim_max: int = 1
 
 
 def _head_dim_max() -> int:
-    """256 on Hopper and later GPUs, else 128 (cuDNN's flash-attention head widths)."""
+    """256 on Hopper and later GPUs, else 128 (cuDNN's flash-attention head widths): of the
+    GPU the mesh in context is made of (a compile-only one too), else of this host's."""
+    device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+    kind = getattr(device, "device_kind", None)
+    target = gpu_of_kind(kind) if kind else None
+    if target is not None:
+        return 256 if target.compute_capability >= (9, 0) else 128
     try:
         capability = jax.devices("gpu")[0].compute_capability
         return 256 if float(capability) >= 9.0 else 128
@@ -84,7 +93,14 @@ def fallbacks() -> list[str]:
     return sorted(_logged)
 
 
+def fallback_counts() -> dict[str, int]:
+    """How often each reason kept an attention on the XLA path so far (a trace's reasons are
+    those whose count grew while it ran)."""
+    return dict(_times)
+
+
 def log_once(reason: str) -> None:
+    _times[reason] = _times.get(reason, 0) + 1
     if reason not in _logged:
         _logged.add(reason)
         log.warning("attention: %s; this attention keeps the XLA path", reason)

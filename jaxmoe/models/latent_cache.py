@@ -78,9 +78,12 @@ def latent_self_attention(
     train=False,
     segment_ids_BL=None,
 ):
-    """kv_cache.self_attention for MLA: (output, updated cache or None). MLA runs the XLA
-    kernels, whose `mask` keeps packed documents apart already."""
-    del train, segment_ids_BL  # MLA has no attention dropout
+    """kv_cache.self_attention for MLA: (output, updated cache or None). `segment_ids_BL`
+    (packed rows) keeps documents apart in a fused kernel's causal mode, which reads no
+    mask; the XLA path's `mask` does already."""
+    del train  # MLA has no attention dropout
     if slot is None:
-        return attn(x_BLD, mask=mask, positions_BL=positions_BL), None
+        return attn(
+            x_BLD, mask=mask, positions_BL=positions_BL, segment_ids_BL=segment_ids_BL
+        ), None
     return latent_attend_with_cache(attn, x_BLD, slot, mask, positions_BL)

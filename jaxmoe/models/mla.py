@@ -32,8 +32,16 @@ from jaxmoe.models.attention import (
     query_chunked_attention,
     resolve_causal_block,
 )
+from jaxmoe.models.attention_kernel import (
+    SPLASH,
+    XLA,
+    kernel_attention,
+    log_once,
+    resolve_attention_kernel,
+)
 from jaxmoe.models.context_parallel import ContextLayout, context_attention, gather_length
 from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, project
+from jaxmoe.models.platform import mesh_platform
 from jaxmoe.models.quantization import Quantization
 
 ATTENTION_KINDS = ("gqa", "mla")
@@ -152,6 +160,7 @@ class LatentAttention(nnx.Module):
         self.rope_scaling = rope_scaling_of(cfg)
         self.causal_block = cfg.attention_block
         self.quant = Quantization.from_config(cfg)  # the projections' products
+        self.kernel = cfg.attention_kernel
         qk = self.nope + self.rope
         score_factor = self.rope_scaling.score_factor() if self.rope_scaling_is_yarn else 1.0
         self.scale = qk**-0.5 * score_factor
@@ -241,8 +250,10 @@ class LatentAttention(nnx.Module):
         q, k, _ = self.expanded_qkv(x_BLD, positions_BL)
         return head_max_logits(q, k, mask, self.scale)
 
-    def __call__(self, x_BLD, *, mask=None, positions_BL=None, train=False):
-        """Training / eval: keys and values expanded per head, the GQA kernels with K = H."""
+    def __call__(self, x_BLD, *, mask=None, positions_BL=None, train=False, segment_ids_BL=None):
+        """Training / eval: keys and values expanded per head, the GQA kernels with K = H.
+        `segment_ids_BL` (packed rows): the documents `mask` keeps apart, for a fused
+        kernel's causal mode, which reads no mask."""
         del train  # no attention dropout in MLA models
         l = x_BLD.shape[1]
         context = isinstance(mask, ContextLayout)  # mesh.context: the sequence split
@@ -251,14 +262,38 @@ class LatentAttention(nnx.Module):
         # (zeros add nothing to q.k, and padded value dims are cut off below).
         width = max(q.shape[-1], self.v_dim)
         q, k, v = (_pad_last(a, width) for a in (q, k, v))
-        block = resolve_causal_block(self.causal_block, l) if self.causal_block else 0
-        if context:
-            o = context_attention(q, k, v, mask, scale=self.scale, gathered=True)
-        elif block:
-            o = grouped_attention(q, k, v, mask, None, self.scale, block)
-        else:
-            o = query_chunked_attention(q, k, v, mask, None, self.scale)
+        o = None if context else self._kernel(q, k, v, mask, segment_ids_BL)
+        if o is None:
+            block = resolve_causal_block(self.causal_block, l) if self.causal_block else 0
+            if context:
+                o = context_attention(q, k, v, mask, scale=self.scale, gathered=True)
+            elif block:
+                o = grouped_attention(q, k, v, mask, None, self.scale, block)
+            else:
+                o = query_chunked_attention(q, k, v, mask, None, self.scale)
         return self.project_out(o[..., : self.v_dim])
+
+    def _kernel(self, q, k, v, mask, segment_ids_BL=None):
+        """Causal self-attention through `model.attention_kernel`'s kernel (cuDNN's flash
+        attention on GPU, at the padded width), or None for the XLA path."""
+        platform = mesh_platform()
+        kernel = resolve_attention_kernel(self.kernel, platform)
+        if kernel == XLA:
+            return None
+        if kernel == SPLASH:
+            log_once("splash attention takes no multi-head latent attention")
+            return None
+        return kernel_attention(
+            q,
+            k,
+            v,
+            mask=mask,
+            causal=True,
+            window=0,
+            scale=self.scale,
+            platform=platform,
+            segment_ids_BL=segment_ids_BL,
+        )
 
 
 def _pad_last(x, width: int):

@@ -79,24 +79,32 @@ def dcn_shape(options: MeshOptions, sizes: Mapping[str, int], num_slices: int):
     return tuple(dcn.get(axis, 1) for axis in MESH_AXES)
 
 
-def make_mesh(options: MeshOptions, devices: Sequence[jax.Device] | None = None) -> Mesh:
+def make_mesh(
+    options: MeshOptions,
+    devices: Sequence[jax.Device] | None = None,
+    slice_ids: Sequence[int] | None = None,
+) -> Mesh:
     """The 5-axis mesh (data, fsdp, context, tensor, expert) over `devices` (default: all devices).
 
     The one mesh builder: training, evaluation, decoding and the ahead-of-time compile check
     all call it, so the preflight checks the layout that training runs. On TPU the axes
     follow the torus links; devices of several slices (multislice) are joined over the data
-    and fsdp axes only (see `dcn_shape`).
+    and fsdp axes only (see `dcn_shape`). `slice_ids` names each device's slice where the
+    devices do not carry it: a GPU cluster's NVLink domains (aot/gpu_topologies.py).
     """
     devices = list(jax.devices() if devices is None else devices)
     sizes = mesh_shape(options, len(devices))
     shape = tuple(sizes[axis] for axis in MESH_AXES)
-    num_slices = slice_count(devices)
+    num_slices = slice_count(devices) if slice_ids is None else len(set(slice_ids))
     if num_slices > 1:
         dcn = dcn_shape(options, sizes, num_slices)
         ici = tuple(size // count for size, count in zip(shape, dcn, strict=True))
-        grid = mesh_utils.create_hybrid_device_mesh(
-            ici, dcn, devices, allow_split_physical_axes=True
-        )
+        if slice_ids is None:
+            grid = mesh_utils.create_hybrid_device_mesh(
+                ici, dcn, devices, allow_split_physical_axes=True
+            )
+        else:
+            grid = _slices_grid(ici, dcn, devices, slice_ids)
     elif devices[0].platform == "tpu":
         try:
             grid = mesh_utils.create_device_mesh(shape, devices)
@@ -106,3 +114,15 @@ def make_mesh(options: MeshOptions, devices: Sequence[jax.Device] | None = None)
     else:
         grid = np.array(devices).reshape(shape)
     return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _slices_grid(ici, dcn, devices, slice_ids) -> np.ndarray:
+    """Each slice's devices, in order, laid out as `ici`; the slices laid out as `dcn`
+    (as jax's create_hybrid_device_mesh does with slices the devices name themselves)."""
+    slices: dict[int, list] = {}
+    for device, slice_id in zip(devices, slice_ids, strict=True):
+        slices.setdefault(slice_id, []).append(device)
+    per_slice = [np.array(members).reshape(ici) for _, members in sorted(slices.items())]
+    order = np.arange(len(per_slice)).reshape(dcn)
+    blocks = np.vectorize(lambda i: per_slice[i], otypes=[object])(order)
+    return np.block(blocks.tolist())

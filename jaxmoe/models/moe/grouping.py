@@ -74,7 +74,9 @@ def block_rows(num_assign: int, num_experts: int, block_size: int) -> int:
     return block_size
 
 
-def grouping_summary(impl: str, *, tokens: int, slots: int, num_experts: int, block_size: int):
+def grouping_summary(
+    impl: str, *, tokens: int, slots: int, num_experts: int, block_size: int, platform: str = "cpu"
+):
     """One line naming the grouping `impl` runs for `tokens` tokens on one device/shard."""
     share = tokens * slots / num_experts
     where = f"{tokens} tokens x {slots} slots / {num_experts} experts = {share:.0f} rows/expert"
@@ -82,6 +84,9 @@ def grouping_summary(impl: str, *, tokens: int, slots: int, num_experts: int, bl
         block = block_rows(tokens * slots, num_experts, block_size)
         return f"blocks of {block} + tails of {tail_rows(block)} rows ({where})"
     if impl == "ragged":
+        tile = group_rows(tokens * slots, num_experts, platform)
+        if tile > 1:
+            return f"ragged_dot over expert groups padded to {tile}-row tiles ({where})"
         return f"ragged_dot over exact expert groups, no padding ({where})"
     if impl == "dense":
         return f"dense: every expert on every token ({num_experts / slots:.0f}x the routed work)"
