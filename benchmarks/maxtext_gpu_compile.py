@@ -9,9 +9,11 @@ MaxText's GPU path (`compile_topology=a3`) takes its devices from `jax.devices()
 needs the GPUs themselves. Here its topology mesh is built instead from jaxmoe's
 compile-only devices for the named cluster (jaxmoe/aot/gpu_topologies.py: the GPU
 description and layout `jaxmoe compile` compiles for), laid out by MaxText's own
-`create_device_mesh`; the rest of `train_compile.main` runs as released. MaxText sizes its
-global batch by one 8-GPU a3 slice, so `per_device_batch_size` must be the sequences per
-GPU times the number of nodes.
+`create_device_mesh`; the rest of `train_compile.main` runs as released. As for `jaxmoe
+compile`, jax's cuDNN attention checks answer for the target GPU while MaxText traces
+(a host without a GPU would otherwise refuse head widths over 128, such as MLA's 192).
+MaxText sizes its global batch by one 8-GPU a3 slice, so `per_device_batch_size` must be
+the sequences per GPU times the number of nodes.
 """
 
 import os
@@ -32,9 +34,11 @@ def main(argv: list[str]) -> None:
     from maxtext.utils import maxtext_utils
 
     from jaxmoe.aot.gpu_topologies import gpu_topology_devices, parse_gpu_topology
+    from jaxmoe.compat.private_apis import cudnn_attention_for
 
-    topology, *settings = argv
-    devices = gpu_topology_devices(parse_gpu_topology(topology))
+    name, *settings = argv
+    topology = parse_gpu_topology(name)
+    devices = gpu_topology_devices(topology)
 
     def topology_mesh(config):  # MaxText's get_topology_mesh, these devices in its place
         jax.config.update(
@@ -48,7 +52,8 @@ def main(argv: list[str]) -> None:
     base = os.path.join(os.path.dirname(maxtext.__file__), "configs", "base.yml")
     fixed = ["compile_topology=a3", "compile_topology_num_slices=1", "hardware=gpu"]
     fixed += ["run_name=aot", "dataset_type=synthetic"]
-    train_compile.main(["train_compile", base, *fixed, *settings])
+    with cudnn_attention_for(topology.gpu.compute_capability):
+        train_compile.main(["train_compile", base, *fixed, *settings])
 
 
 if __name__ == "__main__":

@@ -471,8 +471,14 @@ def run_jaxmoe(case: dict, python: str = sys.executable) -> dict:
     if "peak_hbm_bytes" not in report_:
         return {"error": report_.get("error", report_.get("verdict")), **timing}
     keys = ("peak_hbm_bytes", "argument_bytes", "temp_bytes", "compile_s", "lower_s", "verdict")
-    extra = {k: report_[k] for k in ("dot_types", "model_flops_per_step") if k in report_}
-    return {**{k: report_[k] for k in keys}, **extra, **timing}
+    # dot types (quantization), model FLOPs, and on GPU the kernels and fallbacks
+    extra = ("dot_types", "model_flops_per_step", "gpu_kernels", "attention_fallbacks")
+    extra += ("collectives_across_hosts",)
+    return {
+        **{k: report_[k] for k in keys},
+        **{k: report_[k] for k in extra if k in report_},
+        **timing,
+    }
 
 
 def run(args) -> dict:

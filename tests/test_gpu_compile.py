@@ -328,7 +328,7 @@ def test_mla_through_dot_product_attention_equals_its_xla_path():
 
 
 # Every model family compiled for deviceless H100s: (topology, config spec, overrides) and
-# what its program must hold. Slow: 8 compiles of a minute each on a busy 2-core host.
+# what its program must hold. Slow: 10 compiles of a minute each on a busy 2-core host.
 BF16 = ("model.dtype=bfloat16", "mesh.data=1")
 FAMILIES = {
     # GQA + dropless MoE, scanned layers, 2 micro-batches, 2 nodes of 4 (fsdp across them)
@@ -352,6 +352,10 @@ FAMILIES = {
         "model.moe.num_experts=0", "model.activation=gelu", "model.rope_theta=0.0",
         "model.relpos_buckets=8", "model.relpos_max_distance=16"), "mesh.fsdp=2")),
     "f32": ("h100-2", None, ("model.moe.num_experts=0", "mesh.data=1", "mesh.fsdp=2")),
+    # Blackwell: an HGX B200 node, and two GB200 hosts of 4 in one NVLink domain
+    "b200_moe": ("b200-8", None, (*BF16, "model.moe.capacity_factor=0.0", "mesh.expert=8")),
+    "gb200_moe_2_hosts": ("gb200-8", None, (
+        *BF16, "model.moe.capacity_factor=0.0", "mesh.expert=8")),
 }  # fmt: skip
 # What each family's attention must become: cuDNN calls (forward, backward; loop bodies
 # once), the fallback reasons `jaxmoe compile` lists (substrings), the MoE lowering.
@@ -364,6 +368,8 @@ EXPECTED = {
     "mla_dense_head_scan": (None, [], "dense dots"),
     "t5_relative_bias": (None, ["takes no additive bias"], None),
     "f32": ((0, 0), ["dtype float32"], None),
+    "b200_moe": ((2, 2), [], "dense dots"),
+    "gb200_moe_2_hosts": ((2, 2), [], "dense dots"),
 }
 
 
@@ -397,3 +403,6 @@ def test_model_family_compiles_for_h100(family):
         assert report["collectives"]["ragged-all-to-all"] > 0
         assert report["collectives_across_hosts"]["ragged-all-to-all"] == 0
         assert report["collectives_across_hosts"]["all-gather"] > 0  # fsdp spans the nodes
+    if family == "gb200_moe_2_hosts":  # experts over 2 hosts, one NVLink domain
+        assert report["collectives_across_hosts"]["ragged-all-to-all"] > 0
+        assert not any(report["collectives_across_domains"].values())

@@ -122,7 +122,7 @@ def test_pod_compile_peer_case_is_the_issues_maxtext_command(monkeypatch, capsys
     stats = {"peak_hbm_bytes": 2, "wall_s": 3.0, "cpu_s": 3.0, "load_before": 0.0,
              "load_after": 0.0}  # fmt: skip
     monkeypatch.setattr(bench, "venv_python", lambda venv: "/venv/bin/python")
-    monkeypatch.setattr(bench, "compiler_versions", lambda python: {"jax": "x"})
+    monkeypatch.setattr(bench, "compiler_versions", lambda python, gpu=False: {"jax": "x"})
     monkeypatch.setattr(bench, "run_maxtext", lambda venv, case: calls.append("mt") or stats)
     monkeypatch.setattr(
         bench, "run_jaxmoe", lambda case, python=None: calls.append(python) or {**stats}
