@@ -98,6 +98,9 @@ def _attention(cfg, kv_heads, rngs, causal_block=0):
         scale_logits=False,
         causal_block=causal_block,
         dropout_rate=cfg.dropout_rate,
+        # cuDNN's flash attention (`auto` on GPU) where it applies: the cross-attention;
+        # the self-attentions add the relative-position bias, which keeps them on XLA.
+        kernel=cfg.attention_kernel,
         rngs=rngs,
     )
 
