@@ -121,8 +121,8 @@ def _doing(args) -> str | None:
     progress line at a terminal, cli/progress.py); None for the others."""
     if args.command == "compile":
         return (
-            f"compiling the train step of {args.config} for {args.topology} (the TPU "
-            f"compiler takes minutes for a large model)"
+            f"compiling the train step of {args.config} for {args.topology} (the TPU or "
+            f"GPU compiler takes minutes for a large model)"
         )
     if args.command == "convert":
         return f"converting {args.src} into {args.dst}"
