@@ -311,6 +311,23 @@ def stored_config_origin(path: str) -> str:
     return str(step_dir)
 
 
+def read_meta(path: str) -> dict:
+    """The `meta` item of a training checkpoint (its step, data position and, for a LoRA
+    run, the base it belongs to); {} for a checkpoint without one (converted ones)."""
+    step_dir = resolve_checkpoint(path)
+    candidate = step_dir / "meta" / "metadata"
+    if not candidate.exists():
+        return {}
+    try:
+        text = read_text(candidate, "meta") if not is_remote(candidate) else candidate.read_text()
+        meta = json.loads(text)
+    except ValueError as error:
+        raise CheckpointError(f"{candidate}: damaged meta item ({error})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{candidate}: damaged meta item (not a JSON object)")
+    return meta
+
+
 def _resolve_tokenizer(data: dict, step_dir, culprit) -> str:
     from jaxmoe.checkpoints.stored_tokenizer import resolve_stored_tokenizer
 

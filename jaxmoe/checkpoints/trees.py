@@ -19,3 +19,17 @@ def unflatten(flat: dict[tuple[str, ...], object]) -> dict:
             node = node.setdefault(key, {})
         node[path[-1]] = value
     return tree
+
+
+def select(tree: dict, keep) -> dict:
+    """The subtree of the leaves whose path `keep(path)` accepts (emptied dicts dropped)."""
+    return unflatten({path: leaf for path, leaf in flatten(tree).items() if keep(path)})
+
+
+def join(*trees: dict) -> dict:
+    """One tree of the leaves of `trees` (disjoint subtrees of one model, e.g. a frozen
+    base and its trained adapters); a later tree's leaf wins a shared path."""
+    flat: dict = {}
+    for tree in trees:
+        flat.update(flatten(tree))
+    return unflatten(flat)

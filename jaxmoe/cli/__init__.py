@@ -13,7 +13,7 @@ import signal
 import sys
 import warnings
 
-from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, prepare, train
+from jaxmoe.cli import analyze_routing, convert, decode, export, lm_eval, merge, prepare, train
 from jaxmoe.cli import compile as compile_command  # not the builtins
 from jaxmoe.cli import config as config_command
 from jaxmoe.cli import eval as eval_command
@@ -46,6 +46,7 @@ COMMANDS = (
     lm_eval,
     convert,
     export,
+    merge,
     decode,
     compile_command,
     analyze_routing,

@@ -27,9 +27,11 @@ def export_hf_summary(
     dtype: str = "float32",
     tokenizer: str | None = None,
     max_shard_size: str = DEFAULT_MAX_SHARD_SIZE,
+    base: str | None = None,
+    peft: bool = False,
 ) -> int:
-    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size]`: prints one
-    JSON line."""
+    """`jaxmoe export hf CKPT DST [--dtype] [--tokenizer] [--max_shard_size] [--base B |
+    --peft]`: prints one JSON line."""
     from jaxmoe.checkpoints.staging import check_new_directory, interrupts_in_one_line
     from jaxmoe.conversions.hf.exporter import export_hf
     from jaxmoe.conversions.hf.tokenizer_files import TOKENIZER_FILES
@@ -40,8 +42,22 @@ def export_hf_summary(
             f"{Path(dst).absolute()}: already exists; exporting writes a new directory"
         )
     start = time.perf_counter()
-    with interrupts_in_one_line(dst):
-        hf_config = export_hf(ckpt, dst, dtype, tokenizer, max_shard_size)
+    if peft:
+        from jaxmoe.conversions.hf.export_peft import export_peft
+
+        with interrupts_in_one_line(dst):
+            adapter = export_peft(ckpt, dst, dtype)
+        summary = {
+            "exported": str(Path(dst).absolute()),
+            "peft": {k: adapter[k] for k in ("r", "lora_alpha")},
+            "dtype": dtype,
+            "seconds": round(time.perf_counter() - start, 2),
+        }
+        print(json.dumps(summary))
+        return 0
+    _refuse_bare_adapters(ckpt, base)
+    with interrupts_in_one_line(dst), _merged(ckpt, base, dst) as source:
+        hf_config = export_hf(source, dst, dtype, tokenizer, max_shard_size)
     summary = {
         "exported": str(Path(dst).absolute()),
         "architecture": hf_config["architectures"][0],
@@ -61,6 +77,31 @@ def export_hf_summary(
             file=sys.stderr,
         )
     return 0
+
+
+def _refuse_bare_adapters(ckpt: str, base: str | None) -> None:
+    """A LoRA checkpoint (adapters only) exports with --peft, or merged with --base."""
+    from jaxmoe.config.stored import read_config
+
+    rank = read_config(ckpt, tokenizer=False).train.lora.rank
+    if rank and not base:
+        raise CheckpointError(
+            f"checkpoint {ckpt!r} holds LoRA adapters only (train.lora.rank={rank}): --peft "
+            "writes them as a PEFT adapter folder, --base CKPT writes the merged model"
+        )
+    if base and not rank:
+        raise CheckpointError(f"--base {base}: checkpoint {ckpt!r} is a whole model already")
+
+
+def _merged(ckpt: str, base: str | None, dst: str):
+    """A context giving the checkpoint to export: `ckpt`, or its merge onto `base`."""
+    import contextlib
+
+    if not base:
+        return contextlib.nullcontext(ckpt)
+    from jaxmoe.conversions.lora_merge import merged_copy
+
+    return merged_copy(ckpt, base, dst)
 
 
 def _add_hf(subparsers) -> argparse.ArgumentParser:
@@ -95,6 +136,19 @@ def _add_hf(subparsers) -> argparse.ArgumentParser:
         default=DEFAULT_MAX_SHARD_SIZE,
         help="largest safetensors file (e.g. 5GB, 500MB, 2GiB); more tensors: shards + index",
     )
+    lora = parser.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--base",
+        type=absolute_path,
+        default=None,
+        help="a LoRA checkpoint: its base checkpoint; the merged model is written",
+    )
+    lora.add_argument(
+        "--peft",
+        action="store_true",
+        help="a LoRA checkpoint: write its adapters as a PEFT adapter folder "
+        "(adapter_config.json + adapter_model.safetensors) for peft.PeftModel.from_pretrained",
+    )
     parser.set_defaults(run=run_hf)
     return parser
 
@@ -103,7 +157,9 @@ def run_hf(args) -> int:
     overrides = args.overrides
     if overrides:
         raise CheckpointError(f"export hf takes no --config overrides (got {overrides[0]!r})")
-    return export_hf_summary(args.ckpt, args.dst, args.dtype, args.tokenizer, args.max_shard_size)
+    return export_hf_summary(
+        args.ckpt, args.dst, args.dtype, args.tokenizer, args.max_shard_size, args.base, args.peft
+    )
 
 
 def _add_t5x(subparsers) -> argparse.ArgumentParser:

@@ -161,13 +161,22 @@ def add_checkpoint_flags(parser: argparse.ArgumentParser, data: bool = True) -> 
     parser.add_argument(
         "--config", default=None, help="config file (default: the one stored with the checkpoint)"
     )
+    parser.add_argument(
+        "--base",
+        type=absolute_path,
+        default=None,
+        help="a LoRA checkpoint's base checkpoint (same as --config.train.init_from=CKPT)",
+    )
     add_override_flag(parser)
 
 
 def checkpoint_config_override(args):
-    """The config given with `--config` plus overrides, or None: the checkpoint's own."""
+    """The config given with `--config` plus overrides, or None: the checkpoint's own.
+    `--base CKPT` joins the overrides as train.init_from (a LoRA checkpoint's base)."""
     from jaxmoe.config.loading import load_config
 
+    if getattr(args, "base", None):
+        args.overrides.append(f"--config.train.init_from={args.base}")
     return load_config(args.config, args.overrides) if args.config else None
 
 

@@ -61,6 +61,7 @@ class JobConfig(Options):
         )
         _check_context(self)
         self._check_data_and_optimizer()
+        _check_lora(self)
 
     def _check_data_and_optimizer(self) -> None:
         """The data format and the optimizer's qk_clip against the model."""
@@ -149,6 +150,23 @@ def _check_context(job: JobConfig) -> None:
         raise ConfigError(
             f"mesh.context={parts} needs dropless experts (model.moe.capacity_factor=0): "
             "capacity drops by token order, which the split layout changes"
+        )
+
+
+def _check_lora(job: JobConfig) -> None:
+    """train.lora against the model and the optimizer (training/lora_run.py)."""
+    if not job.train.lora.enabled:
+        return
+    if job.model.arch != "decoder":
+        raise ConfigError("train.lora is implemented for decoder models (model.arch=decoder)")
+    if job.optimizer.qk_clip:
+        raise ConfigError(
+            "optimizer.qk_clip rescales the query/key weights, which train.lora keeps frozen"
+        )
+    if job.model.moe.num_experts and job.model.moe.bias_update_rate:
+        raise ConfigError(
+            "model.moe.bias_update_rate moves the selection biases, which train.lora keeps "
+            "frozen (set it to 0)"
         )
 
 

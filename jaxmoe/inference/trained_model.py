@@ -73,10 +73,13 @@ class TrainedModel:
     the checkpoint has none), `mesh`, `spec` (models/spec.py), `params` (read on first
     access), and `checkpoint` / `step`, the step directory it came from."""
 
-    def __init__(self, checkpoint: str, config: JobConfig, tokenizer, mesh, spec):
+    def __init__(
+        self, checkpoint: str, config: JobConfig, tokenizer, mesh, spec, base: str | None = None
+    ):
         self.config, self.tokenizer, self.mesh, self.spec = config, tokenizer, mesh, spec
         where = checkpoint_step(checkpoint)
         self.checkpoint, self.step = where["checkpoint"], where["step"]
+        self.base = base  # a LoRA checkpoint's base (its adapters are joined to it)
 
     @classmethod
     def open(
@@ -88,19 +91,25 @@ class TrainedModel:
         overrides=(),
         tokenizer: bool = True,
         strict_mesh: bool = False,
+        base: str | None = None,
     ) -> "TrainedModel":
         """Opens the checkpoint at `path` (a step directory, or a workdir for its newest
         step). `mesh`: a jax Mesh, default the one `config.mesh` describes. `config`: a
         config to use instead of the stored one (`--config FILE`); `overrides`:
         `--config.KEY=VALUE` strings. `tokenizer=False`: token-id input only, so a
         checkpoint without a tokenizer opens (with `tokenizer` None). `strict_mesh`:
-        refuse a mesh whose axes do not divide the tensors they split."""
+        refuse a mesh whose axes do not divide the tensors they split. `base`: the base
+        checkpoint of a LoRA checkpoint (training/lora_run.py), which holds adapters only:
+        the model runs base + adapters, unmerged, after the base's fingerprint is checked
+        against the one the adapters recorded (default: `--config.train.init_from`, which
+        the commands' `--base CKPT` sets; a checkpoint never names its base itself)."""
         from jax.sharding import Mesh
 
         from jaxmoe.models.spec import model_spec
         from jaxmoe.parallel.mesh import make_mesh
         from jaxmoe.parallel.platforms import skip_absent_tpu
         from jaxmoe.parallel.sharding import strict_param_check
+        from jaxmoe.training.lora_run import lora_needs_base, lora_options
 
         if mesh is not None and not isinstance(mesh, Mesh):
             raise TypeError(
@@ -118,10 +127,18 @@ class TrainedModel:
                 )
             config = config.replace(model=config.model.with_vocab(opened.vocab_size))
         mesh = make_mesh(config.mesh) if mesh is None else mesh
-        spec = model_spec(config.model, mesh)
+        lora = lora_options(config)
+        if lora is None and base:
+            raise ConfigError(
+                f"base={base!r}: checkpoint {path!r} is a whole model, not LoRA adapters"
+            )
+        base = base or (config.train.init_from if lora is not None else None)
+        if lora is not None and not base:
+            raise ConfigError(lora_needs_base(path))
+        spec = model_spec(config.model, mesh, lora=lora)
         if strict_mesh:
             strict_param_check(spec, mesh)
-        return cls(path, config, opened, mesh, spec)
+        return cls(path, config, opened, mesh, spec, base)
 
     @functools.cached_property
     def params(self) -> dict:
@@ -129,6 +146,10 @@ class TrainedModel:
         from jaxmoe.models.stack import layer_layouts
 
         layouts = layer_layouts(self.config.model)
+        if self.base:
+            from jaxmoe.training.lora_run import lora_params
+
+            return lora_params(self.checkpoint, self.base, self.config, self.spec, self.mesh)
         return restore_on_mesh(self.checkpoint, self.spec, self.mesh, layouts)
 
     def generator(self, speculative: str = ""):

@@ -39,8 +39,8 @@ from jaxmoe.models.layers import (
     dropout_module,
     dropout_multiplier,
     fan_in_init,
+    lora_project,
     make_param,
-    project,
 )
 from jaxmoe.models.quantization import NONE, Quantization
 from jaxmoe.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
@@ -258,8 +258,8 @@ class Attention(nnx.Module):
             return norm(x_BLNd)
         return norm(x_BLNd.reshape(*x_BLNd.shape[:2], -1)).reshape(x_BLNd.shape)
 
-    def project_q(self, x_BLD, positions_BL=None):
-        q = project(x_BLD, self.query[...], self.quant)
+    def project_q(self, x_BLD, positions_BL=None, train: bool = False):
+        q = lora_project(self, "query", x_BLD, self.quant, train=train)
         if self.qkv_bias:
             q = q + self.query_bias[...].astype(q.dtype)
         q = self._normed(getattr(self, "q_norm", None), q)
@@ -267,10 +267,10 @@ class Attention(nnx.Module):
             q = self._rope(q, positions_BL)
         return q
 
-    def project_kv(self, x_BSD, positions_BS=None):
+    def project_kv(self, x_BSD, positions_BS=None, train: bool = False):
         dtype = x_BSD.dtype
-        k = project(x_BSD, self.key[...], self.quant)
-        v = project(x_BSD, self.value[...], self.quant)
+        k = lora_project(self, "key", x_BSD, self.quant, train=train)
+        v = lora_project(self, "value", x_BSD, self.quant, train=train)
         if self.qkv_bias:
             k = k + self.key_bias[...].astype(dtype)
             v = v + self.value_bias[...].astype(dtype)
@@ -279,8 +279,8 @@ class Attention(nnx.Module):
             k = self._rope(k, positions_BS)
         return k, v
 
-    def project_out(self, o_BLHd):
-        out = project(o_BLHd, self.out[...], self.quant, contract=2)
+    def project_out(self, o_BLHd, train: bool = False):
+        out = lora_project(self, "out", o_BLHd, self.quant, contract=2, train=train)
         if hasattr(self, "out_bias"):
             out = out + self.out_bias[...].astype(out.dtype)
         return out
@@ -311,11 +311,11 @@ class Attention(nnx.Module):
             return self._context_attention(x_BLD, mask, positions_BL)
         if positions_BL is None and self.rope_theta:
             positions_BL = jnp.broadcast_to(jnp.arange(x_BLD.shape[1]), x_BLD.shape[:2])
-        q = self.project_q(x_BLD, positions_BL)
+        q = self.project_q(x_BLD, positions_BL, train)
         if kv_BSD is None:
-            k, v = self.project_kv(x_BLD, positions_BL)
+            k, v = self.project_kv(x_BLD, positions_BL, train)
         else:
-            k, v = self.project_kv(kv_BSD)
+            k, v = self.project_kv(kv_BSD, train=train)
         block = 0
         if kv_BSD is None and self.causal_block:
             block = resolve_causal_block(self.causal_block, x_BLD.shape[1])
@@ -328,14 +328,14 @@ class Attention(nnx.Module):
             causal = self.causal and kv_BSD is None
             o = self._kernel(q, k, v, mask, causal, segment_ids_BL if kv_BSD is None else None)
             if o is not None:
-                return self.project_out(o)
+                return self.project_out(o, train)
         elif (kernel := resolve_attention_kernel(self.kernel, mesh_platform())) != XLA:
             log_once(f"{kernel} takes no {_unsupported(sinks, bias)}")
         if block:
             o = grouped_attention(q, k, v, mask, bias, self.scale, block, keep, sinks)
         else:
             o = query_chunked_attention(q, k, v, mask, bias, self.scale, keep, sinks)
-        return self.project_out(o)
+        return self.project_out(o, train)
 
     def max_logits(self, x_BLD, *, mask, positions_BL=None):
         """Each query head's largest logit q.k * scale over the pairs `mask` allows (causal

@@ -199,6 +199,52 @@ def project(x, w, quant: Quantization = NONE, contract: int = 1):
     return y.reshape(*lead, *w.shape[contract:])
 
 
+# LoRA (models/lora.py): an adapted weight `name` has `name_lora_a` A [*lead, *in, r] and
+# `name_lora_b` B [*lead, r, *out] beside it on its module, and the module a `lora_scale`.
+LORA_A, LORA_B = "_lora_a", "_lora_b"
+
+
+def _lora_factors(module, name: str, dtype):
+    """(A, B, scale) of the adapter of weight `name` in `dtype`, or None without one."""
+    a = getattr(module, name + LORA_A, None)
+    if a is None:
+        return None
+    b = getattr(module, name + LORA_B)
+    return cast_weight(a[...], dtype), cast_weight(b[...], dtype), module.lora_scale
+
+
+def lora_project(
+    module, name: str, x, quant: Quantization = NONE, contract: int = 1, train: bool = False
+):
+    """`project` of x by the module's weight `name`, plus its LoRA adapter's s (x A) B
+    (x dropped first in training under train.lora.dropout); the projection alone for a
+    weight without an adapter. Base and adapter are never merged here."""
+    y = project(x, getattr(module, name)[...], quant, contract)
+    factors = _lora_factors(module, name, x.dtype)
+    if factors is None:
+        return y
+    a, b, scale = factors
+    x_in = dropout(getattr(module, "lora_dropout", None), x, train)
+    low = matmul_2d(x_in, a, contract)
+    return y + matmul_2d(low, b) * jnp.asarray(scale, y.dtype)
+
+
+def adapted_weight(module, name: str, dtype):
+    """The module's weight `name` in `dtype` plus its LoRA adapter's s A B (one product per
+    leading index, e.g. per expert), for the sites that take a weight rather than an input
+    (expert stacks, the router, MLA's absorbed decode); the weight alone without one."""
+    w = cast_weight(getattr(module, name)[...], dtype)
+    factors = _lora_factors(module, name, dtype)
+    if factors is None:
+        return w
+    a, b, scale = factors
+    lead = a.ndim + b.ndim - 2 - w.ndim  # A [*lead, *in, r], B [*lead, r, *out]
+    a2 = a.reshape(*a.shape[:lead], -1, a.shape[-1])
+    b2 = b.reshape(*b.shape[: lead + 1], -1)
+    delta = jnp.matmul(a2, b2).reshape(w.shape)
+    return w + delta * jnp.asarray(scale, dtype)
+
+
 def head_logits(h_BLD, w_DV, scale: float = 1.0):
     """The output layer: logits [B, L, V] f32 of the final-normed hidden states and the head
     matrix (tied: the embedding table transposed), the product in the hidden states' dtype.
@@ -233,9 +279,9 @@ class MLP(nnx.Module):
     def __call__(self, x_BLD, *, train: bool = False, token_mask_BL=None):
         """Returns (y_BLD, {}), like GatedMLP."""
         del token_mask_BL
-        hidden_BLF = self.act(project(x_BLD, self.wi[...], self.quant))
+        hidden_BLF = self.act(lora_project(self, "wi", x_BLD, self.quant, train=train))
         hidden_BLF = dropout(self.hidden_dropout, hidden_BLF, train)
-        return project(hidden_BLF, self.wo[...], self.quant), {}
+        return lora_project(self, "wo", hidden_BLF, self.quant, train=train), {}
 
 
 class GatedMLP(nnx.Module):
@@ -264,10 +310,10 @@ class GatedMLP(nnx.Module):
         """Returns (y_BLD, aux); aux is empty for a dense FFN (the MoE layer fills it; the
         token mask only matters to its routing statistics)."""
         del token_mask_BL
-        gate_BLF = self.act(project(x_BLD, self.wi_0[...], self.quant))
-        up_BLF = project(x_BLD, self.wi_1[...], self.quant)
+        gate_BLF = self.act(lora_project(self, "wi_0", x_BLD, self.quant, train=train))
+        up_BLF = lora_project(self, "wi_1", x_BLD, self.quant, train=train)
         hidden_BLF = dropout(self.hidden_dropout, gate_BLF * up_BLF, train)
-        return project(hidden_BLF, self.wo[...], self.quant), {}
+        return lora_project(self, "wo", hidden_BLF, self.quant, train=train), {}
 
 
 def compute_dtype(cfg):

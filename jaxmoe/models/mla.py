@@ -40,7 +40,7 @@ from jaxmoe.models.attention_kernel import (
     resolve_attention_kernel,
 )
 from jaxmoe.models.context_parallel import ContextLayout, context_attention, gather_length
-from jaxmoe.models.layers import RMSNorm, cast_weight, fan_in_init, make_param, project
+from jaxmoe.models.layers import RMSNorm, adapted_weight, fan_in_init, lora_project, make_param
 from jaxmoe.models.platform import mesh_platform
 from jaxmoe.models.quantization import Quantization
 
@@ -197,45 +197,46 @@ class LatentAttention(nnx.Module):
         tables = rotary_tables(positions_BL, self.rope, self.rope_theta, self.rope_scaling)
         return rope_interleaved(x_BLNr, *tables)
 
-    def project_q(self, x_BLD, positions_BL):
+    def project_q(self, x_BLD, positions_BL, train: bool = False):
         """(q_nope [B, L, H, dn], rotated q_rope [B, L, H, dr])."""
         if self.q_rank:
-            low = self.q_norm(project(x_BLD, self.q_down[...], self.quant))
-            q = project(low, self.q_up[...], self.quant)
+            low = lora_project(self, "q_down", x_BLD, self.quant, train=train)
+            q = lora_project(self, "q_up", self.q_norm(low), self.quant, train=train)
         else:
-            q = project(x_BLD, self.query[...], self.quant)
+            q = lora_project(self, "query", x_BLD, self.quant, train=train)
         return q[..., : self.nope], self._rotate(q[..., self.nope :], positions_BL)
 
-    def project_latent(self, x_BSD, positions_BS):
+    def project_latent(self, x_BSD, positions_BS, train: bool = False):
         """(normed latent [B, S, r], rotated shared key [B, S, dr]): what the cache holds."""
-        both = project(x_BSD, self.kv_down[...], self.quant)
+        both = lora_project(self, "kv_down", x_BSD, self.quant, train=train)
         latent = self.kv_norm(both[..., : self.rank])
         rope_key = self._rotate(both[..., None, self.rank :], positions_BS)[:, :, 0]
         return latent, rope_key
 
     def key_up(self, dtype):
         """W_kup [r, H, dn]: latent -> the heads' plain keys."""
-        return cast_weight(self.kv_up[...], dtype)[..., : self.nope]
+        return adapted_weight(self, "kv_up", dtype)[..., : self.nope]
 
     def value_up(self, dtype):
         """W_vup [r, H, dv]: latent -> the heads' values."""
-        return cast_weight(self.kv_up[...], dtype)[..., self.nope :]
+        return adapted_weight(self, "kv_up", dtype)[..., self.nope :]
 
-    def project_out(self, o_BLHv):
-        return project(o_BLHv, self.out[...], self.quant, contract=2)
+    def project_out(self, o_BLHv, train: bool = False):
+        return lora_project(self, "out", o_BLHv, self.quant, contract=2, train=train)
 
-    def expanded_qkv(self, x_BLD, positions_BL=None, gather: bool = False):
+    def expanded_qkv(self, x_BLD, positions_BL=None, gather: bool = False, train: bool = False):
         """Training / eval: (q [B, L, H, dn + dr], k [B, S, H, dn + dr], v [B, S, H, dv]),
         the rotary key shared by every head. `gather` (mesh.context): the latent of the
-        whole sequence gathered first, so k and v cover all of it (S = the full length)."""
+        whole sequence gathered first, so k and v cover all of it (S = the full length).
+        `train`: LoRA dropout on the adapters' input."""
         b, l, _ = x_BLD.shape
         if positions_BL is None:
             positions_BL = jnp.broadcast_to(jnp.arange(l), (b, l))
-        q_nope, q_rope = self.project_q(x_BLD, positions_BL)
-        latent, rope_key = self.project_latent(x_BLD, positions_BL)
+        q_nope, q_rope = self.project_q(x_BLD, positions_BL, train)
+        latent, rope_key = self.project_latent(x_BLD, positions_BL, train)
         if gather:  # every context device gathers the latent and expands all of it
             latent, rope_key = gather_length(latent), gather_length(rope_key)
-        kv = project(latent, self.kv_up[...], self.quant)
+        kv = lora_project(self, "kv_up", latent, self.quant, train=train)
         k_nope, v = kv[..., : self.nope], kv[..., self.nope :]
         h = self.num_heads
         q = jnp.concatenate([q_nope, q_rope], axis=-1)
@@ -254,10 +255,9 @@ class LatentAttention(nnx.Module):
         """Training / eval: keys and values expanded per head, the GQA kernels with K = H.
         `segment_ids_BL` (packed rows): the documents `mask` keeps apart, for a fused
         kernel's causal mode, which reads no mask."""
-        del train  # no attention dropout in MLA models
-        l = x_BLD.shape[1]
+        l = x_BLD.shape[1]  # no attention dropout in MLA models (train: LoRA dropout)
         context = isinstance(mask, ContextLayout)  # mesh.context: the sequence split
-        q, k, v = self.expanded_qkv(x_BLD, positions_BL, gather=context)
+        q, k, v = self.expanded_qkv(x_BLD, positions_BL, gather=context, train=train)
         # The kernels take one head width for q, k and v: pad the narrower side with zeros
         # (zeros add nothing to q.k, and padded value dims are cut off below).
         width = max(q.shape[-1], self.v_dim)
@@ -271,7 +271,7 @@ class LatentAttention(nnx.Module):
                 o = grouped_attention(q, k, v, mask, None, self.scale, block)
             else:
                 o = query_chunked_attention(q, k, v, mask, None, self.scale)
-        return self.project_out(o[..., : self.v_dim])
+        return self.project_out(o[..., : self.v_dim], train)
 
     def _kernel(self, q, k, v, mask, segment_ids_BL=None):
         """Causal self-attention through `model.attention_kernel`'s kernel (cuDNN's flash

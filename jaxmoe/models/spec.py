@@ -45,24 +45,31 @@ def model_rngs(key) -> nnx.Rngs:
     """Parameter init plus named streams for router jitter and dropout. The names matter:
     `merge_model` reseeds the streams by name (a stream forked from `default` is skipped)."""
     return nnx.Rngs(
-        params=key, jitter=jax.random.fold_in(key, 1), dropout=jax.random.fold_in(key, 2)
+        params=key,
+        jitter=jax.random.fold_in(key, 1),
+        dropout=jax.random.fold_in(key, 2),
+        lora=jax.random.fold_in(key, 3),  # adapters' init: the base's draws stay the same
     )
 
 
-def _abstract_model(model_cfg):
-    return nnx.eval_shape(lambda: build_model(model_cfg, rngs=model_rngs(jax.random.key(0))))
+def _abstract_model(model_cfg, lora=None):
+    return nnx.eval_shape(
+        lambda: build_model(model_cfg, rngs=model_rngs(jax.random.key(0)), lora=lora)
+    )
 
 
-def abstract_params(model_cfg) -> dict:
+def abstract_params(model_cfg, lora=None) -> dict:
     """The model's parameters as a str-keyed nested dict of ShapeDtypeStruct (nothing
-    allocated). Converters pass `unrolled_config(cfg)` to get per-layer paths."""
-    _, state, _ = split_params(_abstract_model(model_cfg))
+    allocated). Converters pass `unrolled_config(cfg)` to get per-layer paths; `lora`
+    (models/lora.py LoraOptions): with the adapters."""
+    _, state, _ = split_params(_abstract_model(model_cfg, lora))
     return str_keys(nnx.to_pure_dict(state))
 
 
-def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES) -> ModelSpec:
-    """Abstract parameters with their shardings on `mesh` and logical axes."""
-    abstract = _abstract_model(model_cfg)
+def model_spec(model_cfg, mesh: Mesh, rules=DEFAULT_RULES, lora=None) -> ModelSpec:
+    """Abstract parameters with their shardings on `mesh` and logical axes; `lora`
+    (train.lora, models/lora.py): the model with its adapters."""
+    abstract = _abstract_model(model_cfg, lora)
     graphdef, state, rest = split_params(abstract)
     specs = str_keys(nnx.to_pure_dict(param_specs(state, mesh, rules)))
     shapes = str_keys(nnx.to_pure_dict(state))

@@ -50,7 +50,7 @@ def causal_mask(length: int, segment_ids_BL=None):
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, layer_index: int, *, rngs: nnx.Rngs, lora=None):
         self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.attn: Attention | LatentAttention
         if cfg.attention == "mla":  # DeepSeek's latent attention (latent_cache.py decodes)
@@ -80,6 +80,10 @@ class DecoderBlock(nnx.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.ffn = build_ffn(cfg, layer_index, rngs)
         self.dropout = make_dropout(cfg, rngs)
+        if lora is not None:  # before a scanned stack stacks the blocks (models/lora.py)
+            from jaxmoe.models.lora import attach_adapters
+
+            attach_adapters(self, lora, rngs, f"layers/{layer_index}")
 
     def __call__(
         self,
@@ -129,12 +133,19 @@ class DecoderLM(nnx.Module):
     """tokens [B, L] -> logits [B, L, V] (f32), plus per-layer MoE aux outputs; with a KV
     cache the same call prefills and decodes."""
 
-    def __init__(self, cfg, *, rngs: nnx.Rngs):
+    def __init__(self, cfg, *, rngs: nnx.Rngs, lora=None):
         self.cfg = cfg
         self.embed = Embed(cfg.vocab_size, cfg.d_model, rngs=rngs)
         self.layers = build_stack(
-            cfg, lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs), cfg.num_layers, rngs
+            cfg,
+            lambda i, rngs: DecoderBlock(cfg, i, rngs=rngs, lora=lora),
+            cfg.num_layers,
+            rngs,
         )
+        if lora is not None:
+            from jaxmoe.models.lora import check_some_adapted
+
+            check_some_adapted(self.layers, lora)
         self.final_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps, rngs=rngs)
         self.dropout = make_dropout(cfg, rngs)  # on the embeddings and the final norm
         if not cfg.tie_embeddings:

@@ -1,16 +1,6 @@
 """Frozen parts of a model (`train.freeze`, `train.trainable`): parameter groups that keep
-their values while the rest trains.
-
-Groups, by where a parameter sits (its path in the parameter tree):
-- `router`: an MoE layer's router (its weights, bias and selection bias);
-- `experts`: an MoE layer's experts (their kernels and biases);
-- `shared_experts`: an MoE layer's shared experts and their gate;
-- `dense_ffn`: the FFN of a dense layer;
-- `attention`: self- and cross-attention (q/k/v/out, their biases and norms, T5's
-  relative-position tables, MLA's projections);
-- `norms`: the block and final RMSNorm scales;
-- `embeddings`: the input embedding (the output layer too when tied);
-- `head`: the untied output layer.
+their values while the rest trains. The groups (router, experts, shared_experts, dense_ffn,
+attention, norms, embeddings, head) are models/param_groups.py's.
 
 `train.freeze=router,embeddings` freezes those groups; `train.trainable=experts` freezes all
 but those. A frozen parameter's gradient is dropped where it is computed (so XLA does not
@@ -22,48 +12,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-GROUPS = (
-    "router",
-    "experts",
-    "shared_experts",
-    "dense_ffn",
-    "attention",
-    "norms",
-    "embeddings",
-    "head",
-)
-_ATTENTION = ("attn", "self_attn", "cross_attn", "encoder_relpos", "decoder_relpos")
-_ROUTER = ("router", "router_bias", "selection_bias")
+from jaxmoe.models.param_groups import GROUPS, group_of, moe_ffn_paths, parse_groups
 
-
-def parse_groups(text: str, key: str) -> tuple[str, ...]:
-    """The groups of a comma list (`train.freeze` / `train.trainable`); ValueError naming
-    the key for an unknown one."""
-    names = tuple(part.strip() for part in text.split(",") if part.strip())
-    unknown = [n for n in names if n not in GROUPS]
-    if unknown:
-        raise ValueError(f"{key}={text!r}: unknown group {unknown[0]!r} ({' | '.join(GROUPS)})")
-    return names
-
-
-def group_of(path: tuple[str, ...], moe_ffns: set[tuple[str, ...]]) -> str:
-    """The group of the parameter at `path`; `moe_ffns`: the paths of the MoE FFN modules."""
-    parts = tuple(str(p) for p in path)
-    for i, part in enumerate(parts):
-        if parts[: i + 1] in moe_ffns:
-            child = parts[i + 1]
-            if child in ("shared", "shared_gate"):
-                return "shared_experts"
-            return "router" if child in _ROUTER else "experts"
-        if part in _ATTENTION:
-            return "attention"
-    if parts[0] == "lm_head":
-        return "head"
-    if parts[-1] == "embedding":
-        return "embeddings"
-    if parts[-1] == "scale":
-        return "norms"
-    return "dense_ffn"
+__all__ = ["GROUPS", "frozen_tree", "group_of", "mask_gradients", "parse_groups", "with_frozen"]
 
 
 def frozen_tree(params, freeze: str, trainable: str):
@@ -76,7 +27,7 @@ def frozen_tree(params, freeze: str, trainable: str):
         return None
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     paths = [tuple(str(getattr(k, "key", k)) for k in path) for path, _ in leaves]
-    moe_ffns = {p[: p.index("router")] for p in paths if "router" in p}
+    moe_ffns = moe_ffn_paths(paths)
     flags = [group_of(p, moe_ffns) in frozen for p in paths]
     if all(flags):
         raise ValueError(

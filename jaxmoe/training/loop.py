@@ -18,6 +18,7 @@ from jax.experimental.multihost_utils import process_allgather
 from jax.sharding import NamedSharding
 
 from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, restore_params
+from jaxmoe.checkpoints.trees import join
 from jaxmoe.config.schema import JobConfig
 from jaxmoe.config.stored import inherit_tokenizer
 from jaxmoe.errors import ConfigError
@@ -33,6 +34,7 @@ from jaxmoe.storage.paths import absolute_path
 from jaxmoe.training.curves import CURVES_FILE, write_curves
 from jaxmoe.training.freezing import frozen_tree, with_frozen
 from jaxmoe.training.goodput import Goodput
+from jaxmoe.training.lora_run import LoraRun, lora_options
 from jaxmoe.training.metrics import MetricsWriter, wandb_options
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.profiling import ProfileWindow
@@ -251,13 +253,29 @@ def _train(
     # Stored with the checkpoints: decode refuses longer prompts.
     config = config.replace(model=model.replace(max_len=max(model.max_len, config.train.seq_len)))
 
-    spec = model_spec(config.model, mesh)
+    lora = lora_options(config)
+    spec = model_spec(config.model, mesh, lora=lora)
     total_steps = config.train.steps
-    optimizer, schedule = make_optimizer(config.optimizer, total_steps, spec.param_axes)
-    frozen = frozen_tree(spec.abstract_params, config.train.freeze, config.train.trainable)
+    # train.lora: the state holds the adapters, the frozen base comes beside it (lora_run.py).
+    lora_run = LoraRun(config, spec, mesh, lora) if lora is not None else None
+    trained_spec = lora_run.trained_spec if lora_run else spec
+    optimizer, schedule = make_optimizer(config.optimizer, total_steps, trained_spec.param_axes)
+    frozen = None
+    if lora_run is None:
+        frozen = frozen_tree(spec.abstract_params, config.train.freeze, config.train.trainable)
     optimizer = with_frozen(optimizer, frozen)  # train.freeze: no state, no update
-    abstract_state, shardings = state_shardings(mesh, spec, optimizer)
-    check_step_fits(config.model, config.train, mesh, abstract_state, shardings)
+    abstract_state, shardings = state_shardings(mesh, trained_spec, optimizer)
+    base_shardings = lora_run.base_shardings() if lora_run else None
+    if lora_run:
+        check_step_fits(
+            config.model,
+            config.train,
+            mesh,
+            {**abstract_state, "base": lora_run.split.base_in_memory()},
+            {**shardings, "base": base_shardings},
+        )
+    else:
+        check_step_fits(config.model, config.train, mesh, abstract_state, shardings)
     check_batch(data.eval_batches[0])
     batch_shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, np.ndim(value), config.train.batch_size))
@@ -273,10 +291,14 @@ def _train(
         chat_template=config.data.chat_template,
     )
     closers.append(checkpoints.close)
+    if lora_run:
+        lora_run.load_base(layer_layouts(config.model))
     restored = checkpoints.restore_latest(abstract_state)
     if restored is not None:
         start, state, meta = restored
         checkpoints.check_same_tokenizer(start)  # resumed on the ids it was trained with
+        if lora_run:  # resumed on the base its adapters were trained on
+            lora_run.check_resumed(meta, checkpoints.directory / str(start))
         try:
             data.train.set_state(meta["data"])
         except ValueError as error:  # name the keys that changed, not only the symptom
@@ -300,6 +322,9 @@ def _train(
                 "metrics": str(workdir_path / "metrics.jsonl"),
                 "curves": None,
             }
+    elif lora_run:
+        start = 0
+        state = lora_run.init_state(config.train.seed, optimizer, shardings)
     else:
         start = 0
         state = init_state(config.model, config.train.seed, optimizer, shardings, mesh)
@@ -315,7 +340,12 @@ def _train(
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
     fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule, frozen)
-    step_fn = jit_train_step(fns, shardings, batch_shardings)
+    step_fn = jit_train_step(fns, shardings, batch_shardings, base_shardings)
+    base_args = (lora_run.base,) if lora_run else ()
+
+    def model_params(trained):  # the whole model's parameters (a LoRA run: base + adapters)
+        return lora_run.full(trained) if lora_run else trained
+
     eval_batches = data.eval_batches
     # A mixture is also evaluated source by source (`loss/<name>`), each limited alike.
     eval_sets = {name: b[: config.train.eval_batches or None] for name, b in data.eval_sets.items()}
@@ -323,7 +353,10 @@ def _train(
         eval_batches = [batch for batches in eval_sets.values() for batch in batches]
     elif config.train.eval_batches:
         eval_batches = eval_batches[: config.train.eval_batches]
-    evaluator = Evaluator(spec, mesh, eval_batches, shardings["params"], batch_shardings)
+    param_shardings = shardings["params"]
+    if lora_run:
+        param_shardings = join(base_shardings, shardings["params"])
+    evaluator = Evaluator(spec, mesh, eval_batches, param_shardings, batch_shardings)
 
     writer = MetricsWriter(
         str(workdir_path), total_steps, start, progress=progress, wandb=wandb_options(config)
@@ -354,13 +387,15 @@ def _train(
             data_state = data.train.get_state()
             if hasattr(data.train, "gather_state"):  # a stream: each process has its lanes
                 data_state = data.train.gather_state(data_state, process_allgather)
-            checkpoints.save(step, state, {"step": step, "data": data_state}, config, force=force)
+            meta = {"step": step, "data": data_state, **(lora_run.record() if lora_run else {})}
+            checkpoints.save(step, state, meta, config, force=force)
 
     def evaluate(step):
         with goodput.phase("eval"):
-            result = evaluator(state["params"])
+            params = model_params(state["params"])
+            result = evaluator(params)
             for name, batches in eval_sets.items():
-                result[f"loss/{name}"] = evaluator(state["params"], batches)["loss"]
+                result[f"loss/{name}"] = evaluator(params, batches)["loss"]
         writer.write(step, "eval", result)
         return result
 
@@ -369,18 +404,18 @@ def _train(
         while step < total_steps:
             with goodput.phase("data"):
                 if curriculum:
-                    curriculum.before_batch(state["params"])  # orders the next epoch
+                    curriculum.before_batch(model_params(state["params"]))  # the next epoch
                 host_batch = next(data.train)
                 if compiled is None:  # the fields every data path must give (batch_fields.py)
                     check_batch(host_batch)
                 batch = to_global(host_batch, batch_shardings)
             if compiled is None:
                 with goodput.phase("compile"):
-                    compiled = step_fn.lower(state, batch).compile()
+                    compiled = step_fn.lower(state, batch, *base_args).compile()
                 step_log.timer.reset()  # the first interval's speed excludes compiling
             profile.before_step(step)
             with goodput.phase("step"):
-                state, metrics = compiled(state, batch)
+                state, metrics = compiled(state, batch, *base_args)
             if curriculum:
                 curriculum.observe(batch, metrics)  # records the previous step's routing
             step += 1

@@ -4,8 +4,9 @@ and the checks of their values (run when a section is made)."""
 from dataclasses import dataclass
 
 from jaxmoe.errors import ConfigError
-from jaxmoe.fields import Options, check_choices, need, option
+from jaxmoe.fields import Options, check_choices, need, option, section
 from jaxmoe.training.freezing import parse_groups
+from jaxmoe.training.lora_options import LoraOptions
 from jaxmoe.training.optimizer import OPTIMIZERS, SCHEDULES
 from jaxmoe.training.profiling import parse_profile_steps
 
@@ -56,6 +57,7 @@ class TrainOptions(Options):
         "a time, recomputed in the backward pass (a divisor of seq_len; 0 = the whole "
         "[batch, seq_len, vocab] logits at once)",
     )
+    lora: LoraOptions = section(LoraOptions, "LoRA adapters on a frozen base (rank 0 = off)")
 
     def __post_init__(self) -> None:
         check_choices(self, "train.")
@@ -91,6 +93,11 @@ class TrainOptions(Options):
             f"train.freeze={self.freeze!r} and train.trainable={self.trainable!r}: set one",
         )
         need(self.logits_z_loss >= 0, f"train.logits_z_loss={self.logits_z_loss} must be >= 0")
+        need(
+            not (self.lora.enabled and self.freeze),
+            f"train.freeze={self.freeze!r} with train.lora: the base is frozen already "
+            "(train.trainable names base groups to train in full beside the adapters)",
+        )
         need(self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be >= 0")
         need(
             not self.loss_chunk or self.seq_len % self.loss_chunk == 0,

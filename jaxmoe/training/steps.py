@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jaxmoe.checkpoints.trees import join
 from jaxmoe.models.layer_kinds import is_moe_layer
 from jaxmoe.models.layers import head_logits
 from jaxmoe.models.moe import balancing
@@ -343,16 +344,21 @@ def _loss(params, batch, total_weight, rng, fns: StepFns, mtp_total_D=None):
     return loss, extra
 
 
-def train_step(state, batch, fns: StepFns):
-    """One optimizer step (with `grad_accum` micro-batches scanned in sequence)."""
+def train_step(state, batch, fns: StepFns, base=None):
+    """One optimizer step (with `grad_accum` micro-batches scanned in sequence). `base`: a
+    LoRA run's frozen base (training/lora_run.py), joined to the trained leaves of
+    `state["params"]` for the forward pass; its leaves are constants of the loss."""
     params = state["params"]
     total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     frozen = None
     if fns.frozen_leaves is not None:
         frozen = jax.tree.unflatten(jax.tree.structure(params), fns.frozen_leaves)
 
+    def loss_of_trained(trained, *args):
+        return _loss(trained if base is None else join(base, trained), *args)
+
     def grad_fn(*args):
-        (loss, extra), grads = jax.value_and_grad(_loss, has_aux=True)(*args)
+        (loss, extra), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(*args)
         return (loss, extra), mask_gradients(grads, frozen)
 
     rng = jax.random.fold_in(jax.random.key(fns.seed), state["step"])
@@ -429,11 +435,19 @@ def train_step(state, batch, fns: StepFns):
     return new_state, metrics
 
 
-def jit_train_step(fns: StepFns, state_shardings, batch_shardings):
-    """`train_step` jitted for these shardings; the input state is donated."""
+def jit_train_step(fns: StepFns, state_shardings, batch_shardings, base_shardings=None):
+    """`train_step` jitted for these shardings; the input state is donated. With
+    `base_shardings` (a LoRA run) it takes the frozen base as a third argument."""
+    if base_shardings is None:
+        return jax.jit(
+            functools.partial(train_step, fns=fns),
+            in_shardings=(state_shardings, batch_shardings),
+            out_shardings=(state_shardings, None),
+            donate_argnums=0,
+        )
     return jax.jit(
-        functools.partial(train_step, fns=fns),
-        in_shardings=(state_shardings, batch_shardings),
+        lambda state, batch, base: train_step(state, batch, fns, base),
+        in_shardings=(state_shardings, batch_shardings, base_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )

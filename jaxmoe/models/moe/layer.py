@@ -41,7 +41,7 @@ from jaxmoe.models.layers import (
     MLP,
     GatedMLP,
     activation_fn,
-    cast_weight,
+    adapted_weight,
     dropout_module,
     dropout_multiplier,
     fan_in_init,
@@ -151,7 +151,8 @@ class MoE(nnx.Module):
                 self.jitter_rngs(), router_in.shape, jnp.float32, 1 - self.jitter, 1 + self.jitter
             )
             router_in = router_in * noise
-        logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ self.router[...]
+        router_DE = adapted_weight(self, "router", jnp.float32)  # + a LoRA adapter, if any
+        logits_TE = router_in.reshape(-1, router_in.shape[-1]) @ router_DE
         if hasattr(self, "router_bias"):
             logits_TE = logits_TE + self.router_bias[...]
         return logits_TE, router.router_scores(logits_TE, self.router_cfg.router_scoring)
@@ -193,8 +194,13 @@ class MoE(nnx.Module):
             keep_BLK = dispatch.capacity_keep(indices_BLK, mask_BLK, self.num_experts, capacity)
 
         dtype = x_BLD.dtype
-        kernels = (self.wi_0, self.wi_1, self.wo) if self.gated else (self.wi, self.wi, self.wo)
-        wi_0, wi_1, wo = (cast_weight(w[...], dtype) for w in kernels)
+        # The expert stacks in the compute dtype, each with its LoRA adapters added (one per
+        # expert, models/lora.py) when it has them.
+        if self.gated:
+            wi_0, wi_1, wo = (adapted_weight(self, n, dtype) for n in ("wi_0", "wi_1", "wo"))
+        else:
+            wi_0 = wi_1 = adapted_weight(self, "wi", dtype)
+            wo = adapted_weight(self, "wo", dtype)
         # T5X's expert dropout: each expert's hidden units, one mask per expert shared by all
         # the tokens it serves this step (Flaxformer vmaps MlpBlock over experts, mask
         # broadcast along the tokens). On rows of wo that is the same product, value and
