@@ -178,11 +178,11 @@ def test_a_lora_step_trains_the_adapters_alone():
     assert sum(x.size for x in jax.tree.leaves(abstract["opt_state"]) if x.ndim) == 2 * adapters
     base_shardings = jax.tree.map(lambda a: a.sharding, split.base_in_memory())
     fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule)
-    step = jit_train_step(fns, shardings, None, base_shardings)
+    step = jit_train_step(fns, shardings, None, {"base": base_shardings})
     b0 = jax.device_get(state["params"]["layers"]["0"]["ffn"]["wo_lora_b"])
     with jax.set_mesh(mesh):
         for batch in synthetic_batches(config, 2):
-            state, metrics = step(state, batch, base)
+            state, metrics = step(state, batch, {"base": base})
     assert np.isfinite(float(metrics["loss"]))
     assert not np.array_equal(
         jax.device_get(state["params"]["layers"]["0"]["ffn"]["wo_lora_b"]), b0

@@ -87,11 +87,13 @@ def test_every_key_has_a_one_line_doc_and_the_typed_view_matches_the_dict():
     # issue 50's model.quantization, quantization_scaling, context_strategy and mesh.context;
     # issue 51's 7:
     # model.mtp_depth, mtp_weight, optimizer.muon_momentum, muon_nesterov, muon_ns_steps,
-    # muon_rms, qk_clip; issue 45's 5: train.lora.{rank, alpha, dropout, targets, base_dtype}.
-    assert len(_leaves(config)) == 175
+    # muon_rms, qk_clip; issue 45's 11: train.lora.{rank, alpha, dropout, targets, base_dtype},
+    # train.objective, dpo_beta, dpo_label_smoothing, model.moe.replay, data.chosen_key and
+    # data.rejected_key.
+    assert len(_leaves(config)) == 181
     assert set(config.keys()) == {"model", "train", "optimizer", "mesh", "data"}
     lines = describe()
-    assert len(lines) == 175 and all("\n" not in line and "): " in line for line in lines)
+    assert len(lines) == 181 and all("\n" not in line and "): " in line for line in lines)
     arch = "model.arch (str, 'decoder'): the architecture ['decoder' | 'encoder_decoder']"
     assert lines[0] == arch
     view = typed(config)

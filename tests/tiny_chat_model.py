@@ -37,6 +37,21 @@ def write_chats(path: Path, n: int, seed: int) -> None:
     path.write_text("".join(json.dumps(conversation(rng)) + "\n" for _ in range(n)))
 
 
+def preference(rng) -> dict:
+    """A pair of the reversal task (DPO): the reversed words chosen, them as given rejected."""
+    words = list(rng.choice(COLORS, rng.integers(2, 5), replace=False))
+    return {
+        "prompt": "reverse: " + " ".join(words) + "\n",
+        "chosen": " ".join(reversed(words)),
+        "rejected": " ".join(words),
+    }
+
+
+def write_preferences(path: Path, n: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    path.write_text("".join(json.dumps(preference(rng)) + "\n" for _ in range(n)))
+
+
 def build_checkpoint(folder: Path, seed: int = 44) -> Path:
     """The Hugging Face checkpoint (config.json, model.safetensors, tokenizer files)."""
     import tokenizers

@@ -7,6 +7,7 @@ from jaxmoe.cli.flags import (
     add_sampling_flags,
     checkpoint_config_override,
     positive_int,
+    writable_file,
 )
 from jaxmoe.inference.choices import SPECULATIVE
 from jaxmoe.storage.paths import absolute_path
@@ -29,6 +30,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default="",
         help="mtp: greedy decoding drafted by the model's multi-token-prediction module "
         "(model.mtp_depth > 0); the output equals plain greedy decoding",
+    )
+    parser.add_argument(
+        "--record_routing",
+        type=writable_file,
+        default=None,
+        metavar="FILE",
+        help="write the experts every prompt and new token ran through, per MoE layer (a "
+        "safetensors routing record for router replay, docs/post_training.md)",
     )
     parser.add_argument(
         "--truncate",
@@ -57,5 +66,6 @@ def run(args) -> int:
         config=config,
         truncate=args.truncate,
         speculative=args.speculative,
+        record_routing=args.record_routing,
     )
     return 0

@@ -21,6 +21,14 @@ def add_parser(subparsers) -> None:
     add_checkpoint_flags(parser)
     parser.add_argument("--per_example", action="store_true", help="add per-example losses")
     parser.add_argument(
+        "--record_routing",
+        type=writable_file,
+        default=None,
+        metavar="FILE",
+        help="write each sequence's chosen experts per MoE layer (a safetensors routing "
+        "record, docs/post_training.md); jsonl:FILE data",
+    )
+    parser.add_argument(
         "--truncate",
         action="store_true",
         help="score examples longer than the model's context by their first tokens; "
@@ -40,6 +48,8 @@ def add_parser(subparsers) -> None:
 def run(args) -> int:
     from jaxmoe.inference.evaluate import evaluate
 
+    if args.task == "generate" and args.record_routing:
+        raise ValueError("--record_routing records --task score's pass (decode records its own)")
     if args.task == "score" and args.output:
         raise ValueError(
             "--output writes --task generate's predictions; --task score prints its result "
@@ -57,6 +67,7 @@ def run(args) -> int:
             per_example=args.per_example,
             overrides=args.overrides,
             truncate=args.truncate,
+            record_routing=args.record_routing,
         )
     print(json.dumps(result))
     return 0

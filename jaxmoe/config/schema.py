@@ -62,6 +62,8 @@ class JobConfig(Options):
         _check_context(self)
         self._check_data_and_optimizer()
         _check_lora(self)
+        _check_dpo(self)
+        _check_replay(self)
 
     def _check_data_and_optimizer(self) -> None:
         """The data format and the optimizer's qk_clip against the model."""
@@ -167,6 +169,56 @@ def _check_lora(job: JobConfig) -> None:
         raise ConfigError(
             "model.moe.bias_update_rate moves the selection biases, which train.lora keeps "
             "frozen (set it to 0)"
+        )
+
+
+def _check_dpo(job: JobConfig) -> None:
+    """train.objective=dpo against the data and the loss options (training/dpo.py)."""
+    t, data = job.train, job.data
+    preference = data.format == "preference"
+    if (t.objective == "dpo") != preference:
+        raise ConfigError(
+            f"train.objective={t.objective!r} with data.format={data.format!r}: preference "
+            "pairs (data.format=preference) are what train.objective=dpo trains on, and only it"
+        )
+    if not preference:
+        return
+    for culprit, unsupported in (
+        (f"data.streaming={data.streaming}", data.streaming),
+        (f"train.loss_chunk={t.loss_chunk}", t.loss_chunk > 0),
+        (f"train.logits_z_loss={t.logits_z_loss}", t.logits_z_loss > 0),
+        (f"model.mtp_depth={job.model.mtp_depth}", job.model.mtp_depth > 0),
+        (f"optimizer.qk_clip={job.optimizer.qk_clip}", job.optimizer.qk_clip > 0),
+    ):
+        if unsupported:
+            raise ConfigError(f"train.objective=dpo is not supported with {culprit} (unset it)")
+
+
+def _check_replay(job: JobConfig) -> None:
+    """model.moe.replay against the data it reads its routing from (moe/replay.py)."""
+    moe, data = job.model.moe, job.data
+    if not moe.replay:
+        return
+    if not moe.num_experts or job.model.arch != "decoder":
+        raise ConfigError("model.moe.replay needs an MoE decoder (model.arch=decoder)")
+    if data.format not in ("prompt_completion", "chat", "preference"):
+        raise ConfigError(
+            f"model.moe.replay reads each example's recorded `routing` field: data.format="
+            f"{data.format!r} has none (prompt_completion | chat | preference)"
+        )
+    if data.streaming:
+        raise ConfigError(
+            "model.moe.replay reads routing from the prepared cache: data.streaming=false"
+        )
+    if data.shards or data.mixture:
+        raise ConfigError(
+            "model.moe.replay reads routing from one whole split: unset data.shards and "
+            "data.mixture"
+        )
+    if job.mesh.context not in (-1, 1):
+        raise ConfigError(
+            f"model.moe.replay with mesh.context={job.mesh.context}: the recorded routing is "
+            "not split over the context axis yet (mesh.context=1)"
         )
 
 

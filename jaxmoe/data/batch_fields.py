@@ -5,7 +5,9 @@ Fields with a length axis (`axis`) lay it out as axis 1; a model that splits the
 (context parallelism) splits exactly the fields of `SEQUENCE_FIELDS`, each along its own
 length ("decoder": the length of `inputs`, "encoder": of `encoder_inputs`). Packed rows
 (data.packing=documents) carry segment ids and positions; a batch without them is one
-sequence per row (positions 0, 1, ... and every token sees every earlier one).
+sequence per row (positions 0, 1, ... and every token sees every earlier one). Preference
+data (data.format=preference, train.objective=dpo) packs each pair as two consecutive
+documents of one row: segments 2j + 1 (chosen) and 2j + 2 (rejected) are pair j of the row.
 """
 
 import dataclasses
@@ -51,6 +53,13 @@ FIELDS = (
     ),
     BatchField(
         "encoder_positions", np.int32, ENCODER, "encoder-decoder packed rows: encoder positions"
+    ),
+    BatchField(
+        "routing",
+        np.int32,
+        DECODER,
+        "router replay (model.moe.replay): each position's recorded experts [B, L, M, K] per "
+        "MoE layer and gate slot, -1 = none",
     ),
     BatchField("example_ids", np.int32, None, "the examples' global ids (-1: a padding row)"),
 )

@@ -46,13 +46,14 @@ def split_examples(
     partial_last: bool,
     *,
     spans: bool = False,
+    routing=None,
 ) -> Examples:
     """The examples of `data.<split_key>` for the model's task: whole documents packed with
     segment ids (data.packing=documents, the fine-tuning formats), else LM windows of one
     token stream, or span corruption where `spans` (options.span_corruption: an
     encoder-decoder reading text)."""
     if data.packed_documents:
-        return document_split(data, train.seq_len, tokenizer, split_key)
+        return document_split(data, train.seq_len, tokenizer, split_key, routing=routing)
     if spans:
         return span_corruption_split(data, train, tokenizer, split_key, partial_last)
     return packed_split(data, train.seq_len, tokenizer, split_key, partial_last)
@@ -114,10 +115,11 @@ class TrainBatches:
         examples: Examples | None = None,  # default: the split's cached examples
         *,
         spans: bool = False,
+        routing=None,
     ):
         if examples is None:
             examples = split_examples(
-                data, train, tokenizer, "train_split", partial_last=False, spans=spans
+                data, train, tokenizer, "train_split", False, spans=spans, routing=routing
             )
         self.examples = examples
         self.num_examples = len(self.examples)

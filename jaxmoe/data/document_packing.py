@@ -39,11 +39,21 @@ def cache_complete(stem: str) -> bool:
     return os.path.exists(stem + ".json")
 
 
+def example_columns(encoder: ExampleEncoder) -> tuple[str, ...]:
+    """The columns of an encoder's example cache (`routing`: model.moe.replay's experts)."""
+    if encoder.format == "seq2seq":
+        return ("inputs", "targets")
+    return ("ids", "weights", "routing") if encoder.routing is not None else ("ids", "weights")
+
+
 def write_example_cache(documents, encoder: ExampleEncoder, stem: str) -> None:
-    """Encodes `documents` into the example cache `stem`.* (see the module doc)."""
-    columns = ("inputs", "targets") if encoder.format == "seq2seq" else ("ids", "weights")
+    """Encodes `documents` into the example cache `stem`.* (see the module doc): one example
+    per document, two for a preference record (chosen, then rejected)."""
+    columns = example_columns(encoder)
     id_dtype = token_dtype(encoder.tokenizer.vocab_size)
     dtypes = {name: (np.uint8 if name == "weights" else id_dtype) for name in columns}
+    if "routing" in columns:  # [n, M * K] rows per example, stored flat
+        dtypes["routing"] = np.int16
     os.makedirs(os.path.dirname(stem), exist_ok=True)
     writers = {name: NpyWriter(f"{stem}.{name}.npy", dtypes[name]) for name in columns}
     lengths = {name: [] for name in columns}
@@ -51,13 +61,13 @@ def write_example_cache(documents, encoder: ExampleEncoder, stem: str) -> None:
     try:
         for document in documents:  # per example: a chat template renders one at a time
             read += 1
-            example = encoder.encode(document)
-            if example is None:
+            examples = encoder.encode_all(document)
+            if not examples:
                 skipped += 1
-                continue
-            for name, values in zip(columns, example, strict=True):
-                writers[name].append(np.asarray(values, dtypes[name]))
-                lengths[name].append(len(values))
+            for example in examples:
+                for name, values in zip(columns, example, strict=True):
+                    writers[name].append(np.asarray(values, dtypes[name]))
+                    lengths[name].append(len(values))
         for name in columns:
             writers[name].close()
             offsets = np.concatenate([[0], np.cumsum(lengths[name], dtype=np.int64)])
@@ -67,6 +77,8 @@ def write_example_cache(documents, encoder: ExampleEncoder, stem: str) -> None:
         for writer in writers.values():
             writer.discard()
     meta = {"columns": list(columns), "documents": read, "empty": skipped}
+    if encoder.routing is not None:
+        meta["routing_shape"] = [len(encoder.routing.layers), encoder.routing.slots]
     write_atomically(stem + ".json", json.dumps(meta).encode())  # the cache is complete
 
 
@@ -74,13 +86,17 @@ def load_example_cache(stem: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """{column: (values memory-mapped, offsets [n + 1])} of a complete example cache."""
     with open(stem + ".json") as f:
         meta = json.load(f)
-    return {
+    columns = {
         name: (
             np.load(f"{stem}.{name}.npy", mmap_mode="r", allow_pickle=False),
             np.load(f"{stem}.{name}.offsets.npy", allow_pickle=False),
         )
         for name in meta["columns"]
     }
+    if "routing" in columns:  # [M, K] experts per token, like the ids
+        values, offsets = columns["routing"]
+        columns["routing"] = (values.reshape(-1, *meta["routing_shape"]), offsets)
+    return columns
 
 
 def cache_files(stem: str, columns) -> list[str]:
@@ -123,6 +139,17 @@ def decoder_pieces(offsets: np.ndarray, weights: np.ndarray, window: int, mode: 
     counts = {"cut": int((long_N & keep).sum()) if mode == "left" else 0,
               "dropped": int((~keep).sum())}  # fmt: skip
     return start_N[keep], end_N[keep], counts
+
+
+def pair_pieces(offsets: np.ndarray, weights: np.ndarray, window: int):
+    """(start, end) token spans of preference pairs (examples 2i and 2i + 1) that fit one
+    window whole, each with something scored, and the count of pairs left out."""
+    start_N, end_N = offsets[:-1].astype(np.int64), offsets[1:].astype(np.int64)
+    predictions_N = end_N - start_N - 1
+    scored_N = last_scored_run(offsets, weights) > start_N
+    fits = predictions_N[0::2] + predictions_N[1::2] <= window
+    keep = np.repeat(scored_N[0::2] & scored_N[1::2] & fits, 2)
+    return start_N[keep], end_N[keep], {"pairs dropped": int((~keep[0::2]).sum())}
 
 
 def last_scored_run(offsets: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -234,8 +261,20 @@ class PackedDocuments:
     PackedWindows: `batch(ids_B)` gives rows of whole examples with segment ids and
     positions (batch_fields.py); ids < 0 give padding rows."""
 
-    def __init__(self, columns: dict, seq_len: int, pad_id: int, mode: str, targets_len: int = 0):
+    def __init__(
+        self,
+        columns: dict,
+        seq_len: int,
+        pad_id: int,
+        mode: str,
+        targets_len: int = 0,
+        pairs: bool = False,
+    ):
+        """`pairs` (data.format=preference): examples 2i and 2i + 1 are one pair, packed
+        into one window as consecutive documents; a pair that does not fit whole is left
+        out (counted)."""
         self.seq_len, self.pad_id = int(seq_len), int(pad_id)
+        self.routing = columns["routing"][0] if "routing" in columns else None
         self.seq2seq = "targets" in columns
         if self.seq2seq:
             self.targets_len = int(targets_len or seq_len)
@@ -253,8 +292,15 @@ class PackedDocuments:
             capacity = self.seq_len + self.targets_len
         else:
             (self.ids, offsets), (self.weights, _) = columns["ids"], columns["weights"]
-            starts, ends, self.counts = decoder_pieces(offsets, self.weights, self.seq_len, mode)
-            window_P = best_fit(ends - starts - 1, self.seq_len)
+            if pairs:
+                starts, ends, self.counts = pair_pieces(offsets, self.weights, self.seq_len)
+                lengths = ends - starts - 1
+                window_P = np.repeat(best_fit(lengths[0::2] + lengths[1::2], self.seq_len), 2)
+            else:
+                starts, ends, self.counts = decoder_pieces(
+                    offsets, self.weights, self.seq_len, mode
+                )
+                window_P = best_fit(ends - starts - 1, self.seq_len)
             order = np.lexsort((np.arange(len(window_P)), window_P))
             self.start_P, self.length_P = starts[order], (ends - starts - 1)[order]
             self.num_tokens = int(self.length_P.sum())
@@ -288,18 +334,25 @@ class PackedDocuments:
             lengths = (self.seq_len, self.targets_len)
             return seq2seq_rows(*pieces, self.tg_len, self.first_W, ids_B, *lengths)
         pieces = (self.ids, self.weights, self.start_P, self.length_P, self.first_W)
-        return decoder_rows(*pieces, ids_B, self.seq_len, self.pad_id)
+        return decoder_rows(*pieces, ids_B, self.seq_len, self.pad_id, self.routing)
 
 
-def decoder_rows(ids, weights, start_P, length_P, first_W, ids_B, length: int, pad_id: int):
+def decoder_rows(
+    ids, weights, start_P, length_P, first_W, ids_B, length: int, pad_id: int, routing=None
+):
     """The decoder-only batch of windows `ids_B`: window w holds pieces [first_W[w],
-    first_W[w + 1]), piece p the length_P[p] + 1 tokens of ids / weights from start_P[p]."""
+    first_W[w + 1]), piece p the length_P[p] + 1 tokens of ids / weights from start_P[p].
+    `routing` (per token [M, K], -1 unused): each input position's recorded experts."""
     b = len(ids_B)
     layout = _Layout(first_W, ids_B, length_P)
     source_T = start_P[layout.piece_Q][layout.token_q] + layout.offset_T
     inputs = np.full((b, length), pad_id, np.int32)
     targets = np.full((b, length), pad_id, np.int32)
-    return {
+    extra = {}
+    if routing is not None:
+        replayed = np.full((b, length, *routing.shape[1:]), -1, np.int32)
+        extra["routing"] = layout.place(replayed, routing[source_T])
+    return extra | {
         "inputs": layout.place(inputs, ids[source_T]),
         "targets": layout.place(targets, ids[source_T + 1]),
         "weights": layout.place(np.zeros((b, length), np.float32), weights[source_T + 1]),

@@ -8,6 +8,14 @@ how it becomes token ids and per-token loss weights.
   (chat_template.py); the assistant turns scored.
 - `seq2seq` (encoder-decoder): fields `inputs_key`, `targets_key`; the encoder reads inputs
   EOS, the decoder predicts targets EOS; every target token scored.
+- `preference` (DPO, train.objective=dpo): fields `prompt_key`, `chosen_key`,
+  `rejected_key`; two examples per record, [BOS] prompt chosen EOS and [BOS] prompt rejected
+  EOS, each scored on its response (as prompt_completion), packed into one window as two
+  consecutive documents (document_packing.py) so a pair is never split.
+
+Router replay (model.moe.replay): a decoder-only record may carry `routing` (the preference
+format: `chosen_routing` and `rejected_routing`), its recorded experts per position and MoE
+layer (routing_record.py); the encoder then gives each example a third array of them.
 
 A decoder-only example of n ids x with weights w gives n - 1 predictions: inputs x[:-1],
 targets x[1:], weights w[1:] (the scoring convention of `jaxmoe eval` and Hugging Face).
@@ -32,6 +40,7 @@ import json
 import numpy as np
 
 from jaxmoe.data.chat_template import ChatTemplate, check_messages, template_source
+from jaxmoe.data.routing_record import dense_routing
 from jaxmoe.data.tokenizer import with_bos
 
 CANONICAL = {
@@ -39,7 +48,10 @@ CANONICAL = {
     "prompt_completion": ("prompt", "completion"),
     "chat": ("messages",),
     "seq2seq": ("inputs", "targets"),
+    "preference": ("prompt", "chosen", "rejected"),
 }
+# Recorded routing a record may carry (model.moe.replay), by format.
+ROUTING_FIELDS = {"preference": ("chosen_routing", "rejected_routing")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +69,7 @@ class RecordFields:
             "prompt_completion": (data.prompt_key, data.completion_key),
             "chat": (data.messages_key,),
             "seq2seq": (data.inputs_key, data.targets_key),
+            "preference": (data.prompt_key, data.chosen_key, data.rejected_key),
         }[data.format]
         return cls(data.format, tuple(keys))
 
@@ -87,6 +100,10 @@ class RecordFields:
             elif not isinstance(value, str):
                 raise ValueError(f"{where}: field {key!r} is {type(value).__name__}, not text")
             values[name] = value
+        if self.format != "seq2seq":  # recorded routing travels with the example
+            for name in ROUTING_FIELDS.get(self.format, ("routing",)):
+                if name in record:
+                    values[name] = record[name]
         return json.dumps(values, ensure_ascii=False, sort_keys=True)
 
 
@@ -96,6 +113,7 @@ def _key_name(fields: RecordFields, key: str) -> str:
         "prompt_completion": ("prompt_key", "completion_key"),
         "chat": ("messages_key",),
         "seq2seq": ("inputs_key", "targets_key"),
+        "preference": ("prompt_key", "chosen_key", "rejected_key"),
     }[fields.format]
     return names[fields.keys.index(key)]
 
@@ -108,18 +126,45 @@ class ExampleEncoder:
     on besides the tokenizer (the format, and the chat template's text).
     """
 
-    def __init__(self, data, tokenizer, culprit: str = "data.tokenizer"):
+    def __init__(self, data, tokenizer, culprit: str = "data.tokenizer", routing=None):
+        """`routing` (routing_record.RoutingShape, model.moe.replay): every decoder-only
+        example also gives its recorded experts, int16 [n, M * K]."""
         self.format, self.tokenizer = data.format, tokenizer
         self.template = None
         self.identity = data.format
+        self.routing = routing
         if data.format == "chat":
             source = template_source(data.chat_template, tokenizer, culprit)
             self.template = ChatTemplate(source, tokenizer)
             self.identity = f"chat|{source}"
+        if routing is not None:
+            self.identity += f"|routing {routing}"
+
+    def encode_all(self, document: str) -> list[tuple]:
+        """Every example of one document: one, none (nothing to learn from), or for the
+        preference format the chosen and the rejected example (both or neither)."""
+        if self.format != "preference":
+            example = self.encode(document)
+            return [] if example is None else [example]
+        record = json.loads(document)
+        pair = []
+        for side in ("chosen", "rejected"):
+            one = {"prompt": record["prompt"], "completion": record[side]}
+            if f"{side}_routing" in record:
+                one["routing"] = record[f"{side}_routing"]
+            pair.append(self._prompt_completion(one, f"the {side} response"))
+        return pair
 
     def encode(self, document: str) -> tuple[np.ndarray, np.ndarray] | None:
         """One document's arrays; None when it has no tokens (skipped)."""
         tok = self.tokenizer
+        if self.format == "preference":
+            raise ValueError("preference records hold two examples: ExampleEncoder.encode_all")
+        if self.format in ("prompt_completion", "chat"):
+            record = json.loads(document)
+            if self.format == "prompt_completion":
+                return self._prompt_completion(record, "the example")
+            return self._with_routing(*self.template.encode(record["messages"]), record, "")
         if self.format == "text":
             ids = tok.encode(document)
             if not ids:
@@ -127,19 +172,38 @@ class ExampleEncoder:
             ids = np.asarray([*with_bos(tok, ids), tok.eos_id], np.int32)
             return ids, np.ones(len(ids), np.uint8)
         record = json.loads(document)
-        if self.format == "prompt_completion":
-            prompt = with_bos(tok, tok.encode(record["prompt"]))
-            completion = [*tok.encode(record["completion"]), tok.eos_id]
-            ids = np.asarray(prompt + completion, np.int32)
-            weights = np.concatenate(
-                [np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
-            )
-            return ids, weights
-        if self.format == "chat":
-            return self.template.encode(record["messages"])
         inputs = np.asarray([*tok.encode(record["inputs"]), tok.eos_id], np.int32)
         targets = np.asarray([*tok.encode(record["targets"]), tok.eos_id], np.int32)
         return inputs, targets
+
+    def _prompt_completion(self, record: dict, what: str) -> tuple:
+        """[BOS] prompt completion EOS, the completion and its EOS scored."""
+        tok = self.tokenizer
+        prompt = with_bos(tok, tok.encode(record["prompt"]))
+        completion = [*tok.encode(record["completion"]), tok.eos_id]
+        ids = np.asarray(prompt + completion, np.int32)
+        weights = np.concatenate(
+            [np.zeros(len(prompt), np.uint8), np.ones(len(completion), np.uint8)]
+        )
+        return self._with_routing(ids, weights, record, what)
+
+    def _with_routing(self, ids, weights, record: dict, what: str) -> tuple:
+        """(ids, weights), plus the recorded experts [n, M * K] under model.moe.replay."""
+        if self.routing is None:
+            return ids, weights
+        where = f"{what or 'the example'} starting {_opening(record)}"
+        if "routing" not in record:
+            raise ValueError(
+                f"{where}: no recorded routing (model.moe.replay=true replays it for every "
+                f"example: a `routing` field per record)"
+            )
+        return ids, weights, dense_routing(record["routing"], self.routing, len(ids), where)
+
+
+def _opening(record: dict) -> str:
+    """The first words of a record, to name it in an error."""
+    text = record.get("prompt") or json.dumps(record.get("messages", ""))[:60]
+    return repr(str(text)[:40])
 
 
 def fit_decoder_example(

@@ -16,7 +16,7 @@ CURRICULUM_SOURCES = ("previous_epoch", "scoring_pass")
 # data.curriculum_reference (curriculum.py): the paper policy's reference example.
 CURRICULUM_REFERENCES = ("count", "mean")
 # data.format (formats.py): what one record of a jsonl / parquet source is.
-FORMATS = ("text", "prompt_completion", "chat", "seq2seq")
+FORMATS = ("text", "prompt_completion", "chat", "seq2seq", "preference")
 # data.packing (document_packing.py): concat = one token stream cut into windows (documents
 # see each other); documents = whole examples per window with segment ids; auto = concat for
 # text, documents for the fine-tuning formats.
@@ -27,8 +27,8 @@ TRUNCATIONS = ("left", "drop")
 
 # The keys that say how a record becomes an example (they travel with a fine-tuned model).
 FORMAT_KEYS = ("format", "text_key", "prompt_key", "completion_key", "messages_key",
-               "inputs_key", "targets_key", "chat_template", "truncation", "targets_len",
-               "packing")  # fmt: skip
+               "inputs_key", "targets_key", "chosen_key", "rejected_key", "chat_template",
+               "truncation", "targets_len", "packing")  # fmt: skip
 
 
 class TrainSection(Protocol):
@@ -71,7 +71,8 @@ class DataOptions(Options):
     format: str = option(
         "text",
         "a record is: text (data.text_key) | prompt_completion | chat (messages) | seq2seq "
-        "(inputs/targets, encoder-decoder)",
+        "(inputs/targets, encoder-decoder) | preference (prompt/chosen/rejected, "
+        "train.objective=dpo)",
         FORMATS,
     )
     prompt_key: str = option("prompt", "prompt_completion: field of the prompt (not scored)")
@@ -81,6 +82,8 @@ class DataOptions(Options):
     messages_key: str = option(
         "messages", "chat: field of the [{role, content}] list (assistant turns scored)"
     )
+    chosen_key: str = option("chosen", "preference: field of the preferred response")
+    rejected_key: str = option("rejected", "preference: field of the dispreferred response")
     inputs_key: str = option("inputs", "seq2seq: field the encoder reads")
     targets_key: str = option("targets", "seq2seq: field the decoder predicts (then EOS)")
     chat_template: str = option(

@@ -67,6 +67,7 @@ def build_data(
     train: TrainSection,
     *,
     spans: bool = False,
+    routing=None,
     process_index: int = 0,
     process_count: int = 1,
     barrier: Barrier | None = None,
@@ -75,7 +76,9 @@ def build_data(
 ) -> DataBundle:
     """Prepares (idempotently, cached) and opens the data named by `data`, in windows of
     train.seq_len and global batches of train.batch_size ordered by train.seed; `spans`:
-    T5 span corruption (options.span_corruption: an encoder-decoder model reading text).
+    T5 span corruption (options.span_corruption: an encoder-decoder model reading text);
+    `routing` (routing_record.RoutingShape, router replay): the examples' recorded routing
+    is read into each batch's `routing` field (whole splits, not shards nor mixtures).
 
     With several processes and a `barrier`, only process 0 prepares (`prepare_once`); with
     `data.shards`, each process then tokenizes its own train shards (`allgather`: see
@@ -94,8 +97,12 @@ def build_data(
         return dataclasses.replace(bundle, train=wrapped(bundle.train, data, process_index))
     if parse_mixture(data.mixture):
         return _build_mixture(data, train, tokenizer, process_index, process_count, spans)
-    batches = TrainBatches(data, train, tokenizer, process_index, process_count, spans=spans)
-    eval_examples = split_examples(data, train, tokenizer, "eval_split", True, spans=spans)
+    batches = TrainBatches(
+        data, train, tokenizer, process_index, process_count, spans=spans, routing=routing
+    )
+    eval_examples = split_examples(
+        data, train, tokenizer, "eval_split", True, spans=spans, routing=routing
+    )
     rows = local_rows(batches.global_batch_size, process_index, process_count, "train.batch_size")
     return DataBundle(
         tokenizer=tokenizer,

@@ -192,16 +192,17 @@ def packed_split(
     return windows
 
 
-def example_cache(data: DataOptions, tokenizer, split: SplitDocuments):
+def example_cache(data: DataOptions, tokenizer, split: SplitDocuments, routing=None):
     """The split's example cache (document_packing.py), written once, for data.format: its
-    columns {name: (values, offsets)}."""
+    columns {name: (values, offsets)}. `routing` (routing_record.RoutingShape; router
+    replay): each example's recorded routing is a column too."""
     from jaxmoe.data import document_packing as dp
     from jaxmoe.data.formats import ExampleEncoder
 
-    encoder = ExampleEncoder(data, tokenizer)
+    encoder = ExampleEncoder(data, tokenizer, routing=routing)
     key = dp.cache_key(_EXAMPLES_VERSION, split.fingerprint, tokenizer.sha256, encoder.identity)
     stem = os.path.join(cache_dir(data), "tokens", f"{split.split}_{key}.examples")
-    columns = ("inputs", "targets") if encoder.format == "seq2seq" else ("ids", "weights")
+    columns = dp.example_columns(encoder)
     mirror = cache_mirror(data, "tokens")
     names = dp.cache_files(stem, columns)
     if not dp.cache_complete(stem) and not (mirror and all(mirror.pull(n) for n in names)):
@@ -212,10 +213,12 @@ def example_cache(data: DataOptions, tokenizer, split: SplitDocuments):
     return dp.load_example_cache(stem)
 
 
-def document_split(data: DataOptions, seq_len: int, tokenizer, split_key: str, report=print):
+def document_split(
+    data: DataOptions, seq_len: int, tokenizer, split_key: str, report=print, routing=None
+):
     """The split named by `data.<split_key>` as whole examples packed into windows of
     seq_len (train.seq_len, data.packing=documents); prints how many and the share of
-    padding."""
+    padding. `routing`: see example_cache."""
     from jaxmoe.data.document_packing import PackedDocuments
 
     split = open_split(data, split_key)
@@ -224,7 +227,12 @@ def document_split(data: DataOptions, seq_len: int, tokenizer, split_key: str, r
     mode = "split" if data.format == "text" else data.truncation
     pad_id = 0 if data.format == "seq2seq" else tokenizer.pad_id
     windows = PackedDocuments(
-        example_cache(data, tokenizer, split), seq_len, pad_id, mode, data.targets_len
+        example_cache(data, tokenizer, split, routing),
+        seq_len,
+        pad_id,
+        mode,
+        data.targets_len,
+        pairs=data.format == "preference",
     )
     report(f"data: {split.split} split of data.source={data.source!r}: {windows.describe()}")
     if len(windows) == 0:

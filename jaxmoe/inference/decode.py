@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxmoe.data.tokenizer import EOS_ID, PAD_ID
 from jaxmoe.models.kv_cache import DecodeCache, LayerCache, init_cache, longest_cache
+from jaxmoe.models.moe.replay import record_shape
 from jaxmoe.models.spec import merge_model, model_spec
 from jaxmoe.parallel.device_memory import refuse_over_memory, state_bytes_per_device
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size, logical_to_spec, named
@@ -158,6 +159,8 @@ class Generation:
     decode_s: float
     compile_s: float
     steps: int = 0  # decode loop iterations (tokens generated per row, at most)
+    # record_routing: per prompt, the experts [n - 1, M, K] of its prompt and new tokens fed
+    routing: list | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -194,12 +197,22 @@ def left_padded(prompts: list[list[int]], rows: int, length: int):
     return tokens, pad
 
 
-def _prefill_decoder(params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain):
+def recorded_experts(aux: dict):
+    """int32 [B, L, M, K]: the chosen experts of each MoE layer's aux (record_routing)."""
+    return jnp.stack([layer["experts"] for layer in aux.values()], axis=2)
+
+
+def _prefill_decoder(
+    params, prompt_BP, pad_B, *, graphdef, rest, cfg, cache_len, constrain, record=False
+):
     model = merge_model(graphdef, params, rest)
     cache = init_cache(cfg, prompt_BP.shape[0], cache_len, pad_B, constrain)
-    logits, _, cache = model(prompt_BP, cache=cache, last_only=True)
+    logits, aux, cache = model(prompt_BP, cache=cache, last_only=True, record_routing=record)
     index = cache.index
-    return {"logits_BV": logits[:, -1], "caches": cache.layers, "index": index, "pad_B": pad_B}
+    out = {"logits_BV": logits[:, -1], "caches": cache.layers, "index": index, "pad_B": pad_B}
+    if record:  # every prompt position's experts (--record_routing)
+        out["experts_BPMK"] = recorded_experts(aux)
+    return out
 
 
 def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, rest, cfg, cache_len, constrain):
@@ -216,9 +229,10 @@ def _prefill_encoder_decoder(params, encoder_BS, *, graphdef, rest, cfg, cache_l
     }
 
 
-def cached_step(model, tokens_BL, caches: list, index, state: dict):
+def cached_step(model, tokens_BL, caches: list, index, state: dict, record: bool = False):
     """The model's own call on L new tokens per row at cache slot `index`, with the rest of
-    the request's cache from a prefill `state`: (logits [B, L, V] f32, updated caches)."""
+    the request's cache from a prefill `state`: (logits [B, L, V] f32, updated caches), and
+    with `record` the tokens' chosen experts [B, L, M, K] third."""
     pad_B = state.get("pad_B", jnp.zeros((tokens_BL.shape[0],), jnp.int32))
     cache = DecodeCache(
         caches,
@@ -228,9 +242,11 @@ def cached_step(model, tokens_BL, caches: list, index, state: dict):
         state.get("encoder_valid_BS"),
     )
     if cache.cross is None:
-        logits, _, cache = model(tokens_BL, cache=cache)
+        logits, aux, cache = model(tokens_BL, cache=cache, record_routing=record)
     else:
-        logits, _, cache = model(None, tokens_BL, cache=cache)
+        logits, aux, cache = model(None, tokens_BL, cache=cache)
+    if record:
+        return logits, cache.layers, recorded_experts(aux)
     return logits, cache.layers
 
 
@@ -249,11 +265,14 @@ def _decode_loop(
     stop_ids,
     vocab_limit,
     constrain,
+    record=False,
 ):
     """Sample up to `max_new` tokens [B, new_bucket] (pad after a stop id: EOS...).
 
-    Returns (tokens, number of loop steps, caches). The caches are donated by the caller and
-    returned, so XLA updates one buffer in place from the first step to the last.
+    Returns (tokens, number of loop steps, caches, recorded experts or None). The caches are
+    donated by the caller and returned, so XLA updates one buffer in place from the first
+    step to the last. `record`: the experts of every new token fed back, [B, new_bucket, M,
+    K] (new token t at t; the last is never fed).
     """
     model = merge_model(graphdef, params, rest)  # rest: RNG streams, unused at decode
     stop_S = jnp.asarray(stop_ids or (-1,), jnp.int32)  # -1: never drawn
@@ -266,13 +285,17 @@ def _decode_loop(
     tokens_BN = jnp.full((b, new_bucket), PAD_ID, jnp.int32).at[:, 0].set(first_B)
 
     def cond(carry):
-        t, _, _, _, done_B, _, _ = carry
+        t, _, _, _, done_B, _, _, _ = carry
         return (t < max_new) & ~jnp.all(done_B)
 
     def body(carry):
-        t, prev_B, caches, tokens_BN, done_B, key, text_B = carry
+        t, prev_B, caches, tokens_BN, done_B, key, text_B, experts = carry
         index = state["index"] + t - 1
-        logits_B1V, caches = cached_step(model, prev_B[:, None], caches, index, state)
+        out = cached_step(model, prev_B[:, None], caches, index, state, record)
+        logits_B1V, caches = out[:2]
+        if record:
+            start = (jnp.int32(0), t - 1, jnp.int32(0), jnp.int32(0))
+            experts = jax.lax.dynamic_update_slice(experts, out[2], start)
         caches = [constrain(c) for c in caches]
         key, sub = jax.random.split(key)
         next_B = sample_tokens(logits_B1V[:, -1, :vocab_limit], sub, sampling)
@@ -280,13 +303,16 @@ def _decode_loop(
         tokens_BN = jax.lax.dynamic_update_slice(tokens_BN, next_B[:, None], (jnp.int32(0), t))
         text_B, stopped_B = _stop_string_step(state, text_B, next_B)
         done_B = done_B | jnp.isin(next_B, stop_S) | stopped_B
-        return t + 1, next_B, caches, tokens_BN, done_B, key, text_B
+        return t + 1, next_B, caches, tokens_BN, done_B, key, text_B, experts
 
     text_B, stopped_B = _stop_string_step(state, jnp.zeros((2, b), jnp.int32), first_B)
     done_B = done_B | jnp.isin(first_B, stop_S) | stopped_B
-    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B, key, text_B)
-    steps, _, caches, tokens_BN, _, _, _ = jax.lax.while_loop(cond, body, carry)
-    return tokens_BN, steps, caches
+    experts = None
+    if record:  # (M, K): MoE layers, gate slots
+        experts = jnp.full((b, new_bucket, *record), -1, jnp.int32)
+    carry = (jnp.int32(1), first_B, caches, tokens_BN, done_B, key, text_B, experts)
+    steps, _, caches, tokens_BN, _, _, _, experts = jax.lax.while_loop(cond, body, carry)
+    return tokens_BN, steps, caches, experts
 
 
 def _stop_string_step(state: dict, text_2B, token_B):
@@ -387,8 +413,9 @@ class Generator:
         for every program compiled so far (benchmarks read their size)."""
         return {key[0]: compiled for key, compiled in self._compiled.items()}
 
-    def prefill(self, prompts: list[list[int]], new_bucket: int):
-        """(state, rows, compile seconds): caches sized prompt bucket + new_bucket."""
+    def prefill(self, prompts: list[list[int]], new_bucket: int, record: bool = False):
+        """(state, rows, compile seconds): caches sized prompt bucket + new_bucket; `record`:
+        the state holds the prompt positions' experts, "experts_BPMK"."""
         rows = -(-len(prompts) // self.batch_multiple) * self.batch_multiple
         length = bucket(max(len(p) for p in prompts))
         tokens = np.full((rows, length), PAD_ID, np.int32)
@@ -400,7 +427,8 @@ class Generator:
             args = (jax.device_put(tokens, self._batch_sharding(tokens.shape)),)
         else:
             tokens, pad = left_padded(prompts, rows, length)
-            cache_len, fn = length + new_bucket, _prefill_decoder
+            cache_len = length + new_bucket
+            fn = functools.partial(_prefill_decoder, record=record)
             args = (
                 jax.device_put(tokens, self._batch_sharding(tokens.shape)),
                 jax.device_put(pad, self._batch_sharding(pad.shape)),
@@ -413,13 +441,22 @@ class Generator:
             cache_len=cache_len,
             constrain=self.cache_constraint(rows, cache_len),
         )
-        compiled, seconds = self.compile_once(("prefill", cache_len), fn, self.params, *args)
+        key = ("prefill", cache_len, record)
+        compiled, seconds = self.compile_once(key, fn, self.params, *args)
         return compiled(self.params, *args), rows, seconds
 
     def decode(
-        self, state, num_prompts: int, max_new_tokens: int, sampling, seed: int = 0, stop=None
+        self,
+        state,
+        num_prompts: int,
+        max_new_tokens: int,
+        sampling,
+        seed: int = 0,
+        stop=None,
+        record: bool = False,
     ):
-        """(tokens [rows, bucket] np.int32, loop steps, compile seconds).
+        """(tokens [rows, bucket] np.int32, loop steps, compile seconds[, the new tokens'
+        experts [rows, bucket, M, K] with `record`]).
 
         Consumes `state`: its caches are donated to the loop and updated in place. `stop`
         (stop_strings.StopStrings) also ends a row at its stop strings.
@@ -443,15 +480,18 @@ class Generator:
             stop_ids=self.stop_ids,
             vocab_limit=self.vocab_limit,
             constrain=self.cache_constraint(rows, cache_len),
+            record=record_shape(self.cfg) if record else False,
         )
-        rest = {k: v for k, v in state.items() if k != "caches"}
+        rest = {k: v for k, v in state.items() if k not in ("caches", "experts_BPMK")}
         if stop is not None and stop.tables is not None:
             replicated = NamedSharding(self.mesh, PartitionSpec())
             rest.update(jax.device_put(stop.tables, replicated))
         args = (state["caches"], rest, done, jnp.int32(max_new_tokens), jax.random.key(seed))
-        name = ("decode", new_bucket, sampling)
+        name = ("decode", new_bucket, sampling, record)
         compiled, seconds = self.compile_once(name, fn, self.params, *args, donate=(1,))
-        tokens, steps, _ = compiled(self.params, *args)
+        tokens, steps, _, experts = compiled(self.params, *args)
+        if record:
+            return np.asarray(tokens), int(steps), seconds, np.asarray(experts)
         return np.asarray(tokens), int(steps), seconds
 
     def bytes_lower_bound(self, num_prompts: int, prompt_len: int, max_new_tokens: int) -> dict:
@@ -526,7 +566,8 @@ class Generator:
         stop=None,
     ) -> Generation:
         """New tokens for each prompt (token id lists), greedy or sampled. With `stop`
-        (stop_strings.StopStrings) a row also ends inside the loop at its stop strings."""
+        (stop_strings.StopStrings) a row also ends inside the loop at its stop strings.
+        decode_routing.generate_recorded is this, recording the experts each position ran."""
         self.check_prompts(prompts, max_new_tokens)
         self.check_fits(len(prompts), max(len(p) for p in prompts), max_new_tokens)
         new_bucket = bucket(max_new_tokens)

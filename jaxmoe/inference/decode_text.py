@@ -8,6 +8,8 @@ stops at every EOS id of the tokenizer, and printed with tokens/s.
 
 import json
 
+import numpy as np
+
 from jaxmoe.inference.decode import Sampling, fit_context, without_stop
 from jaxmoe.models.latent_cache import cache_bytes_per_token
 
@@ -47,6 +49,7 @@ def decode_main(
     print_fn=print,
     truncate: bool = False,
     speculative: str = "",
+    record_routing: str | None = None,
 ) -> dict:
     """Generate continuations for text prompts with `checkpoint`; prints them and tokens/s.
 
@@ -54,7 +57,11 @@ def decode_main(
     "prefill_s", "decode_s", "compile_s"}. `config` replaces the checkpoint's stored config
     (then `overrides` are already applied to it). `speculative="mtp"` drafts with the
     model's multi-token-prediction module (greedy; the summary adds `acceptance_rate`).
+    `record_routing`: a file to write the experts of every prompt and new token the model
+    ran to (a routing record, data/routing_record.py; one sequence per prompt).
     """
+    if record_routing and speculative:
+        raise ValueError("--record_routing records plain decoding, not --speculative")
     from jaxmoe.data.tokenizer import with_bos
     from jaxmoe.inference.trained_model import TrainedModel
 
@@ -70,7 +77,20 @@ def decode_main(
     ids = [with_bos(tokenizer, tokenizer.encode(t)) + eos for t in texts]
     ids = fit_context(ids, config.model.max_len, max_new_tokens, truncate,
                       encoder_decoder)  # fmt: skip
-    result = generator.generate(ids, max_new_tokens, sampling, seed)
+    if record_routing:
+        from jaxmoe.inference.decode_routing import generate_recorded
+
+        result = generate_recorded(generator, ids, max_new_tokens, sampling, seed)
+    else:
+        result = generator.generate(ids, max_new_tokens, sampling, seed)
+    if record_routing:
+        from jaxmoe.inference.evaluate import write_recorded
+
+        sequences = [np.asarray(r) for r in result.routing]
+        longest = max(len(r) for r in sequences)
+        padded = np.stack([np.pad(r, ((0, longest - len(r)), (0, 0), (0, 0)), constant_values=-1)
+                           for r in sequences])  # fmt: skip
+        write_recorded(record_routing, config.model, padded, [len(r) for r in sequences])
     completions = []
     for text, new in zip(texts, result.tokens, strict=True):
         kept, ended = without_stop(new, generator.stop_ids)

@@ -266,6 +266,26 @@ def packed_batches(config, data_spec: str, tokenizer):
     return [{k: v for k, v in b.items() if k != "example_ids"} for b in batches]
 
 
+def check_recordable(config, num_examples) -> None:
+    """ValueError unless `--record_routing` can record: an MoE decoder, jsonl:FILE data."""
+    if config.model.arch != "decoder" or not config.model.moe.num_experts:
+        raise ValueError("--record_routing records the routing of an MoE decoder")
+    if num_examples is None:
+        raise ValueError("--record_routing needs jsonl:FILE data (one sequence per line)")
+
+
+def write_recorded(path: str, model_cfg, experts_NLMK, lengths: list[int]) -> None:
+    """The routing record of sequences in rows of experts_NLMK, the first `lengths[i]`
+    positions of row i (a sequence of n ids has n - 1 routed positions)."""
+    from jaxmoe.data.routing_record import Record, write_record
+    from jaxmoe.models.moe.replay import moe_layer_ids
+
+    sequences = [experts_NLMK[i, :n].astype(np.int16) for i, n in enumerate(lengths)]
+    moe = model_cfg.moe
+    slots = experts_NLMK.shape[-1]
+    write_record(path, Record(sequences, tuple(moe_layer_ids(model_cfg)), moe.num_experts, slots))
+
+
 def evaluate(
     checkpoint: str,
     data_spec: str,
@@ -273,10 +293,13 @@ def evaluate(
     per_example: bool = False,
     overrides=(),
     truncate: bool = False,
+    record_routing: str | None = None,
 ) -> dict:
     """Score `data_spec` with the parameters of `checkpoint`; returns the result dict, which
     names the checkpoint step it scored. Sequences longer than the model's context are
-    refused, or cut with `truncate`; a non-finite loss is an error, never a number."""
+    refused, or cut with `truncate`; a non-finite loss is an error, never a number.
+    `record_routing`: a file to write each sequence's chosen experts to (a routing record,
+    data/routing_record.py), jsonl:FILE data of an MoE decoder only."""
     check_eval_data(data_spec)  # before the checkpoint is opened
     if config is None:
         config = checkpoint_config(checkpoint, overrides)
@@ -310,12 +333,18 @@ def evaluate(
         batches = packed_batches(config, data_spec, tokenizer)
         num_examples = None
 
+    if record_routing:
+        check_recordable(config, num_examples)
     params = model.params  # read after the data: a bad file fails before a long restore
     shardings = {
         key: NamedSharding(mesh, batch_spec(mesh, value.ndim, value.shape[0]))
         for key, value in batches[0].items()
     }
-    step = jax.jit(functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest))
+    step = jax.jit(
+        functools.partial(
+            eval_step, graphdef=spec.graphdef, rest=spec.rest, record_routing=bool(record_routing)
+        )
+    )
     totals = {"nll_sum": 0.0, "correct_sum": 0.0, "weight_sum": 0.0}
     mine = across_processes.shard(list(range(len(batches))))
     outputs = {}
@@ -341,6 +370,12 @@ def evaluate(
             f"its conversion)"
         )
     result |= {"checkpoint": model.checkpoint, "step": model.step}
+    if record_routing:
+        recorded = [outputs[index]["experts_BLMK"] for index in range(len(batches))]
+        lengths = [len(e.targets) - 1 for e in examples]
+        if jax.process_index() == 0:
+            write_recorded(record_routing, config.model, np.concatenate(recorded), lengths)
+        result["routing_record"] = record_routing
     if per_example:
         if num_examples is None:
             raise ConfigError("--per_example needs jsonl:FILE data (one example per line)")

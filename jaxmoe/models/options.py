@@ -83,6 +83,12 @@ class MoEOptions(Options):
     )
     first_dense_layers: int = option(0, "layers 0..k-1 dense (DeepSeek first_k_dense)")
     dense_layers: str = option("", 'dense layer ids, e.g. "0,3" (Qwen mlp_only_layers)')
+    replay: bool = option(
+        False,
+        "router replay: each token's experts from the batch's recorded `routing` (every gate; "
+        "masked slots for variable counts), combine weights from the live router "
+        "(docs/post_training.md)",
+    )
 
     @property
     def eval_gate(self) -> GateOptions:

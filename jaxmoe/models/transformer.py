@@ -30,6 +30,7 @@ from jaxmoe.models.layers import (
     make_param,
 )
 from jaxmoe.models.mla import LatentAttention
+from jaxmoe.models.moe.replay import row_of, stack_replays
 from jaxmoe.models.mtp import MTPModule, run_mtp
 from jaxmoe.models.quantization import Quantization
 from jaxmoe.models.ring_cache import ring_self_attention
@@ -96,13 +97,16 @@ class DecoderBlock(nnx.Module):
         token_mask_BL=None,
         segment_ids_BL=None,
         max_logits: bool = False,
+        replay_BLK=None,
+        record_routing: bool = False,
     ):
         """(x, aux, cache). With `slot` (kv_cache.CacheSlot, decoding) the self-attention
         reads and writes the layer's KV cache and `cache` is the updated one (else None).
         `token_mask_BL` (bool, None = all) marks the real tokens for the MoE statistics;
         `segment_ids_BL` the documents of packed rows (`mask` already keeps them apart; a
         fused kernel reads them instead of the mask). `max_logits` (no cache) adds
-        aux[MAX_LOGIT], the attention's largest logit per head."""
+        aux[MAX_LOGIT], the attention's largest logit per head. `replay_BLK` and
+        `record_routing`: an MoE FFN's replayed experts and recorded choices (moe/layer.py)."""
         attn = self.attn
         attend: Callable[..., tuple]
         if isinstance(attn, LatentAttention):
@@ -121,7 +125,14 @@ class DecoderBlock(nnx.Module):
             segment_ids_BL=segment_ids_BL,
         )
         x_BLD = x_BLD + dropout(self.dropout, h_BLD, train)
-        y_BLD, aux = self.ffn(self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL)
+        routing = {}
+        if replay_BLK is not None:
+            routing["replay_BLK"] = replay_BLK
+        if record_routing and hasattr(self.ffn, "router"):  # an MoE FFN
+            routing["record"] = True
+        y_BLD, aux = self.ffn(
+            self.ffn_norm(x_BLD), train=train, token_mask_BL=token_mask_BL, **routing
+        )
         x_BLD = x_BLD + dropout(self.dropout, y_BLD, train)
         if max_logits and slot is None:
             heads_H = self.attn.max_logits(normed_BLD, mask=mask, positions_BL=positions_BL)
@@ -172,6 +183,8 @@ class DecoderLM(nnx.Module):
         head: bool = True,
         segment_ids_BL=None,
         max_logits: bool = False,
+        routing_BLMK=None,
+        record_routing: bool = False,
     ):
         """Returns (logits_BLV f32, aux) with aux = {layer_index: moe aux dict} in layer order.
         `token_mask_BL` (bool [B, L], None = all real): padding positions, excluded from the
@@ -194,6 +207,10 @@ class DecoderLM(nnx.Module):
         prediction (`mtp_states`, speculative decoding) reads it as h^0.
         `max_logits`: every layer's aux holds its attention's largest logit per head
         (MAX_LOGIT), for MuonClip.
+
+        Router replay (model.moe.replay): `routing_BLMK` int [B, L, M, K] gives each MoE
+        layer's experts per position (moe/replay.py); `record_routing`: each MoE layer's aux
+        holds its chosen experts, "experts" [B, L, K] (-1 = unused slot).
         """
         cfg = self.cfg
         b, l = tokens_BL.shape
@@ -211,6 +228,8 @@ class DecoderLM(nnx.Module):
                 segment_ids_BL = None
             else:
                 mask = causal_mask(l, segment_ids_BL)
+            if routing_BLMK is not None and cfg.moe.replay:  # each block's replayed experts
+                states = stack_replays(cfg, self.layers, routing_BLMK)
         else:
             check_matches_stack(cache.layers, self.layers, "DecoderLM")
             mask, cache_positions_BL = decoder_mask(cache, l)
@@ -219,11 +238,13 @@ class DecoderLM(nnx.Module):
         x_BLD = self.embed(tokens_BL, compute_dtype(cfg))
         x_BLD = constrain_batch(dropout(self.dropout, x_BLD, train))
 
-        def apply(layer, x_BLD, layer_cache, row):
-            slot = None
+        def apply(layer, x_BLD, layer_state, row):
+            slot, replay = None, None
             if cache is not None:
-                slot = CacheSlot(layer_cache, cache.index, row, cache.pad_B)
-            x_BLD, aux, layer_cache = layer(
+                slot = CacheSlot(layer_state, cache.index, row, cache.pad_B)
+            else:  # the state a block is handed without a cache: its replayed experts
+                replay = row_of(layer_state, row)
+            x_BLD, aux, new_cache = layer(
                 x_BLD,
                 mask=mask,
                 positions_BL=positions_BL,
@@ -232,8 +253,10 @@ class DecoderLM(nnx.Module):
                 token_mask_BL=token_mask_BL,
                 segment_ids_BL=segment_ids_BL,
                 max_logits=max_logits,
+                replay_BLK=replay,
+                record_routing=record_routing,
             )
-            return constrain_batch(x_BLD), aux, layer_cache
+            return constrain_batch(x_BLD), aux, new_cache if cache is not None else layer_state
 
         x_BLD, aux, states = run_stack(
             self.layers, x_BLD, apply, cfg.remat, name=lambda i: i, states=states

@@ -33,7 +33,7 @@ RUN_MODEL_KEYS = frozenset(
         "moe.capacity_factor", "moe.balance_loss_weight", "moe.balance_fractions",
         "moe.z_loss_weight", "moe.expert_dropout_rate", "moe.jitter", "moe.block_size",
         "moe.dispatch", "moe.ep_exchange", "moe.ep_buffer_factor", "moe.bias_update_rate",
-        "moe.sequence_balance_weight",
+        "moe.sequence_balance_weight", "moe.replay",
     )
 )  # fmt: skip
 

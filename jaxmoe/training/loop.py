@@ -21,6 +21,7 @@ from jaxmoe.checkpoints.manager import TrainCheckpoints, restore_opt_state, rest
 from jaxmoe.checkpoints.trees import join
 from jaxmoe.config.schema import JobConfig
 from jaxmoe.config.stored import inherit_tokenizer
+from jaxmoe.data.routing_record import routing_shape
 from jaxmoe.errors import ConfigError
 from jaxmoe.models.flops import train_flops_per_step
 from jaxmoe.models.spec import model_spec
@@ -32,6 +33,7 @@ from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
 from jaxmoe.storage.disk_full import no_space_left, quiet_disk_full
 from jaxmoe.storage.paths import absolute_path
 from jaxmoe.training.curves import CURVES_FILE, write_curves
+from jaxmoe.training.dpo_run import dpo_evaluation, dpo_reference
 from jaxmoe.training.freezing import frozen_tree, with_frozen
 from jaxmoe.training.goodput import Goodput
 from jaxmoe.training.lora_run import LoraRun, lora_options
@@ -58,10 +60,22 @@ def to_global(batch: dict, shardings: dict) -> dict:
 class Evaluator:
     """Jitted evaluation over a fixed list of batches; one device->host fetch at the end."""
 
-    def __init__(self, spec, mesh, batches: list[dict], param_shardings, batch_shardings):
+    def __init__(
+        self,
+        spec,
+        mesh,
+        batches: list[dict],
+        param_shardings,
+        batch_shardings,
+        step=None,
+        summarize=eval_metrics,
+    ):
+        """`step(params, batch) -> sums` (default steps.eval_step) and `summarize(totals)
+        -> metrics` (default steps.eval_metrics): DPO's are dpo.py's."""
         self.mesh, self.batches, self.batch_shardings = mesh, batches, batch_shardings
+        self.summarize = summarize
         self.fn = jax.jit(
-            functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest),
+            step or functools.partial(eval_step, graphdef=spec.graphdef, rest=spec.rest),
             in_shardings=(param_shardings, batch_shardings),
         )
 
@@ -73,7 +87,7 @@ class Evaluator:
                 sums = self.fn(params, to_global(batch, self.batch_shardings))
                 sums = {k: v for k, v in sums.items() if not k.endswith("per_example")}
                 totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
-        return eval_metrics(jax.device_get(totals))
+        return self.summarize(jax.device_get(totals))
 
 
 class _Preemption:
@@ -245,6 +259,7 @@ def _train(
         config.data,
         config.train,
         spans=config.span_corruption,
+        routing=routing_shape(config.model),
         process_index=jax.process_index(),
         process_count=jax.process_count(),
         barrier=barrier,
@@ -339,9 +354,17 @@ def _train(
                     opt_state = init(params)
             state = {"step": state["step"], "params": params, "opt_state": opt_state}
 
+    # What the step reads and never trains: a LoRA run's base, DPO's reference (dpo.py).
+    constants, constant_shardings = {}, {}
+    if lora_run:
+        constants["base"], constant_shardings["base"] = lora_run.base, base_shardings
+    if config.train.objective == "dpo":
+        layouts = layer_layouts(config.model)
+        constants["reference"] = dpo_reference(config, lora_run, abstract_state, layouts)
+        constant_shardings["reference"] = shardings["params"]
     fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule, frozen)
-    step_fn = jit_train_step(fns, shardings, batch_shardings, base_shardings)
-    base_args = (lora_run.base,) if lora_run else ()
+    step_fn = jit_train_step(fns, shardings, batch_shardings, constant_shardings or None)
+    base_args = (constants,) if constants else ()
 
     def model_params(trained):  # the whole model's parameters (a LoRA run: base + adapters)
         return lora_run.full(trained) if lora_run else trained
@@ -356,7 +379,16 @@ def _train(
     param_shardings = shardings["params"]
     if lora_run:
         param_shardings = join(base_shardings, shardings["params"])
-    evaluator = Evaluator(spec, mesh, eval_batches, param_shardings, batch_shardings)
+    if config.train.objective == "dpo":  # policy and reference, scored on held-out pairs
+        reference = model_params(constants["reference"])
+        evaluator = Evaluator(
+            spec, mesh, eval_batches, (param_shardings, param_shardings), batch_shardings,
+            *dpo_evaluation(spec, config),
+        )  # fmt: skip
+        evaluator_params = lambda params: (params, reference)
+    else:
+        evaluator = Evaluator(spec, mesh, eval_batches, param_shardings, batch_shardings)
+        evaluator_params = lambda params: params
 
     writer = MetricsWriter(
         str(workdir_path), total_steps, start, progress=progress, wandb=wandb_options(config)
@@ -392,7 +424,7 @@ def _train(
 
     def evaluate(step):
         with goodput.phase("eval"):
-            params = model_params(state["params"])
+            params = evaluator_params(model_params(state["params"]))
             result = evaluator(params)
             for name, batches in eval_sets.items():
                 result[f"loss/{name}"] = evaluator(params, batches)["loss"]

@@ -220,9 +220,19 @@ class LoraRun:
         """The model's whole parameter tree: the frozen base joined to the trained leaves."""
         return join(self.base, trained)
 
-    def describe(self) -> str:
-        count = sum(a.size for a in jax.tree.leaves(self.split.base_in_memory()))
-        return f"LoRA rank {self.lora.rank} on a frozen base of {count / 1e6:.2f}M parameters; "
+    def reference(self) -> dict:
+        """DPO's reference as a tree like the state's params: the adapters at zero (base +
+        zero adapters is the base, computed the same way), the groups trained in full at
+        their base values."""
+        abstract = self.split.abstract(self.split.trained_paths.__contains__)
+        adapters = select(abstract, is_adapter)
+        shardings = jax.tree.map(lambda a: a.sharding, adapters)
+        zeros = jax.jit(lambda: _zeros_like(adapters), out_shardings=shardings)()
+        return join(zeros, self.full_groups)
+
+
+def _zeros_like(tree):
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), tree)
 
 
 def lora_needs_base(path: str) -> str:

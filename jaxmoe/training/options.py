@@ -2,6 +2,7 @@
 and the checks of their values (run when a section is made)."""
 
 from dataclasses import dataclass
+from typing import Literal
 
 from jaxmoe.errors import ConfigError
 from jaxmoe.fields import Options, check_choices, need, option, section
@@ -57,6 +58,15 @@ class TrainOptions(Options):
         "a time, recomputed in the backward pass (a divisor of seq_len; 0 = the whole "
         "[batch, seq_len, vocab] logits at once)",
     )
+    objective: Literal["lm", "dpo"] = option(
+        "lm",
+        "lm (next-token NLL) | dpo (preference pairs against the frozen initial model; "
+        "data.format=preference; docs/post_training.md)",
+    )
+    dpo_beta: float = option(0.1, "dpo: beta, the strength of the implicit KL to the reference")
+    dpo_label_smoothing: float = option(
+        0.0, "dpo: the share of pairs taken as mislabelled (conservative DPO; TRL's)"
+    )
     lora: LoraOptions = section(LoraOptions, "LoRA adapters on a frozen base (rank 0 = off)")
 
     def __post_init__(self) -> None:
@@ -97,6 +107,11 @@ class TrainOptions(Options):
             not (self.lora.enabled and self.freeze),
             f"train.freeze={self.freeze!r} with train.lora: the base is frozen already "
             "(train.trainable names base groups to train in full beside the adapters)",
+        )
+        need(self.dpo_beta > 0, f"train.dpo_beta={self.dpo_beta} must be > 0")
+        need(
+            0 <= self.dpo_label_smoothing < 0.5,
+            f"train.dpo_label_smoothing={self.dpo_label_smoothing} not in [0, 0.5)",
         )
         need(self.loss_chunk >= 0, f"train.loss_chunk={self.loss_chunk} must be >= 0")
         need(

@@ -24,6 +24,7 @@ from jaxmoe.models.options import ModelOptions
 from jaxmoe.models.spec import merge_model
 from jaxmoe.models.stack import head_of, period_of
 from jaxmoe.models.transformer import MAX_LOGIT
+from jaxmoe.training import dpo
 from jaxmoe.training.chunked_loss import chunked_output_losses
 from jaxmoe.training.freezing import mask_gradients
 from jaxmoe.training.options import OptimizerOptions, TrainOptions
@@ -45,6 +46,7 @@ SUMMED_KEYS = (
     "logits_z_loss",
     "expert_load_ME",
     "mtp_nll_sum_D",
+    *dpo.SUM_KEYS,
 )
 
 
@@ -82,6 +84,9 @@ class StepFns:
     qk_nope: int = 0
     mtp_depth: int = 0  # model.mtp_depth: multi-token prediction modules (models/mtp.py)
     mtp_weight: float = 0.0  # model.mtp_weight: their loss's coefficient lambda
+    objective: str = "lm"  # train.objective: lm | dpo (training/dpo.py)
+    dpo_beta: float = 0.1
+    dpo_label_smoothing: float = 0.0
 
 
 def step_fns(
@@ -122,6 +127,9 @@ def step_fns(
         qk_nope=m.qk_nope_head_dim if m.attention == "mla" else 0,
         mtp_depth=m.mtp_depth,
         mtp_weight=m.mtp_weight,
+        objective=train.objective,
+        dpo_beta=train.dpo_beta,
+        dpo_label_smoothing=train.dpo_label_smoothing,
     )
 
 
@@ -133,7 +141,17 @@ def moe_layer_keys(m) -> tuple:
     return main + tuple(mtp_key(k) for k in range(depth) if is_moe_layer(m, n + k))
 
 
-def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None, max_logits=False):
+def forward(
+    graphdef,
+    params,
+    batch,
+    *,
+    train: bool,
+    rest=None,
+    rng=None,
+    max_logits=False,
+    record_routing: bool = False,
+):
     """logits [B, L, V] f32 and MoE aux {layer: dict} for a decoder or encoder-decoder batch.
 
     Positions of loss weight 0 (padding; a decoder-only window's last real token, whose
@@ -142,10 +160,13 @@ def forward(graphdef, params, batch, *, train: bool, rest=None, rng=None, max_lo
     rows (segment ids) count every token of a document instead: a prompt's tokens are not
     scored but route like any other.
     `max_logits` (decoders): each layer's aux also holds its attention's largest logit per
-    head (models/transformer.py MAX_LOGIT), for MuonClip.
+    head (models/transformer.py MAX_LOGIT), for MuonClip. `record_routing` (decoders): each
+    MoE layer's aux holds its chosen experts, "experts" [B, L, K] (-1: unused slot).
     """
     model = merge_model(graphdef, params, rest, rng)
-    return _call(model, batch, train=train, head=True, max_logits=max_logits)
+    return _call(
+        model, batch, train=train, head=True, max_logits=max_logits, record_routing=record_routing
+    )
 
 
 def forward_hidden(
@@ -166,7 +187,7 @@ def real_positions_BL(batch):
     return batch["weights"] > 0 if "weights" in batch else None
 
 
-def _call(model, batch, *, train: bool, head: bool, max_logits: bool = False):
+def _call(model, batch, *, train: bool, head: bool, max_logits: bool = False, record_routing=False):
     """The model on a batch's fields (data/batch_fields.py)."""
     token_mask = real_positions_BL(batch)
     segments = batch.get("segment_ids")
@@ -181,6 +202,10 @@ def _call(model, batch, *, train: bool, head: bool, max_logits: bool = False):
             encoder_segment_ids_BS=batch.get("encoder_segment_ids"),
         )
     extra = {"max_logits": True} if max_logits else {}
+    if "routing" in batch:  # recorded experts, replayed under model.moe.replay
+        extra["routing_BLMK"] = batch["routing"]
+    if record_routing:
+        extra["record_routing"] = True
     return model(
         batch["inputs"],
         train=train,
@@ -309,11 +334,31 @@ def _split_max_logits(aux: dict, fns: StepFns) -> tuple[dict, dict]:
     return {i: a for i, a in aux.items() if a}, {"max_logits_NH": maxima}
 
 
-def _loss(params, batch, total_weight, rng, fns: StepFns, mtp_total_D=None):
-    nll_sum, z_sum, aux, mtp_D = _output_losses(params, batch, rng, fns)
-    aux, extra = _split_max_logits(aux, fns)
-    loss = nll_sum / total_weight
-    extra["nll_sum"] = nll_sum
+def _dpo_loss(params, reference, batch, total_pairs, rng, fns: StepFns):
+    """(the DPO loss of the batch's pairs / total_pairs, its sums, the policy's MoE aux);
+    the reference's forward pass shares the policy's noise (the same `rng`)."""
+    kwargs = {"train": True, "rest": fns.rest, "rng": rng}
+    logits, aux = forward(fns.graphdef, params, batch, **kwargs)
+    ref_logits, _ = forward(fns.graphdef, reference, batch, **kwargs)
+    sums = dpo.dpo_sums(
+        dpo.response_logps(logits, batch),
+        dpo.response_logps(jax.lax.stop_gradient(ref_logits), batch),
+        dpo.valid_pairs(batch),
+        fns.dpo_beta,
+        fns.dpo_label_smoothing,
+    )
+    return sums["dpo_loss_sum"] / total_pairs, sums | {"nll_sum": sums["dpo_loss_sum"]}, aux
+
+
+def _loss(params, batch, total_weight, rng, fns: StepFns, mtp_total_D=None, reference=None):
+    if fns.objective == "dpo":
+        loss, extra, aux = _dpo_loss(params, reference, batch, total_weight, rng, fns)
+        z_sum = mtp_D = None
+    else:
+        nll_sum, z_sum, aux, mtp_D = _output_losses(params, batch, rng, fns)
+        aux, extra = _split_max_logits(aux, fns)
+        loss = nll_sum / total_weight
+        extra["nll_sum"] = nll_sum
     if mtp_D is not None:
         # DeepSeek-V3: lambda / D * sum_k of module k's mean NLL. Divided by the whole
         # batch's target counts, so micro-batch terms add up to it.
@@ -344,18 +389,30 @@ def _loss(params, batch, total_weight, rng, fns: StepFns, mtp_total_D=None):
     return loss, extra
 
 
-def train_step(state, batch, fns: StepFns, base=None):
-    """One optimizer step (with `grad_accum` micro-batches scanned in sequence). `base`: a
-    LoRA run's frozen base (training/lora_run.py), joined to the trained leaves of
-    `state["params"]` for the forward pass; its leaves are constants of the loss."""
+def train_step(state, batch, fns: StepFns, constants=None):
+    """One optimizer step (with `grad_accum` micro-batches scanned in sequence).
+    `constants`: what the loss reads but never trains, {"base": a LoRA run's frozen base
+    (training/lora_run.py), joined to the trained leaves of `state["params"]` for the
+    forward pass; "reference": DPO's reference, a tree like `state["params"]` joined to the
+    base alike}."""
     params = state["params"]
-    total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
+    constants = constants or {}
+    base = constants.get("base")
+
+    def whole(trained):
+        return trained if base is None else join(base, trained)
+
+    reference = whole(constants["reference"]) if "reference" in constants else None
+    if fns.objective == "dpo":
+        total_weight = dpo.pair_count(batch)
+    else:
+        total_weight = jnp.maximum(jnp.sum(batch["weights"]), 1.0)
     frozen = None
     if fns.frozen_leaves is not None:
         frozen = jax.tree.unflatten(jax.tree.structure(params), fns.frozen_leaves)
 
     def loss_of_trained(trained, *args):
-        return _loss(trained if base is None else join(base, trained), *args)
+        return _loss(whole(trained), *args, reference=reference)
 
     def grad_fn(*args):
         (loss, extra), grads = jax.value_and_grad(loss_of_trained, has_aux=True)(*args)
@@ -414,6 +471,9 @@ def train_step(state, batch, fns: StepFns, base=None):
         new_params = qk_clip(new_params, maxima_NH, fns.qk_clip_sites, fns.qk_clip, fns.qk_nope)
         extra["max_attention_logit"] = jnp.max(maxima_NH)
     nll = extra.pop("nll_sum") / total_weight
+    if fns.objective == "dpo":  # the batch's means over its pairs
+        sums = {key: extra.pop(key) for key in dpo.SUM_KEYS}
+        extra |= {k: v for k, v in dpo.dpo_metrics(sums, total_weight).items() if k != "loss"}
     if fns.mtp_depth:  # the modules' mean NLL, apart from the main model's `loss`
         mtp_D = extra.pop("mtp_nll_sum_D") / mtp_total_D
         extra["mtp_loss"] = jnp.mean(mtp_D)
@@ -435,10 +495,11 @@ def train_step(state, batch, fns: StepFns, base=None):
     return new_state, metrics
 
 
-def jit_train_step(fns: StepFns, state_shardings, batch_shardings, base_shardings=None):
+def jit_train_step(fns: StepFns, state_shardings, batch_shardings, constant_shardings=None):
     """`train_step` jitted for these shardings; the input state is donated. With
-    `base_shardings` (a LoRA run) it takes the frozen base as a third argument."""
-    if base_shardings is None:
+    `constant_shardings` (a LoRA run's base, DPO's reference: train_step's `constants`) it
+    takes them as a third argument."""
+    if constant_shardings is None:
         return jax.jit(
             functools.partial(train_step, fns=fns),
             in_shardings=(state_shardings, batch_shardings),
@@ -446,20 +507,26 @@ def jit_train_step(fns: StepFns, state_shardings, batch_shardings, base_sharding
             donate_argnums=0,
         )
     return jax.jit(
-        lambda state, batch, base: train_step(state, batch, fns, base),
-        in_shardings=(state_shardings, batch_shardings, base_shardings),
+        lambda state, batch, constants: train_step(state, batch, fns, constants),
+        in_shardings=(state_shardings, batch_shardings, constant_shardings),
         out_shardings=(state_shardings, None),
         donate_argnums=0,
     )
 
 
-def eval_step(params, batch, graphdef, rest=None):
-    """Sums over the batch: weighted NLL, correct argmax predictions, target weight."""
-    logits, _ = forward(graphdef, params, batch, train=False, rest=rest)
+def eval_step(params, batch, graphdef, rest=None, record_routing: bool = False):
+    """Sums over the batch: weighted NLL, correct argmax predictions, target weight.
+    `record_routing`: also "experts_BLMK", each position's chosen experts per MoE layer
+    (model order) and slot, -1 unused (`eval --record_routing`)."""
+    logits, aux = forward(graphdef, params, batch, train=False, rest=rest,
+                          record_routing=record_routing)  # fmt: skip
     weights = batch["weights"]
     nll = token_nll(logits, batch["targets"])
     correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
-    return {
+    recorded = {}
+    if record_routing:
+        recorded["experts_BLMK"] = jnp.stack([a["experts"] for a in aux.values()], axis=2)
+    return recorded | {
         "nll_sum": jnp.sum(nll * weights),
         "correct_sum": jnp.sum(correct * weights),
         "weight_sum": jnp.sum(weights),

@@ -170,15 +170,30 @@ class MoE(nnx.Module):
         return logits_TE, scores_TE, router.route(scores_TE, bias_E, self.router_cfg, gate_cfg)
 
     def __call__(
-        self, x_BLD: jax.Array, *, train: bool, token_mask_BL: jax.Array | None = None
+        self,
+        x_BLD: jax.Array,
+        *,
+        train: bool,
+        token_mask_BL: jax.Array | None = None,
+        replay_BLK: jax.Array | None = None,
+        record: bool = False,
     ) -> tuple[jax.Array, dict]:
+        """`replay_BLK` (int [B, L, K], -1 = an unused slot; model.moe.replay): the experts
+        of each token from a record, weighted by the live router (router.replay). `record`:
+        aux["experts"] int32 [B, L, K] holds each token's chosen experts, -1 where a slot
+        is unused (what `--record_routing` writes)."""
         batch, length, dim = x_BLD.shape
         if dim != self.router.shape[0]:
             raise ValueError(
                 f"MoE: x has shape {x_BLD.shape}, expected last dim {self.router.shape[0]}"
             )
         gate_cfg = self.train_gate if train else self.eval_gate
-        logits_TE, scores_TE, routing = self.route(x_BLD, train=train, gate_cfg=gate_cfg)
+        if replay_BLK is None:
+            logits_TE, scores_TE, routing = self.route(x_BLD, train=train, gate_cfg=gate_cfg)
+        else:
+            logits_TE, scores_TE = self.route_probs(x_BLD, train=train)
+            experts_TK = replay_BLK.reshape(batch * length, -1)
+            routing = router.replay(scores_TE, experts_TK, self.router_cfg, gate_cfg)
         slots = routing.indices.shape[-1]
 
         def per_seq(a_TK):
@@ -249,6 +264,8 @@ class MoE(nnx.Module):
             token_mask_BL = jnp.ones((batch, length), bool)
         token_mask_BL = jnp.asarray(token_mask_BL, bool)
         aux = routing_metrics(routing, mask_BLK, keep_BLK, self.num_experts, token_mask_BL)
+        if record:
+            aux["experts"] = jnp.where(mask_BLK, indices_BLK, -1).astype(jnp.int32)
         token_mask_T = token_mask_BL.reshape(-1)
         # Assignments past the expert-parallel receive buffer: sent in further rounds when
         # dropless, dropped (and in dropped_fraction) with a capacity. Real tokens only.

@@ -127,17 +127,39 @@ def route(scores_TE, bias_E, router: RouterOptions, gate: gates.GateOptions) -> 
         if gate.gating in ADAPTIVE_GATES:
             normalization = adaptive_gap_normalization(router, gate)
             mask_TK = kept_ranks(ranked_TK, gate.threshold, normalization)
-        if router.router_scoring == "sigmoid":
-            weights_TK = jnp.where(mask_TK, chosen_TK, 0.0)
-            if gate.renormalize:
-                total_T1 = jnp.sum(weights_TK, axis=-1, keepdims=True)
-                weights_TK = weights_TK / (total_T1 + 1e-20)
-        else:
-            weights_TK = gates.combine_weights(chosen_TK, mask_TK, gate)
+        weights_TK = _chosen_weights(chosen_TK, mask_TK, router, gate)
         routing = gates.Routing(indices_TK, weights_TK, mask_TK)
+    return _scaled(routing, router)
+
+
+def _chosen_weights(chosen_TK, mask_TK, router: RouterOptions, gate: gates.GateOptions):
+    """Combine weights of the chosen experts from their (unbiased) scores chosen_TK."""
+    if router.router_scoring == "sigmoid":
+        weights_TK = jnp.where(mask_TK, chosen_TK, 0.0)
+        if gate.renormalize:
+            total_T1 = jnp.sum(weights_TK, axis=-1, keepdims=True)
+            weights_TK = weights_TK / (total_T1 + 1e-20)
+        return weights_TK
+    return gates.combine_weights(chosen_TK, mask_TK, gate)
+
+
+def _scaled(routing: gates.Routing, router: RouterOptions) -> gates.Routing:
     if router.routed_scaling_factor != 1.0:
         routing = routing._replace(weights=routing.weights * router.routed_scaling_factor)
     return routing
+
+
+def replay(scores_TE, experts_TK, router: RouterOptions, gate: gates.GateOptions) -> gates.Routing:
+    """Router replay: the experts of a record (experts_TK int [T, K], -1 in unused slots:
+    a variable count per token), weighted as `route` weighs its own choices, from the live
+    scores (so the router keeps its gradient). Replaying the experts `route` chose gives
+    `route`'s weights and mask value for value (an unused slot's index, which nothing
+    reads, is 0 here)."""
+    mask_TK = experts_TK >= 0
+    indices_TK = jnp.where(mask_TK, experts_TK, 0).astype(jnp.int32)
+    chosen_TK = jnp.take_along_axis(scores_TE, indices_TK, axis=-1)
+    weights_TK = _chosen_weights(chosen_TK, mask_TK, router, gate)
+    return _scaled(gates.Routing(indices_TK, weights_TK, mask_TK), router)
 
 
 def expert_load(routing: gates.Routing, num_experts: int, token_mask_T) -> jax.Array:
