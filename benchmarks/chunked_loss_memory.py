@@ -41,7 +41,7 @@ MODEL = (
 def compiled_memory(config) -> dict:
     """Memory analysis (bytes) and compile seconds of one train step of `config`."""
     mesh = make_mesh(config.mesh, jax.devices()[:1])
-    step, _, abstract_state, batch = jitted_train_step(config, mesh)
+    step, _, abstract_state, batch, _ = jitted_train_step(config, mesh)
     started = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(abstract_state, batch).compile()

@@ -157,6 +157,22 @@ def test_argument_bytes_match_hand_count(v5p_8):
     assert v5p_8["argument_bytes"] == state + batch_bytes - 128 * 4
 
 
+def test_a_lora_step_holds_the_adapters_state_and_the_frozen_base(v5p_8):
+    """train.lora (rank 8 on attention): the state is the adapters and their two moments;
+    the base, an argument of the step, is the whole model's parameters (float32 here)."""
+    lora = compile_for_topology(
+        tiny_config(*TINY, "train.lora.rank=8", "train.lora.targets=attention"), "v5p-8"
+    )
+    assert lora["verdict"] == "fits"
+    assert lora["frozen_base_bytes_per_device"] == v5p_8["param_bytes_per_device"]
+    adapters = lora["param_bytes_per_device"]
+    assert 0 < adapters < v5p_8["param_bytes_per_device"] / 10
+    assert lora["optimizer_bytes_per_device"] == 2 * adapters + 2 * 4
+    # The step's inputs: base + adapters + their moments, against the weights and both of
+    # their moments (this tiny model's peak is its activations', the same in both).
+    assert lora["argument_bytes"] < 0.4 * v5p_8["argument_bytes"]
+
+
 def test_model_flops_match_the_compilers_count(v5p_8):
     # No loops in this program, so XLA's count (all ops, per device) is complete; model
     # FLOPs leave out only the elementwise work (norms, softmax, the optimizer update).

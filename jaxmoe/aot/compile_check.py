@@ -15,7 +15,6 @@ Exit status: 0 the step fits, 2 it does not (out of memory) or the check failed.
 """
 
 import contextlib
-import functools
 import math
 import re
 import time
@@ -43,9 +42,10 @@ from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.device_memory import state_bytes_per_device
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec, data_parallel_size
+from jaxmoe.training.lora_run import LoraSplit, lora_options
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import state_shardings
-from jaxmoe.training.steps import step_fns, train_step
+from jaxmoe.training.steps import jit_train_step, step_fns
 
 
 def model_vocab_size(config) -> int:
@@ -128,22 +128,26 @@ def _compile_error_numbers(message: str) -> dict:
 
 
 def jitted_train_step(config, mesh: Mesh):
-    """The jitted train step of `config` on `mesh`, state donated, with the model spec and
-    the abstract state and batch it lowers for (nothing is allocated)."""
-    spec = model_spec(config.model, mesh)
-    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, spec.param_axes)
-    abstract_state, shardings = state_shardings(mesh, spec, optimizer)
+    """The jitted train step of `config` on `mesh`, state donated, with the model spec, the
+    abstract state and batch it lowers for and its further arguments (a LoRA run's frozen
+    base, training/lora_run.py: `step.lower(state, batch, *args)`); nothing is allocated."""
+    lora = lora_options(config)
+    spec = model_spec(config.model, mesh, lora=lora)
+    trained, args = spec, ()
+    if lora is not None:  # the state holds the adapters; the base is an argument
+        split = LoraSplit.of(spec, lora, config.train.trainable, config.model, mesh)
+        trained, args = split.trained_spec, ({"base": split.base_in_memory()},)
+    optimizer, schedule = make_optimizer(config.optimizer, config.train.steps, trained.param_axes)
+    abstract_state, shardings = state_shardings(mesh, trained, optimizer)
     batch = abstract_batch(config, mesh)
-    step = jax.jit(
-        functools.partial(
-            train_step,
-            fns=step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule),
-        ),
-        in_shardings=(shardings, jax.tree.map(lambda b: b.sharding, batch)),
-        out_shardings=(shardings, None),
-        donate_argnums=0,
+    fns = step_fns(config.train, config.optimizer, config.model, spec, optimizer, schedule)
+    step = jit_train_step(
+        fns,
+        shardings,
+        jax.tree.map(lambda b: b.sharding, batch),
+        jax.tree.map(lambda a: a.sharding, args[0]) if args else None,
     )
-    return step, spec, abstract_state, batch
+    return step, spec, abstract_state, batch, args
 
 
 def compile_for_topology(
@@ -167,14 +171,16 @@ def compile_for_topology(
         )
     config = for_platform(config, topo.platform)
 
-    step, spec, abstract_state, batch = jitted_train_step(config, mesh)
+    step, spec, abstract_state, batch, args = jitted_train_step(config, mesh)
     fallbacks_before = fallback_counts()
     with jax.set_mesh(mesh), _tracing_for(topo):
-        lowered = step.lower(abstract_state, batch)
+        lowered = step.lower(abstract_state, batch, *args)
     lowered_s = time.perf_counter() - started
 
     hbm = topo.hbm_bytes
     result = _describe(config, topo, mesh, spec, abstract_state, batch, step_time_s)
+    if args:  # train.lora: the frozen base, beside the trained adapters' state
+        result["frozen_base_bytes_per_device"] = state_bytes_per_device(args[0]["base"])
     try:
         compiled = lowered.compile()
     except jax.errors.JaxRuntimeError as error:
