@@ -73,7 +73,7 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
 
     config = make_config(tmp_path / "cache", data__prepare_timeout_s=5)
     prepared, lines = [], []
-    monkeypatch.setattr(multihost, "prepare", lambda c: prepared.append(c))
+    monkeypatch.setattr(multihost, "prepare", lambda data, train: prepared.append(data))
     barrier = Barrier()
     multihost.prepare_once(config.data, config.train, 1, barrier, lines.append)
     assert prepared == [] and barrier.calls == [("jaxmoe_data_prepared", 5.0)]
@@ -88,7 +88,7 @@ def test_only_process_zero_prepares(tmp_path, monkeypatch):
     assert "\n" not in str(error.value)
 
     # Process 0 fails: it still reaches the barrier, the others stop naming its error.
-    def failing(config):
+    def failing(data, train):
         raise ValueError("data.source='jsonl:/x/*.jsonl' matches no files")
 
     monkeypatch.setattr(multihost, "prepare", failing)
