@@ -427,6 +427,14 @@ def compile_env() -> dict:
     return {**os.environ, "ALLOW_MULTIPLE_LIBTPU_LOAD": "1", "TPU_SKIP_MDS_QUERY": "1"}
 
 
+def error_line(log: str) -> str:
+    """The line of a failed run's log that names its exception (the last `...Error: ...`
+    line: JAX prints hints such as "report a bug at ..." after it), else its last line."""
+    lines = [line.strip() for line in log.strip().splitlines() if line.strip()]
+    errors = [line for line in lines if re.match(r"^[\w.]*(Error|Exception)\b.*:", line)]
+    return (errors or lines or [""])[-1]
+
+
 def run_maxtext(venv: Path, case: dict) -> dict:
     env = compile_env()
     if is_gpu_case(case):  # benchmarks.maxtext_gpu_compile imports jaxmoe from this checkout
@@ -435,8 +443,7 @@ def run_maxtext(venv: Path, case: dict) -> dict:
         result, timing = timed(maxtext_command(venv, case, out), env)
     log = result.stdout + result.stderr
     if result.returncode:
-        tail = [line for line in log.strip().splitlines() if line.strip()][-1:]
-        return {"error": f"MaxText exited {result.returncode}: {tail}", **timing}
+        return {"error": f"MaxText exited {result.returncode}: {error_line(log)}", **timing}
     return {**parse_memory_analysis(log), **timing}
 
 

@@ -101,3 +101,23 @@ def test_gpu_cases_run_maxtext_on_jaxmoes_devices_at_one_sequence_per_gpu(tmp_pa
         assert settings["max_target_length"] == "4096"
         batch = [a for a in case["jaxmoe"] if a.startswith("--config.train.batch_size=")]
         assert batch == [f"--config.train.batch_size={gpus}"], name
+
+
+def test_a_failed_maxtext_run_is_named_by_its_exception_line():
+    from benchmarks.pod_compile_peer import error_line
+
+    # The tail of MaxText 0.2.5's log for Mixtral with quantization=int8 (2026-12-06).
+    log = """I1206 15:20:01 train_compile.py:120] compiling
+jax.errors.JaxRuntimeError: INTERNAL: Mosaic failed to compile TPU kernel: unsupported shape cast
+
+The above exception was the direct cause of the following exception:
+
+--------------------
+For simplicity, JAX has removed its internal frames from the traceback of the following exception. Set JAX_TRACEBACK_FILTERING=off to include these.
+Please report a bug at: https://github.com/jax-ml/jax/issues/new/choose
+"""  # noqa: E501
+    assert error_line(log).startswith("jax.errors.JaxRuntimeError: INTERNAL: Mosaic failed")
+    assert (
+        error_line("AssertionError: v=768 bv=1024 s=768\n") == "AssertionError: v=768 bv=1024 s=768"
+    )
+    assert error_line("no exception here\nlast words\n") == "last words"
