@@ -304,6 +304,9 @@ def start_convert(src: Path, dst: Path) -> subprocess.Popen:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell without job control starts `cmd &` with SIGINT ignored, the test run inherits
+        # that, and Python then leaves SIGINT ignored: give the command a terminal's Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
