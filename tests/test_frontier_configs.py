@@ -70,9 +70,15 @@ def hf_counts(hf: dict) -> tuple[int, int]:
     with torch.device("meta"):
         model = transformers.DeepseekV3ForCausalLM(config)
         layer = DeepseekV3DecoderLayer(config, layer_idx=hf["num_hidden_layers"])
-    main = sum(p.numel() for p in model.parameters())
     d = hf["hidden_size"]
-    return main, sum(p.numel() for p in layer.parameters()) + 3 * d + 2 * d * d
+    return stored_count(model), stored_count(layer) + 3 * d + 2 * d * d
+
+
+def stored_count(module) -> int:
+    """Numbers a checkpoint of `module` holds: its parameters and the routers' selection
+    bias (`e_score_correction_bias`, a buffer in transformers, jaxmoe's `selection_bias`)."""
+    biases = (b for name, b in module.named_buffers() if name.endswith("e_score_correction_bias"))
+    return sum(p.numel() for p in module.parameters()) + sum(b.numel() for b in biases)
 
 
 @pytest.mark.slow  # transformers builds 61 layers of 256-384 experts on the meta device
