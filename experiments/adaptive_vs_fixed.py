@@ -373,7 +373,7 @@ def markdown(report: dict) -> str:
     seeds = ", ".join(str(k) for k in report["seeds"])
     times = report.get("step_times") or {"variants": {}}
     lines = [
-        "# Adaptive vs fixed gating (the paper's Table 3, measured here)",
+        "# Adaptive vs fixed gating (FLOPs to the worst final loss, 1 CPU device)",
         "",
         f"Setting `{s['setting']}`: {s['model']}; MoE FFN share of a step's FLOPs "
         f"{s['moe_flops_share']['top1']:.0%} (top-1) / {s['moe_flops_share']['top2']:.0%} "
@@ -385,7 +385,7 @@ def markdown(report: dict) -> str:
         "",
         "| variant | FLOPs to target | time to target | steps to target | step time "
         "(interleaved) | final eval loss | same, training gate | tokens to two experts | "
-        "paper (time / ppl) |",
+        "paper, GPT-2 wikitext: wall time to top-2's quality / ppl |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for name, r in report["summary"].items():

@@ -94,6 +94,119 @@ def epoch_vectors(record: dict, epoch: int, num_examples: int, steps_per_epoch: 
     return top2_NM, seen_N
 
 
+# Expert parallelism (experiments/ep_time_to_quality.py measures it on real processes): each
+# device holds a contiguous group of E / G experts and computes them on every row the whole
+# batch routed there, so a layer's compute waits for the busiest group, not for the device
+# whose own tokens took two experts most often (the data-parallel model above).
+
+
+def group_rows(rows_BME: np.ndarray, groups: int) -> np.ndarray:
+    """Rows [B, M, E] kept per example, MoE layer and expert -> [M, G]: the rows each expert
+    group (device) receives from the whole batch in each layer."""
+    batch, layers, experts = rows_BME.shape
+    if experts % groups:
+        raise ValueError(f"{experts} experts do not split into {groups} equal groups")
+    return rows_BME.reshape(batch, layers, groups, experts // groups).sum(axis=(0, 3))
+
+
+def ep_step_rows(rows_BME: np.ndarray, groups: int) -> dict:
+    """One step's rows: the busiest group's summed over layers (what the step waits for),
+    the mean group's (perfect balance), and each group's wait in rows [G]: per layer the
+    busiest group's rows minus its own, summed over layers."""
+    rows_MG = group_rows(rows_BME, groups).astype(np.float64)
+    busiest_M = rows_MG.max(axis=1)
+    return {
+        "critical": float(busiest_M.sum()),
+        "balanced": float(rows_MG.mean(axis=1).sum()),
+        "wait_G": (busiest_M[:, None] - rows_MG).sum(axis=0),
+    }
+
+
+def epoch_rows(record: dict, epoch: int, num_examples: int, steps_per_epoch: int):
+    """(rows_NME, seen_N): each example's rows per layer and expert in one epoch of a
+    recorded run (ep_worker's steps.npz: rows_MBE per step), its last record winning."""
+    steps = record["step"]
+    in_epoch = (steps - 1) // steps_per_epoch == epoch
+    rows_SMBE = record["rows_MBE"][in_epoch]
+    s, layers, batch, experts = rows_SMBE.shape
+    rows_NME = np.zeros((num_examples, layers, experts), np.float32)
+    seen_N = np.zeros(num_examples, bool)
+    ids = record["example_ids"][in_epoch].reshape(-1)
+    rows_NME[ids] = rows_SMBE.transpose(0, 2, 1, 3).reshape(s * batch, layers, experts)
+    seen_N[ids] = True
+    return rows_NME, seen_N
+
+
+def simulate_ep_epoch(record, epoch, steps_per_epoch, seed, batch, groups, shuffles) -> dict:
+    """Epoch `epoch` of a recorded expert-parallel run re-cut in each order: the loader's
+    shuffle (`shuffles` draws), and the paper's and magnitude curricula ordered by epoch
+    - 1's complexity vectors, each example routed as it was in `epoch`. Per order: mean over
+    steps of the critical rows (busiest group, summed over layers), the balanced rows, and
+    the mean group's wait in rows."""
+    from jaxmoe.data.curriculum import epoch_order
+    from jaxmoe.data.pipeline import default_epoch_order
+
+    num_examples = int(record["example_ids"].max()) + 1
+    before_NM, seen_before = epoch_vectors(record, epoch - 1, num_examples, steps_per_epoch)
+    rows_NME, seen_now = epoch_rows(record, epoch, num_examples, steps_per_epoch)
+    keep = np.flatnonzero(seen_before & seen_now)
+    before_NM, rows_NME = before_NM[keep], rows_NME[keep]
+    orders = {
+        "none": [
+            default_epoch_order(epoch + k, num_examples=len(keep), seed=seed, shuffle=True)
+            for k in range(shuffles)
+        ],
+        **{
+            policy: [
+                epoch_order(policy, before_NM, np.ones(len(keep), bool), epoch=epoch, seed=seed,
+                            batch_size=batch)
+            ]
+            for policy in ORDERS[1:]
+        },
+    }  # fmt: skip
+    out = {"examples": len(keep)}
+    for policy, draws in orders.items():
+        steps = [
+            ep_step_rows(rows_NME[order[start : start + batch]], groups)
+            for order in draws
+            for start in range(0, len(order) - batch + 1, batch)
+        ]
+        out[policy] = {
+            "critical_rows": float(np.mean([s["critical"] for s in steps])),
+            "balanced_rows": float(np.mean([s["balanced"] for s in steps])),
+            "wait_rows": float(np.mean([s["wait_G"].mean() for s in steps])),
+            "steps": len(steps) // len(draws),
+        }
+    return out
+
+
+def epoch_correlations(record: dict, steps_per_epoch: int) -> list[dict]:
+    """Between consecutive epochs of a recorded run, Pearson correlations of the examples'
+    complexity vectors (every layer's top-2 fraction): all entries together (layers whose
+    mean fractions differ raise it), within each layer (mean over layers), and of the
+    examples' means over layers."""
+    num_examples = int(record["example_ids"].max()) + 1
+    epochs = (int(record["step"].max()) - 1) // steps_per_epoch + 1
+    out = []
+    for epoch in range(1, epochs):
+        before, seen_before = epoch_vectors(record, epoch - 1, num_examples, steps_per_epoch)
+        now, seen_now = epoch_vectors(record, epoch, num_examples, steps_per_epoch)
+        both = seen_before & seen_now
+        if both.sum() < 3:
+            continue
+        out.append({
+            "epochs": [epoch - 1, epoch],
+            "examples": int(both.sum()),
+            "vectors_r": float(np.corrcoef(before[both].ravel(), now[both].ravel())[0, 1]),
+            "within_layer_r": float(np.mean([
+                np.corrcoef(before[both][:, m], now[both][:, m])[0, 1]
+                for m in range(before.shape[1])
+            ])),
+            "means_r": float(np.corrcoef(before[both].mean(1), now[both].mean(1))[0, 1]),
+        })  # fmt: skip
+    return out
+
+
 def simulate_seed(record, seed, steps_per_epoch, devices, per_device, curves, shuffles) -> dict:
     """{curve: {devices: {order: mean step time}}} for one seed's epoch 1."""
     from jaxmoe.data.curriculum import epoch_order
@@ -240,9 +353,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--routing",
-        required=True,
+        default="",
         help="routing.npz of experiments.time_to_target (comma-separated: several runs)",
     )
+    p.add_argument(
+        "--curve_only",
+        default="",
+        metavar="PATH",
+        help="only measure the MoE-layer curve (--per_device, --ffn) into PATH",
+    )
+    p.add_argument("--ffn", type=int, default=256, help="expert width of the measured layer")
     p.add_argument("--variant", default="adaptive_T0.1", help="whose routing to simulate")
     p.add_argument("--devices", default=",".join(map(str, DEVICES)))
     p.add_argument("--per_device", type=int, default=2, help="examples per device and step")
@@ -258,6 +378,12 @@ def main(argv=None) -> int:
     p.add_argument("--ttt", default="", help="time_to_target.json: steps to target")
     add_json_flag(p)
     args = p.parse_args(argv)
+    if args.curve_only:
+        curve = measure_curve(args.per_device, 64, 64, args.ffn, 8, 32, args.rounds)
+        Path(args.curve_only).write_text(json.dumps(curve, indent=1))
+        return 0
+    if not args.routing:
+        p.error("--routing is required (or --curve_only)")
     devices = [int(x) for x in args.devices.split(",") if x]
     routing = {}  # keys are seed-prefixed: single-seed runs' files merge without clashes
     for path in args.routing.split(","):

@@ -5,6 +5,7 @@
 # is tested without a pod.
 #
 #   launch/local.sh N [--devices_per_process D] -- train --config configs/default.py --workdir W
+#   launch/local.sh N [--devices_per_process D] --module M -- ARGS   # python -m M ARGS instead
 #
 # Exits with the first non-zero exit code among the processes (then stops the others, which
 # would otherwise wait forever in a collective), or 0. Process i logs to stdout with an
@@ -18,13 +19,15 @@
 # share cores round-robin. JAXMOE_LOCAL_PIN=0 runs them unpinned.
 set -euo pipefail
 
-usage() { echo "usage: $0 N [--devices_per_process D] -- JAXMOE_ARGS..." >&2; exit 2; }
+usage() { echo "usage: $0 N [--devices_per_process D] [--module M] -- JAXMOE_ARGS..." >&2; exit 2; }
 [[ $# -ge 1 && "$1" =~ ^[0-9]+$ && "$1" -ge 1 ]] || usage
 num_processes=$1; shift
 devices=4
+module=jaxmoe # an experiment's worker (experiments/ep_worker.py) takes the same start-up flags
 while [[ $# -gt 0 && "$1" != "--" ]]; do
   case "$1" in
     --devices_per_process) devices=$2; shift 2 ;;
+    --module) module=$2; shift 2 ;;
     *) usage ;;
   esac
 done
@@ -62,7 +65,7 @@ for ((i = 0; i < num_processes; i++)); do
     fi
     # Last occurrence wins: this overrides a device count inherited from the caller.
     export XLA_FLAGS="${XLA_FLAGS:-} --xla_force_host_platform_device_count=$devices"
-    cmd=(${pin[@]+"${pin[@]}"} "$python" -m jaxmoe "$@" --coordinator_address "127.0.0.1:$port"
+    cmd=(${pin[@]+"${pin[@]}"} "$python" -m "$module" "$@" --coordinator_address "127.0.0.1:$port"
          --num_processes "$num_processes" --process_id "$i")
     if [[ -n "$logdir" ]]; then
       "${cmd[@]}" 2>&1 | tee "$logdir/process_$i.log" | sed -u "s/^/[$i] /"

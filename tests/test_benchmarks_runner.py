@@ -79,7 +79,7 @@ def test_unknown_name_is_one_line_with_a_suggestion():
 
 
 @pytest.mark.parametrize(
-    "package, name", [("benchmarks", "decode_peer"), ("experiments", "gqa_ablation")]
+    "package, name", [("benchmarks", "decode_peer"), ("experiments", "stragglers")]
 )
 def test_a_module_runs_through_the_runner_and_as_its_own_module(package, name):
     for command in ([package, name], [f"{package}.{name}"]):

@@ -107,3 +107,65 @@ def test_main_on_a_recorded_run(tmp_path, capsys):
     row = result["summary"]["paper Table 1"]["4"]
     # The slowest device is never faster than the mean one.
     assert row["none"] >= row["balanced"] and row["steps"] == 8
+
+
+# Expert parallelism: 2 examples, 1 MoE layer, 4 experts in 2 groups (experts 0-1, 2-3).
+ROWS_BME = np.array([[[3, 1, 0, 2]], [[1, 1, 4, 0]]])
+
+
+def test_expert_group_rows_and_wait_by_hand():
+    # Group 0 receives 3 + 1 + 1 + 1 = 6 rows, group 1 0 + 2 + 4 + 0 = 6: balanced, no wait.
+    np.testing.assert_array_equal(stragglers.group_rows(ROWS_BME, 2), [[6, 6]])
+    # Only example 0: group 0 gets 4 rows, group 1 2; the step waits for 4, group 1 waits 2.
+    got = stragglers.ep_step_rows(ROWS_BME[:1], 2)
+    assert got["critical"] == 4 and got["balanced"] == 3
+    np.testing.assert_array_equal(got["wait_G"], [0, 2])
+    with pytest.raises(ValueError, match="4 experts do not split into 3"):
+        stragglers.group_rows(ROWS_BME, 3)
+
+
+def ep_record(rows_NME, ids_SB, top2_NM):
+    """steps.npz of experiments/ep_worker.py for example ids in this order, as its driver
+    reads it (step numbers and top2_BM added)."""
+    return {
+        "step": np.arange(1, len(ids_SB) + 1),
+        "example_ids": ids_SB,
+        "top2_BM": top2_NM[ids_SB],
+        "rows_MBE": rows_NME[ids_SB].transpose(0, 2, 1, 3),
+    }
+
+
+def test_epoch_rows_and_correlations_from_a_record():
+    # 4 examples, batch 2, 2 steps an epoch, 2 epochs; example n routes n rows to expert 0.
+    rows_NME = np.zeros((4, 1, 2), np.int16)
+    rows_NME[:, 0, 0] = np.arange(4)
+    top2_NM = np.array([[0.1], [0.4], [0.2], [0.3]], np.float32)
+    record = ep_record(rows_NME, np.array([[0, 1], [2, 3], [3, 2], [1, 0]]), top2_NM)
+    rows, seen = stragglers.epoch_rows(record, 1, 4, 2)
+    assert seen.all() and rows[3, 0, 0] == 3 and rows[1, 0, 0] == 1
+    # The same vectors in both epochs: r = 1.
+    (corr,) = stragglers.epoch_correlations(record, 2)
+    assert corr["epochs"] == [0, 1] and corr["examples"] == 4
+    assert corr["vectors_r"] == pytest.approx(1.0) and corr["means_r"] == pytest.approx(1.0)
+    assert corr["within_layer_r"] == pytest.approx(1.0)
+
+
+def test_a_curriculum_that_groups_alike_examples_makes_expert_groups_wait():
+    # Half the examples send their 10 rows to group 0, half to group 1, every epoch alike,
+    # and the complexity vector tells the two kinds apart. Under expert parallelism the
+    # magnitude order, which puts alike examples in one step, loads one group per step (the
+    # other waits for all 80 rows), while a shuffled step splits its rows between the groups.
+    n, batch = 32, 8
+    rows_NME = np.zeros((n, 1, 2), np.int16)
+    rows_NME[: n // 2, 0, 0] = 10
+    rows_NME[n // 2 :, 0, 1] = 10
+    top2_NM = np.where(np.arange(n) < n // 2, 0.1, 0.9).astype(np.float32)[:, None]
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([rng.permutation(n), rng.permutation(n)]).reshape(-1, batch)
+    record = ep_record(rows_NME, ids, top2_NM)
+    sim = stragglers.simulate_ep_epoch(record, 1, n // batch, 0, batch, 2, shuffles=20)
+    # Sorted by magnitude: steps of 8 one-sided examples, 80 rows on one group, 0 on the other.
+    assert sim["magnitude"]["critical_rows"] == pytest.approx(80.0)
+    assert sim["magnitude"]["wait_rows"] == pytest.approx(40.0)
+    assert sim["none"]["balanced_rows"] == pytest.approx(40.0)
+    assert 40.0 < sim["none"]["critical_rows"] < 80.0
