@@ -35,6 +35,7 @@ jax.config.update(
 )
 
 # Session fixtures, imported here so every test module sees them.
+from tests.fixtures_checkpoints import saved_dense, trained_dense  # noqa: E402, F401
 from tests.fixtures_data import data_cache, embedded_data_cache  # noqa: E402, F401
 
 # Each lane's wall time and slowest tests to a dated JSON (JAXMOE_TEST_TIMES, .ci/run).

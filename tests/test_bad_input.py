@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from jaxmoe.checkpoints.manager import CheckpointError, restore_params, save_params
+from jaxmoe.checkpoints.manager import CheckpointError, restore_params
 from jaxmoe.config.loading import with_overrides
 from jaxmoe.conversions.hf.importer import abstract_params, convert_hf
 from jaxmoe.conversions.t5x.reader import open_t5x
@@ -25,34 +25,18 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.inference.evaluate import evaluate, read_jsonl
 from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
-from tests.fixtures_data import copy_data_cache
+from tests.fixtures_checkpoints import VOCAB, dense_config
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-VOCAB = 512
-
-
-def dense_config(tmp: Path, *overrides: str):
-    return tiny_config(
-        "model.moe.num_experts=0",
-        f"model.vocab_size={VOCAB}",
-        f"data.cache_dir={tmp / 'cache'}",
-        *overrides,
-    )
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory, embedded_data_cache) -> Path:
+def checkpoint(saved_dense) -> Path:
     """A parameters-only checkpoint of a tiny dense decoder (vocabulary 512) holding the
-    512-piece tokenizer trained on the embedded corpus."""
-    tmp = tmp_path_factory.mktemp("bad_input")
-    copy_data_cache(embedded_data_cache, tmp / "cache")  # that tokenizer, trained once
-    from jaxmoe.data.sources import load_tokenizer
-
-    config = dense_config(tmp, f"data.tokenizer={load_tokenizer(dense_config(tmp).data).path}")
-    _, params = model_params(build_model(config.model, rngs=nnx.Rngs(0)))
-    save_params(str(tmp / "ckpt"), jax.device_get(params), config)
-    return tmp / "ckpt"
+    512-piece tokenizer of the embedded corpus; its config is dense_config(checkpoint.parent)
+    (the session's, tests/fixtures_checkpoints.py: read-only)."""
+    return saved_dense / "ckpt"
 
 
 def cli(*args: str, **env) -> subprocess.CompletedProcess:

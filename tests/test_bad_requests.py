@@ -19,7 +19,7 @@ from jaxmoe.models import build_model
 from jaxmoe.models.spec import model_params
 from jaxmoe.parallel.mesh import make_mesh
 from tests import test_bad_input
-from tests.test_bad_input import VOCAB, dense_config
+from tests.fixtures_checkpoints import VOCAB, dense_config
 
 checkpoint = test_bad_input.checkpoint  # its tiny checkpoint fixture (vocabulary 512)
 

@@ -9,10 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmoe.checkpoints.manager import save_params
 from jaxmoe.cli import main as cli_main
-from jaxmoe.config.loading import with_overrides
-from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.inference.decode import (
     Generator,
     Sampling,
@@ -140,20 +137,11 @@ def test_bad_sampling_and_buckets():
     assert [bucket(n) for n in (1, 16, 17, 100)] == [16, 16, 32, 128]
 
 
-def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
-    """`jaxmoe decode` as the CLI wires it: text in, text and tokens/s out."""
-    config = tiny_config(
-        "model.moe.num_experts=0",
-        "model.vocab_size=512",
-        "mesh.data=-1",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    )
-    tokenizer = load_tokenizer(config.data).path
-    config = with_overrides(config, [f"data.tokenizer={tokenizer}"])  # copied in
-    _, params = model_params(build_model(config.model, rngs=nnx.Rngs(3)))
-    save_params(str(tmp_path / "ckpt"), jax.device_get(params), config)
+def test_decode_command_on_a_saved_checkpoint(saved_dense, tmp_path, capsys):
+    """`jaxmoe decode` as the CLI wires it: text in, text and tokens/s out (a tiny dense
+    decoder holding its tokenizer, tests/fixtures_checkpoints.py)."""
     (tmp_path / "prompts.txt").write_text("The first\n\nAnd a second prompt\n")
-    command = ["decode", "--checkpoint", str(tmp_path / "ckpt"), "--prompts_file",
+    command = ["decode", "--checkpoint", str(saved_dense / "ckpt"), "--prompts_file",
                str(tmp_path / "prompts.txt"), "--max_new_tokens", "5", "--temperature", "0.8",
                "--top_k", "20"]  # fmt: skip
     assert cli_main([*command, "--config.mesh.data=4", "--config.mesh.tensor=2"]) == 0
@@ -168,7 +156,7 @@ def test_decode_command_on_a_saved_checkpoint(tmp_path, capsys):
     scanned = capsys.readouterr().out.splitlines()
     assert scanned[:-2] == lines[:-2]
     with pytest.raises(ValueError, match="give exactly one of --prompt and --prompts_file"):
-        decode_main(str(tmp_path / "ckpt"))
+        decode_main(str(saved_dense / "ckpt"))
 
 
 def test_top_k_or_top_p_without_a_temperature_samples_at_one(caplog):

@@ -209,24 +209,26 @@ def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
     np.testing.assert_allclose(lr, [0.01, 0.01], rtol=1e-6)  # 1 / sqrt(max(40, 10k))
 
 
-def test_init_optimizer_from_a_jaxmoe_run_continues_adam_and_offsets_the_schedule(tmp_path):
+def test_init_optimizer_from_a_jaxmoe_run_continues_adam_and_offsets_the_schedule(
+    trained_dense, tmp_path
+):
     """train.init_optimizer from a jaxmoe run: Adam's moment count continues (4 + 1) while
     the schedule's own count restarts, the schedule being offset by start_step instead."""
     from jaxmoe.config.loading import apply_overrides
-    from tests.helpers import tiny_config
+    from jaxmoe.config.stored import read_config
+    from tests.fixtures_data import copy_data_cache
 
-    overrides = [
-        "model.moe.num_experts=0",
-        "train.eval_batches=1",
-        "train.log_every=1",
-        "model.vocab_size=0",
-        "data.vocab_size=512",
-        f"data.cache_dir={tmp_path / 'cache'}",
-    ]
-    train(tiny_config(*overrides), str(tmp_path / "source"), progress=False)  # 4 steps
+    source = trained_dense / "run"  # tests/fixtures_checkpoints.py: read-only
+    stored = read_config(str(source / "checkpoints" / "4"), tokenizer=False)
+    adam = stored.optimizer  # the source run the counts and the learning rate below follow
+    assert (stored.train.steps, adam.name, adam.schedule) == (4, "adamw", "cosine")
+    assert (adam.learning_rate, adam.min_lr_ratio, adam.warmup_steps) == (3e-3, 0.1, 1)
     uptrain = uptrain_module()
-    config = uptrain.get_config(str(tmp_path / "source"))
-    apply_overrides(config, ["train.init_optimizer=true", "uptrain.alpha=0.25"])
+    config = uptrain.get_config(str(source))
+    cache = copy_data_cache(trained_dense / "cache", tmp_path / "cache")
+    apply_overrides(
+        config, ["train.init_optimizer=true", "uptrain.alpha=0.25", f"data.cache_dir={cache}"]
+    )
     uptrain.finalize(config)
     assert (config.train.steps, config.optimizer.start_step) == (1, 4)
     train(validate(config), str(tmp_path / "up"), progress=False)

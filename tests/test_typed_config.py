@@ -7,7 +7,9 @@ hand."""
 import dataclasses
 import json
 import logging
+import shutil
 import textwrap
+from pathlib import Path
 
 import pytest
 from ml_collections import ConfigDict
@@ -19,7 +21,7 @@ from jaxmoe.config.schema import describe
 from jaxmoe.config.stored import complete_stored
 from jaxmoe.config.validation import validate
 from jaxmoe.errors import ConfigError
-from tests.helpers import tiny_config
+from tests.fixtures_data import copy_data_cache
 
 # (key, value) as docs/configs.md and the one-line docs state them; the type matters too.
 DOCUMENTED = [
@@ -238,29 +240,12 @@ def test_stored_config_of_older_code_completes_from_the_defaults(caplog):
     assert str(error.value) == "ckpt/config.json: train.steps='600': expected int, got str"
 
 
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    from jaxmoe.training.loop import train
-
-    cache = tmp_path_factory.mktemp("cache")
-    workdir = tmp_path_factory.mktemp("run")
-    config = tiny_config(
-        "model.moe.num_experts=4",
-        "train.steps=2",
-        "train.checkpoint_every=2",
-        "train.eval_every=0",
-        "train.eval_batches=1",
-        "model.vocab_size=0",
-        f"data.cache_dir={cache}",
-    )
-    train(config, str(workdir), progress=False)
-    return cache, workdir / "checkpoints" / "2"
-
-
-def test_checkpoint_config_of_older_code_loads_and_evaluates(trained, caplog):
+def test_checkpoint_config_of_older_code_loads_and_evaluates(trained_dense, tmp_path, caplog):
     from jaxmoe.inference.evaluate import evaluate
 
-    cache, step = trained
+    # A copy of a run `train()` wrote (tests/fixtures_checkpoints.py), its data cache beside.
+    cache = copy_data_cache(trained_dense / "cache", tmp_path / "cache")
+    step = Path(shutil.copytree(trained_dense / "run", tmp_path / "run")) / "checkpoints" / "4"
     overrides = [f"data.cache_dir={cache}", "train.eval_batches=1"]
     today = evaluate(str(step), "embedded", overrides=overrides)
 
