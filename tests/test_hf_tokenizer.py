@@ -22,10 +22,10 @@ TEXTS = [
 ]
 
 
-def test_transformers_tokenizes_as_sentencepiece(tmp_path):
+def test_transformers_tokenizes_as_sentencepiece(data_cache, tmp_path):
     from transformers import AutoTokenizer
 
-    sp = load_tokenizer(tiny_config(f"data.cache_dir={tmp_path / 'cache'}").data)
+    sp = load_tokenizer(tiny_config(f"data.cache_dir={data_cache}").data)
     write_hf_tokenizer(sp.path, tmp_path)
     hf = AutoTokenizer.from_pretrained(tmp_path)
     for text in TEXTS:

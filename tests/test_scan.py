@@ -321,7 +321,7 @@ def test_aux_and_routing_vectors_follow_numeric_layer_order(scan):
     assert order == ["encoder_0"] + [f"decoder_{i}" for i in range(12)]
 
 
-def test_train_then_eval_end_to_end_same_losses_as_unrolled(tmp_path):
+def test_train_then_eval_end_to_end_same_losses_as_unrolled(data_cache, tmp_path):
     """`train()` from the same seed gives the same per-step losses in both layouts (AdamW
     and clipping act elementwise / on the global norm), and the scanned checkpoint
     gives the unrolled one's eval loss, read by a model of either layout."""
@@ -346,7 +346,7 @@ def test_train_then_eval_end_to_end_same_losses_as_unrolled(tmp_path):
             "train.eval_every=0",
             "train.eval_batches=1",
             "train.seq_len=32",
-            f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.cache_dir={data_cache}",
             "model.vocab_size=0",
             f"model.scan_layers={scan}",
         )

@@ -15,7 +15,7 @@ from jaxmoe.data.seq2seq import (
     raw_length_for,
     replace_spans,
 )
-from tests.fixtures_data import build_data, train_batches
+from tests.fixtures_data import build_data, copy_data_cache, train_batches
 from tests.helpers import tiny_config
 
 EOS = 1
@@ -35,8 +35,8 @@ def seq2seq_config(cache_dir, *overrides):
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("seq2seq_cache")
+def cache_dir(tmp_path_factory, embedded_data_cache):
+    return copy_data_cache(embedded_data_cache, tmp_path_factory.mktemp("seq2seq") / "cache")
 
 
 @pytest.fixture(scope="module")

@@ -179,7 +179,7 @@ def jaxmoe_path(t5x_path: tuple[str, ...]) -> tuple[str, ...]:
     return (f"{stack}_layers", layer.removeprefix("layers_"), _LAYER_MODULES[module], leaf)
 
 
-def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
+def test_uptraining_from_a_kept_state_continues_its_step_count(data_cache, tmp_path):
     if not TINY.exists():
         pytest.skip(f"T5X fixture not found at {TINY}")
     src = tmp_path / "checkpoint_40"
@@ -190,7 +190,7 @@ def test_uptraining_from_a_kept_state_continues_its_step_count(tmp_path):
         )
     dst = tmp_path / "kept"
     convert_t5x(src, dst, keep_optimizer=True)
-    config = tiny_uptrain(dst, tmp_path)
+    config = tiny_uptrain(dst, data_cache)
     assert config.train.steps == 2 and config.train.init_optimizer  # 0.05 x 40
     train(config, str(tmp_path / "run"), progress=False)
     step_dir = tmp_path / "run" / "checkpoints" / "2"

@@ -319,7 +319,7 @@ def test_regating_with_adaptive_threshold_zero_is_switch_top1(tmp_path):
 
 
 @pytest.mark.slow  # ~40 s of CPU; 166 s wall on the loaded shared host
-def test_regated_switch_base_uptrains_with_the_adaptive_gate(tmp_path):
+def test_regated_switch_base_uptrains_with_the_adaptive_gate(data_cache, tmp_path):
     """The path the converter is for: a Switch Base-style checkpoint converted re-gated to
     the adaptive gate, then uptrained by configs/uptrain_gqa.py (T5X's recipe continued
     from the source step: 0.05 x 40 = 2 steps) on the embedded corpus."""
@@ -327,7 +327,7 @@ def test_regated_switch_base_uptrains_with_the_adaptive_gate(tmp_path):
     src = write_t5x_tensorstore(tmp_path / "checkpoint_40", arrays, step=40)
     dst = tmp_path / "switch"
     convert_t5x(src, dst, overrides=["model.moe.gating=adaptive", "model.moe.threshold=0.3"])
-    config = tiny_uptrain(dst, tmp_path)
+    config = tiny_uptrain(dst, data_cache)
     assert (config.train.steps, config.optimizer.start_step) == (2, 40)
     assert config.model.moe.gate.gating == "adaptive" and not config.model.ffn_gated
     train(config, str(tmp_path / "run"), progress=False)

@@ -236,8 +236,9 @@ def rms(x) -> float:
     return float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
 
 
-def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> JobConfig:
-    """configs/uptrain_gqa.py on `checkpoint`, with small batches of the embedded corpus."""
+def tiny_uptrain(checkpoint: Path, cache: Path, *overrides: str) -> JobConfig:
+    """configs/uptrain_gqa.py on `checkpoint`, with small batches of the embedded corpus
+    (its data cache: `cache`)."""
     uptrain = uptrain_module()
     config = uptrain.get_config(str(checkpoint))
     apply_overrides(
@@ -249,18 +250,20 @@ def tiny_uptrain(checkpoint: Path, tmp_path: Path, *overrides: str) -> JobConfig
             "train.eval_batches=1",
             "train.log_every=1",
             "data.vocab_size=512",
-            f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.cache_dir={cache}",
         ],
     )
     uptrain.finalize(config)
     return validate(config)
 
 
-def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(converted, tmp_path):
+def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(
+    converted, data_cache, tmp_path
+):
     """T5X's parameter scaling and update clipping: after one step of T5X's Adafactor every
     parameter moves by RMS <= lr x max(RMS(param), 1e-3), lr = 1/sqrt(max(20, 10k)) = 0.01."""
     # The fixture is T5X's step 0: as if at step 20, 0.05 x 20 = 1 step.
-    config = tiny_uptrain(converted, tmp_path, "uptrain.original_steps=20")
+    config = tiny_uptrain(converted, data_cache, "uptrain.original_steps=20")
     assert config.train.steps == 1 and config.optimizer.start_step == 20
     train(config, str(tmp_path / "run"), progress=False)
 
@@ -283,7 +286,7 @@ def test_one_uptraining_step_moves_each_kernel_by_at_most_lr_times_its_scale(con
     assert line["logits_z_loss"] > 0
 
 
-def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
+def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(data_cache, tmp_path):
     """T5X's Adafactor state, dropout drawn from (seed, step) and the z-loss on a
     data x fsdp x tensor mesh: stopping at step 3 and resuming gives the same losses."""
 
@@ -306,7 +309,7 @@ def test_t5x_recipe_resumes_exactly_on_a_sharded_mesh(tmp_path):
             "optimizer.learning_rate=0.1",
             "optimizer.warmup_steps=2",
             "optimizer.grad_clip_norm=0.0",
-            f"data.cache_dir={tmp_path / 'cache'}",
+            f"data.cache_dir={data_cache}",
             "model.vocab_size=0",
             "data.vocab_size=512",
         )
