@@ -5,7 +5,7 @@ throughput_hf.py never imports JAX), driven from here over stdin/stdout: after a
 the workers take turns running short blocks of steps, so a drifting load hits both alike
 while neither shares an interpreter or a thread pool with the other. jaxmoe runs its real
 train step (jaxmoe.training.steps.train_step, jitted with the state's shardings and donation as in
-jaxmoe/training/loop.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
+jaxmoe/training/trainer.py) on one device; the peer is Hugging Face transformers' MixtralForCausalLM
 (LlamaForCausalLM for :dense) with torch AdamW, same sizes, batch and threads. The
 :fine_grained variant (throughput_jaxmoe.FINE_GRAINED: 64 experts of FFN 128, top-8
 renormalised, per-head QK-norm, on the tiny Mixtral's other sizes) runs against

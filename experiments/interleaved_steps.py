@@ -25,7 +25,7 @@ def _prepare(config, checkpoint: str, num_batches: int):
     from jaxmoe.models.stack import layer_layouts
     from jaxmoe.parallel.mesh import make_mesh
     from jaxmoe.parallel.sharding import batch_spec
-    from jaxmoe.training.loop import to_global
+    from jaxmoe.training.evaluator import to_global
     from jaxmoe.training.optimizer import make_optimizer
     from jaxmoe.training.state import init_state, state_shardings
     from jaxmoe.training.steps import jit_train_step, step_fns

@@ -104,7 +104,7 @@ class Variant:
         import jax
 
         from jaxmoe.models.spec import model_spec
-        from jaxmoe.training.loop import Evaluator
+        from jaxmoe.training.evaluator import Evaluator
         from jaxmoe.training.optimizer import make_optimizer
         from jaxmoe.training.state import state_shardings
         from jaxmoe.training.steps import jit_train_step, step_fns
@@ -178,7 +178,7 @@ class Variant:
     def evaluate(self, eval_batches) -> dict:
         import jax
 
-        from jaxmoe.training.loop import to_global
+        from jaxmoe.training.evaluator import to_global
 
         out = {
             f"loss_{gate}": ev(self.state["params"])["loss"] for gate, ev in self.evaluators.items()
@@ -226,7 +226,7 @@ def train_side_by_side(variants: dict, data: SharedData, args, seed: int, log) -
     """Train every variant for args.steps steps in turns on the same batches; curves."""
     import jax
 
-    from jaxmoe.training.loop import to_global
+    from jaxmoe.training.evaluator import to_global
 
     names = list(variants)
     first = to_global(next(data.train), data.batch_shardings)

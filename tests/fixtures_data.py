@@ -40,7 +40,7 @@ def data_cache(embedded_data_cache, tmp_path) -> Path:
 
 # The data package takes the `data` section, what it reads of `train` and whether the model
 # reads span corruption, never the whole config: these call it for a whole JobConfig, as
-# `jaxmoe train` does (training/loop.py).
+# `jaxmoe train` does (training/run_setup.py).
 
 
 def build_data(config, process_index: int = 0, process_count: int = 1, **kwargs):

@@ -21,8 +21,9 @@ from jaxmoe.data.hf_tokenizer import HFTokenizer
 from jaxmoe.data.sources import load_tokenizer
 from jaxmoe.data.tokenizer import open_tokenizer
 from jaxmoe.errors import ConfigError
-from jaxmoe.training.loop import describe_nonfinite, train
+from jaxmoe.training.loop import train
 from jaxmoe.training.metrics import MetricsWriter
+from jaxmoe.training.trainer import describe_nonfinite
 from tests.fixtures_data import copy_data_cache
 from tests.helpers import tiny_config
 

@@ -17,7 +17,7 @@ from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.options import MeshOptions
 from jaxmoe.parallel.sharding import batch_spec
 from jaxmoe.training.chunked_loss import chunked_output_losses
-from jaxmoe.training.loop import to_global
+from jaxmoe.training.evaluator import to_global
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import init_state, state_shardings
 from jaxmoe.training.steps import _loss, forward_hidden, jit_train_step, step_fns

@@ -10,7 +10,7 @@ from jax.sharding import NamedSharding
 from jaxmoe.models.spec import model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.sharding import batch_spec
-from jaxmoe.training.loop import to_global
+from jaxmoe.training.evaluator import to_global
 from jaxmoe.training.optimizer import make_optimizer
 from jaxmoe.training.state import init_state, state_shardings
 from jaxmoe.training.steps import StepFns, train_step
