@@ -211,7 +211,7 @@ class Run:
         )
 
     def global_batch(self, host_batch: dict) -> dict:
-        from jaxmoe.training.loop import to_global
+        from jaxmoe.training.evaluator import to_global
 
         return to_global(host_batch, self.batch_shardings)
 
