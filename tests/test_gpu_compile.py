@@ -151,6 +151,12 @@ ENTRY %main (p: bf16[8,128]) -> bf16[8,128] {
   ROOT %d2 = bf16[8,128]{1,0} dot(%p, %w), metadata={op_name="jit(f)/dot_general"}
 }
 """
+# A loop iteration the collective pipeliner peeled out of a scanned backward pass.
+PEELED = """
+%region_64.sunk.clone (loop_peel_param: (s32[], bf16[8,128])) -> bf16[8,128] {
+  %fb = (bf16[8,128], u8[0]) custom-call(%p, %p), custom_call_target="__cudnn$fmhaSoftmaxBackward"
+}
+"""
 
 
 def test_collectives_across_hosts_of_four():
@@ -169,6 +175,9 @@ def test_gpu_kernels_read_from_hlo():
     kernels = gpu_kernels(HLO)
     assert kernels["cudnn_attention_forward"] == 1
     assert kernels["cudnn_attention_backward"] == 1
+    assert kernels["cudnn_attention_peeled"] == 0
+    peeled = gpu_kernels(PEELED + HLO)
+    assert (peeled["cudnn_attention_backward"], peeled["cudnn_attention_peeled"]) == (1, 1)
     assert (kernels["grouped_gemms"], kernels["ragged_dot_dense_dots"]) == (0, 1)
     assert kernels["ragged_dot_lowering"].startswith("dense dots")
     fused = "%rd = bf16[8,128]{1,0} ragged-dot(%p, %w, %g), lhs_ragged_dims={0}\n"
@@ -397,7 +406,8 @@ FAMILIES = {
         *BF16, "model.moe.capacity_factor=0.0", "mesh.expert=8")),
 }  # fmt: skip
 # What each family's attention must become: cuDNN calls (forward, backward; loop bodies
-# once), the fallback reasons `jaxmoe compile` lists (substrings), the MoE lowering.
+# once, peeled iterations apart), the fallback reasons `jaxmoe compile` lists (substrings),
+# the MoE lowering.
 EXPECTED = {
     "gqa_moe_scan_accum_2_nodes": ((1, 1), [], "dense dots"),
     "mha_capacity_moe": ((2, 2), [], None),

@@ -124,15 +124,36 @@ _MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
+CUDNN_ATTENTION = r'custom_call_target="(__cudnn\$fmha\w*)"'
+
+
+def _split_peeled(hlo_text: str) -> tuple[str, str]:
+    """(the module without, only) the computations that are peeled loop iterations.
+
+    XLA's GPU collective pipeliner moves a loop's reduce-scatter into the next iteration to
+    overlap it, and peels one iteration out of the loop to do so: a copy of the loop body
+    whose parameter is `loop_peel_param`. Its calls run once per step, like the body's, but
+    they are one more call site; counted apart, a scanned model's attention still shows
+    one forward and one backward call in its loop.
+    """
+    kept, peeled = [], []
+    for computation in re.split(r"\n(?=\S)", hlo_text):
+        header = computation.split("\n", 1)[0]
+        (peeled if "(loop_peel_param" in header else kept).append(computation)
+    return "\n".join(kept), "\n".join(peeled)
+
+
 def gpu_kernels(hlo_text: str) -> dict:
-    """cuDNN fused attention calls (forward, backward) and the lowering of `ragged_dot`.
+    """cuDNN fused attention calls (forward, backward; those in peeled loop iterations
+    apart) and the lowering of `ragged_dot`.
 
     `ragged_dot` becomes a cuDNN grouped-GEMM fusion (a `ragged-dot` survives in its body)
     only with --xla_gpu_experimental_use_ragged_dot_fusion and cuDNN >= 9.21; otherwise XLA
     rewrites it into dense dots over every group (counted by their `ragged_dot_general`
     metadata).
     """
-    calls = re.findall(r'custom_call_target="(__cudnn\$fmha\w*)"', hlo_text)
+    program, peeled = _split_peeled(hlo_text)
+    calls = re.findall(CUDNN_ATTENTION, program)
     backward = sum(1 for call in calls if "Backward" in call)
     dense = sum(
         1
@@ -148,6 +169,7 @@ def gpu_kernels(hlo_text: str) -> dict:
     return {
         "cudnn_attention_forward": len(calls) - backward,
         "cudnn_attention_backward": backward,
+        "cudnn_attention_peeled": len(re.findall(CUDNN_ATTENTION, peeled)),
         "grouped_gemms": grouped,
         "ragged_dot_dense_dots": dense,
         "ragged_dot_lowering": lowering,

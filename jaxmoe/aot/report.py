@@ -51,6 +51,8 @@ def _gpu_rows(result: dict) -> list[tuple[str, str]]:
         f"{kernels['cudnn_attention_forward']} forward, "
         f"{kernels['cudnn_attention_backward']} backward"
     )
+    if kernels.get("cudnn_attention_peeled"):  # absent from reports written before it
+        attention += f" (+{kernels['cudnn_attention_peeled']} in peeled loop iterations)"
     rows = [("cuDNN flash attention", attention)]
     if kernels["ragged_dot_lowering"]:
         rows.append(("grouped matmuls", kernels["ragged_dot_lowering"]))
