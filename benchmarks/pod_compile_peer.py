@@ -28,7 +28,8 @@ aliases + temporaries + generated code). TPU cases:
   full remat; MaxText's deepseek3-671b with the same routing groups and one MTP layer
   (mtp_num_layers=1, weight 0.3).
 - deepseek3_671b: the same step on the mesh jaxmoe's config prefers, fsdp 32 x expert 16;
-  MaxText on that mesh too.
+  MaxText on that mesh too (`allow_split_physical_axes=true`: 16 is no product of the
+  8x8x8 torus's axis sizes).
 - moe16_gpt2_medium: the 16-expert GPT-2-medium MoE (configs/moe16_gpt2_medium.py) on v5p-8
   (4 chips, expert 4): 256 sequences of 1024 tokens in 8 micro-batches, tied embeddings,
   GELU-gated experts; MaxText with the same sizes through its Mixtral block (RMSNorm, rotary
@@ -189,7 +190,13 @@ CASES = {
     "deepseek3_671b": {
         "topology": "v5p-1024",
         "jaxmoe": ["configs/deepseek3_671b.py"],  # fsdp 32 x expert 16
-        "maxtext": [*DEEPSEEK3_MAXTEXT, "ici_fsdp_parallelism=32", "ici_expert_parallelism=16"],
+        # 16 is no product of the 8x8x8 torus's axis sizes: MaxText must split a physical axis
+        "maxtext": [
+            *DEEPSEEK3_MAXTEXT,
+            "ici_fsdp_parallelism=32",
+            "ici_expert_parallelism=16",
+            "allow_split_physical_axes=true",
+        ],
     },
     "moe16_gpt2_medium": {
         "topology": "v5p-8",
