@@ -400,6 +400,14 @@ FAMILIES = {
         "model.relpos_buckets=8", "model.relpos_max_distance=16"), "mesh.fsdp=2",
         "train.seq_len=32")),  # span corruption's decoder length 8: even, as cuDNN asks
     "f32": ("h100-2", None, ("model.moe.num_experts=0", "mesh.data=1", "mesh.fsdp=2")),
+    # mesh.context: the sequence over 4 GPUs, cuDNN inside each device's chunks, a window too
+    "context_parallel": ("h100-4", None, (
+        *BF16, "model.moe.num_experts=0", "model.sliding_window=8",
+        "model.layer_types=sliding,full", "mesh.context=4", "train.batch_size=2")),
+    "context_ulysses": ("h100-4", None, (  # whole sequence, a share of the heads per GPU
+        *BF16, "model.moe.num_experts=0", "model.sliding_window=8",
+        "model.layer_types=sliding,full", "mesh.context=4", "train.batch_size=2",
+        "model.context_strategy=ulysses")),
     # Blackwell: an HGX B200 node, and two GB200 hosts of 4 in one NVLink domain
     "b200_moe": ("b200-8", None, (*BF16, "model.moe.capacity_factor=0.0", "mesh.expert=8")),
     "gb200_moe_2_hosts": ("gb200-8", None, (
@@ -417,6 +425,8 @@ EXPECTED = {
     "mla_dense_head_scan": (None, [], "dense dots"),
     "t5_relative_bias": (None, ["takes no additive bias"], None),
     "f32": ((0, 0), ["dtype float32"], None),
+    "context_parallel": ((2, 2), [], None),
+    "context_ulysses": ((2, 2), [], None),
     "b200_moe": ((2, 2), [], "dense dots"),
     "gb200_moe_2_hosts": ((2, 2), [], "dense dots"),
 }

@@ -218,3 +218,26 @@ def test_kernels_compile_for_v5p():
     for name in ("splash_mha_fwd_residuals", "splash_mha_dq_no_residuals", "gmm", "tgmm"):
         assert kernels.get(name, 0) >= 1, kernels
     assert result["estimated_step_s"] is None and "Pallas kernels" in result["estimate_note"]
+
+
+@pytest.mark.slow  # one TPU compile with Mosaic kernels, as the test above
+@pytest.mark.parametrize("strategy", ["all_gather", "ulysses"])
+def test_splash_inside_context_chunks_compiles_for_v5p(strategy):
+    """mesh.context=2 on v5p-8: each device's early and late chunk run splash attention
+    (all-gather: its query rows of the split layout's mask; Ulysses: the whole sequence for
+    half the heads), no attention falls back to XLA, and the keys/values or heads cross the
+    context axis (all-gathers or all-to-alls in the step)."""
+    pytest.importorskip("libtpu", reason="the `tpu` extra is not installed: no libtpu")
+    from jaxmoe.aot.compile_check import compile_for_topology
+    from tests.helpers import compile_cache_off
+
+    context = ("mesh.fsdp=1", "mesh.context=2", "model.moe.capacity_factor=0.0")
+    config = tiny_config(*AOT, *context, f"model.context_strategy={strategy}")
+    with compile_cache_off():
+        result = compile_for_topology(config, "v5p-8")
+    assert result["verdict"] == "fits" and result["attention_fallbacks"] == []
+    kernels = result["pallas_kernels"]
+    for name in ("splash_mha_fwd_residuals", "splash_mha_dq_no_residuals"):
+        assert kernels.get(name, 0) >= 1, kernels
+    exchange = "all-to-all" if strategy == "ulysses" else "all-gather"
+    assert result["collectives"][exchange] > 0

@@ -148,6 +148,14 @@ def _check_context(job: JobConfig) -> None:
             f"mesh.context={parts} has no MuonClip logit statistics yet: set "
             f"optimizer.qk_clip=0 (got {job.optimizer.qk_clip})"
         )
+    # Ulysses splits the query heads over the axis (MLA gathers its latent instead).
+    ulysses = model.context_strategy == "ulysses" and model.attention != "mla"
+    if ulysses and model.num_heads % parts:
+        raise ConfigError(
+            f"model.context_strategy=ulysses splits the query heads over mesh.context: "
+            f"model.num_heads={model.num_heads} does not divide by {parts} "
+            "(use all_gather or ring)"
+        )
     if model.moe.num_experts and model.moe.capacity_factor > 0:
         raise ConfigError(
             f"mesh.context={parts} needs dropless experts (model.moe.capacity_factor=0): "

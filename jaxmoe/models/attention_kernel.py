@@ -73,7 +73,7 @@ def cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, *, masked: bool, head_dim_max: int = 1
     return ""
 
 
-def _head_dim_max() -> int:
+def head_dim_max() -> int:
     """256 on Hopper and later GPUs, else 128 (cuDNN's flash-attention head widths): of the
     GPU the mesh in context is made of (a compile-only one too), else of this host's."""
     device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
@@ -126,7 +126,7 @@ def kernel_attention(
         dpa_mask = (segment_ids_BL[:, :, None] == segment_ids_BL[:, None, :])[:, None]
     if impl == "cudnn":
         masked = dpa_mask is not None
-        reason = cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, masked=masked, head_dim_max=_head_dim_max())
+        reason = cudnn_refusal(q_BLHd, k_BSKd, v_BSKd, masked=masked, head_dim_max=head_dim_max())
         if reason:
             log_once(f"cuDNN refuses {reason}")
             return None

@@ -17,20 +17,27 @@ window, and same-document for packed rows, so nothing [L, L] is ever materialise
 the per-device query pieces.
 """
 
+import functools
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from jaxmoe.models.attention_kernel import SPLASH, XLA, kernel_attention
 from jaxmoe.models.attention_math import grouped_attention, piece_queries
+from jaxmoe.models.context_kernels import dpa_chunks, splash_chunks, splash_kernel_and_spec
 from jaxmoe.models.ring_attention import ring_attention
+from jaxmoe.models.splash_attention import local_splash_attention
+from jaxmoe.models.ulysses_attention import ulysses_attention
 from jaxmoe.parallel.sharding import logical_to_spec
 
 CONTEXT_AXIS = "context"
 # How attention reaches the other devices' keys and values (model.context_strategy).
-CONTEXT_STRATEGIES = ("all_gather", "ring")
+ContextStrategy = Literal["all_gather", "ring", "ulysses"]
+CONTEXT_STRATEGIES = get_args(ContextStrategy)
 
 
 def context_size() -> int:
@@ -107,18 +114,26 @@ def context_attention(
     sinks_H=None,
     gathered=False,
     strategy="all_gather",
+    kernel=XLA,
+    platform="cpu",
 ):
     """softmax(q k^T) v per device: its queries against the whole sequence's keys/values,
-    gathered at once ("all_gather") or passed around the axis ("ring", ring_attention.py).
+    gathered at once ("all_gather") or passed around the axis ("ring", ring_attention.py),
+    or the whole sequence for a share of the heads ("ulysses", ulysses_attention.py).
 
     q/k/v are in the split layout with their length sharded over the context axis, unless
     `gathered` (MLA: k/v already built from the gathered latent, whole on every device).
+    `kernel` (all-gather and Ulysses; the caller checked that it applies, context_kernels.py):
+    XLA (jaxmoe's pieces), SPLASH, or DOT_PRODUCT_ATTENTION (jax.nn's, with the
+    implementation of `platform`: cuDNN on GPU).
     """
     if strategy not in CONTEXT_STRATEGIES:
         raise ValueError(
             f"model.context_strategy: got {strategy!r}, expected {' | '.join(CONTEXT_STRATEGIES)}"
         )
+    # MLA (`gathered`) gathers its latent whatever the strategy.
     ring = strategy == "ring" and not gathered
+    ulysses = strategy == "ulysses" and not gathered
     b, length, h, _ = q_BLHd.shape
     kv_heads = k_BSKd.shape[2]
     heads = _heads_axis(h, kv_heads)
@@ -136,10 +151,14 @@ def context_attention(
         extra["seg_q"], extra_specs["seg_q"] = segments, P(batch, CONTEXT_AXIS)
         extra["seg_k"], extra_specs["seg_k"] = (
             segments,
-            P(batch, None if not ring else CONTEXT_AXIS),
+            P(batch, None if not (ring or ulysses) else CONTEXT_AXIS),
         )
     if sinks_H is not None:
         extra["sinks"], extra_specs["sinks"] = sinks_H, P(heads)
+    if kernel == SPLASH and not ulysses:
+        local_heads = h // (dict(jax.sharding.get_abstract_mesh().shape)[heads] if heads else 1)
+        splash_args = (layout.order, local_heads, window, layout.parts, CONTEXT_AXIS)
+        extra["splash"], extra_specs["splash"] = splash_kernel_and_spec(*splash_args)
 
     def per_device(q, k, v, extra):
         index = jax.lax.axis_index(CONTEXT_AXIS)
@@ -149,19 +168,61 @@ def context_attention(
             seg_q, seg_k = extra.get("seg_q"), extra.get("seg_k")
             axis = dict(axis=CONTEXT_AXIS, parts=layout.parts)
             return ring_attention(q, k, v, q_at_L, q_at_L, seg_q, seg_k, **options, **axis)
+        if ulysses:
+            attend = functools.partial(
+                _whole_sequence_attention,
+                order=layout.order,
+                scale=scale,
+                window=window,
+                kernel=kernel,
+                platform=platform,
+            )
+            axis = dict(axis=CONTEXT_AXIS, parts=layout.parts)
+            seg_q, sinks = extra.get("seg_q"), extra.get("sinks")
+            return ulysses_attention(attend, q, k, v, seg_q, sinks, **axis)
         if not gathered:
             k = jax.lax.all_gather(k, CONTEXT_AXIS, axis=1, tiled=True)
             v = jax.lax.all_gather(v, CONTEXT_AXIS, axis=1, tiled=True)
-        seg_q = extra.get("seg_q")
+        seg_q, seg_k = extra.get("seg_q"), extra.get("seg_k")
+        if kernel != XLA:  # the kernels read the keys in sequence order
+            back = jnp.asarray(np.argsort(layout.order))
+            k, v = jnp.take(k, back, axis=1), jnp.take(v, back, axis=1)
+            seg_k = None if seg_k is None else jnp.take(seg_k, back, axis=1)
+        if kernel == SPLASH:
+            return splash_chunks(extra["splash"], q, k, v, seg_q, seg_k, scale=scale)
+        if kernel != XLA:
+            options = dict(scale=scale, window=window, platform=platform)
+            return dpa_chunks(q, k, v, q_at_L, seg_q, seg_k, **options)
         return _pieces_attention(
-            q, k, v, q_at_L, order, seg_q, extra.get("seg_k"), scale, window, extra.get("sinks")
+            q, k, v, q_at_L, order, seg_q, seg_k, scale, window, extra.get("sinks")
         )
 
     return jax.shard_map(
         per_device,
         in_specs=(q_spec, kv_spec, kv_spec, extra_specs),
         out_specs=q_spec,
+        # The kernels' custom VJPs carry no varying-axis annotations (as splash_attention's).
+        check_vma=kernel == XLA,
     )(q_BLHd, k_BSKd, v_BSKd, extra)
+
+
+def _whole_sequence_attention(q, k, v, seg, sinks, *, order, scale, window, kernel, platform):
+    """Causal attention of the whole split sequence (Ulysses: every token, some heads):
+    jaxmoe's pieces with the mask from `order`, or a kernel in its own causal mode on the
+    sequence put back in order (and the outputs returned to the split layout)."""
+    order_L = jnp.asarray(order, jnp.int32)
+    if kernel != XLA:
+        back = jnp.asarray(np.argsort(order))
+        q_s, k_s, v_s = (jnp.take(a, back, axis=1) for a in (q, k, v))
+        seg_s = None if seg is None else jnp.take(seg, back, axis=1)
+        if kernel == SPLASH:
+            out = local_splash_attention(q_s, k_s, v_s, seg_s, scale=scale, window=window)
+        else:
+            options = dict(mask=None, causal=True, window=window, scale=scale, platform=platform)
+            out = kernel_attention(q_s, k_s, v_s, **options, segment_ids_BL=seg_s)
+        if out is not None:  # None: the kernel refused at trace time (logged); XLA below
+            return jnp.take(out, order_L, axis=1)
+    return _pieces_attention(q, k, v, order_L, order_L, seg, seg, scale, window, sinks)
 
 
 def _pieces_attention(q, k, v, q_at_L, k_at_S, seg_q, seg_k, scale, window, sinks):

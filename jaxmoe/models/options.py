@@ -15,7 +15,7 @@ from jaxmoe.errors import ConfigError
 from jaxmoe.fields import Options, check_choices, need, option, section
 from jaxmoe.models.attention import QK_NORMS, ROPE_TYPES
 from jaxmoe.models.attention_kernel import ATTENTION_KERNELS
-from jaxmoe.models.context_parallel import CONTEXT_STRATEGIES
+from jaxmoe.models.context_parallel import ContextStrategy
 from jaxmoe.models.gpt_oss_options import check_gpt_oss_options
 from jaxmoe.models.layer_kinds import dense_layer_ids, is_moe_layer
 from jaxmoe.models.layers import ACTIVATIONS
@@ -249,11 +249,12 @@ class ModelOptions(Options):
         ATTENTION_KERNELS,
     )
     remat: str = option("none", "backward-pass recompute policy", tuple(REMAT_POLICIES))
-    context_strategy: str = option(
+    context_strategy: ContextStrategy = option(
         "all_gather",
-        "mesh.context > 1: attention gathers every key/value block at once (all_gather) or "
-        "passes them around the axis (ring; MLA gathers its latent either way)",
-        CONTEXT_STRATEGIES,
+        "mesh.context > 1: attention gathers every key/value block at once (all_gather), "
+        "passes them around the axis (ring) or exchanges heads for sequence with all-to-alls "
+        "(ulysses: num_heads divisible by mesh.context); MLA gathers its latent in all three; "
+        "docs/long_context.md",
     )
     quantization: QuantizationKind = option(
         "none",

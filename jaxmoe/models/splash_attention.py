@@ -38,6 +38,23 @@ def splash_refusal(length: int) -> str:
     return ""
 
 
+def block_sizes(block_q: int, block_kv: int):
+    """Splash's block sizes: `block_q` queries by `block_kv` keys in every kernel, forward
+    and backward."""
+    from jax.experimental.pallas.ops.tpu import splash_attention as splash
+
+    return splash.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q,
+        block_kv_dq=block_kv,
+    )
+
+
 def _make_kernel(length: int, heads: int, window: int, interpret: bool):
     from jax.experimental.pallas.ops.tpu import splash_attention as splash
 
@@ -48,19 +65,9 @@ def _make_kernel(length: int, heads: int, window: int, interpret: bool):
     else:
         mask = splash.CausalMask(shape)
     block = min(BLOCK, length)
-    sizes = splash.BlockSizes(
-        block_q=block,
-        block_kv=block,
-        block_kv_compute=block,
-        block_q_dkv=block,
-        block_kv_dkv=block,
-        block_kv_dkv_compute=block,
-        block_q_dq=block,
-        block_kv_dq=block,
-    )
     return splash.make_splash_mha(
         splash.MultiHeadMask([mask] * heads),
-        block_sizes=sizes,
+        block_sizes=block_sizes(block, block),
         head_shards=1,
         q_seq_shards=1,
         interpret=interpret,
@@ -90,8 +97,9 @@ def _local_splash(q_BHLd, k_BKLd, v_BKLd, segments_BL=None, *, window: int):
 
 
 def _specs(mesh, batch: int, kv_heads: int) -> P:
-    """[B, H, L, d] inside shard_map: batch over the batch axes that divide it, heads over
-    "tensor" when it divides the KV heads (so every device keeps whole GQA groups)."""
+    """(batch, heads) of the operands inside shard_map: batch over the batch axes that
+    divide it, heads over "tensor" when it divides the KV heads (so every device keeps whole
+    GQA groups)."""
     axes, split = [], 1
     for axis in BATCH_AXES:
         size = mesh.shape.get(axis, 1)
@@ -110,16 +118,22 @@ def splash_attention(q_BLHd, k_BLKd, v_BLKd, *, scale=None, window: int = 0, seg
     batch, length = q_BLHd.shape[:2]
     if splash_refusal(length):
         return None
-    if scale is not None:
-        q_BLHd = q_BLHd * jnp.asarray(scale, q_BLHd.dtype)
-    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q_BLHd, k_BLKd, v_BLKd))
-    attend = functools.partial(_local_splash, window=int(window))
-    operands = (q, k, v) + (() if segment_ids_BL is None else (segment_ids_BL,))
+    attend = functools.partial(local_splash_attention, scale=scale, window=int(window))
+    operands = (q_BLHd, k_BLKd, v_BLKd) + (() if segment_ids_BL is None else (segment_ids_BL,))
     mesh = jax.sharding.get_abstract_mesh()
     if not mesh.empty and mesh.size > 1:
-        spec = _specs(mesh, batch, k.shape[1])
+        spec = _specs(mesh, batch, k_BLKd.shape[2])
+        spec = P(spec[0], None, spec[1])  # [B, L, H, d]
         segment_spec = P(spec[0])  # [B, L]: the batch split as q's
         specs = (spec,) * 3 + (() if segment_ids_BL is None else (segment_spec,))
         # The kernel's custom VJP carries no varying-axis annotations (as the MoE's).
         attend = jax.shard_map(attend, mesh=mesh, in_specs=specs, out_specs=spec, check_vma=False)
-    return attend(*operands).transpose(0, 2, 1, 3)
+    return attend(*operands)
+
+
+def local_splash_attention(q_BLHd, k_BLKd, v_BLKd, segment_ids_BL=None, *, scale, window):
+    """`splash_attention` on one device's operands (inside shard_map or on one device)."""
+    if scale is not None:
+        q_BLHd = q_BLHd * jnp.asarray(scale, q_BLHd.dtype)
+    q, k, v = (a.transpose(0, 2, 1, 3) for a in (q_BLHd, k_BLKd, v_BLKd))
+    return _local_splash(q, k, v, segment_ids_BL, window=window).transpose(0, 2, 1, 3)
