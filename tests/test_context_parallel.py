@@ -161,21 +161,23 @@ def test_context_config_checks_name_the_key(override, message):
 
 # The kernels inside each device's chunks, against the unsplit model through jaxmoe's XLA
 # path: GQA with a dense and an MoE layer, a sliding window of 13 keys on layer 0, packed
-# documents. Splash runs in Pallas' interpret mode (the kernel's code, on CPU) and needs
+# documents; and MLA. Splash runs in Pallas' interpret mode (the kernel's code, on CPU) and needs
 # 128 queries per device under all-gather (blocks of whole lanes): 512 tokens there.
 # jax.nn.dot_product_attention runs its XLA lowering here: the masks, offsets and key
 # ranges that cuDNN gets on GPU (tests/test_gpu_compile.py compiles that).
 @pytest.mark.slow  # 8 interpret-mode or dot_product_attention compiles: 20-40 s each test
 @pytest.mark.parametrize(
-    "kernel, strategy, length",
+    "kernel, strategy, length, kind",
     [
-        ("splash", "all_gather", 512),
-        ("splash", "ulysses", 128),
-        ("dot_product_attention", "all_gather", 32),
-        ("dot_product_attention", "ulysses", 32),
+        ("splash", "all_gather", 512, "gqa_moe_window"),
+        ("splash", "ulysses", 128, "gqa_moe_window"),
+        ("dot_product_attention", "all_gather", 32, "gqa_moe_window"),
+        ("dot_product_attention", "ulysses", 32, "gqa_moe_window"),
+        # MLA: the gathered latent's keys and values (padded to one width) in the kernel
+        ("dot_product_attention", "all_gather", 32, "mla"),
     ],
 )
-def test_kernels_inside_chunks_match_unsplit(kernel, strategy, length, monkeypatch):
+def test_kernels_inside_chunks_match_unsplit(kernel, strategy, length, kind, monkeypatch):
     from jaxmoe.models import attention_kernel, attention_math
 
     monkeypatch.setattr(attention_math, "PIECE_SCORE_BYTES", 4 * 4 * 8 * length)
@@ -184,8 +186,8 @@ def test_kernels_inside_chunks_match_unsplit(kernel, strategy, length, monkeypat
     monkeypatch.setattr(
         jax.nn, "dot_product_attention", lambda *a, **k: calls.append(1) or dpa(*a, **k)
     )
-    unsplit_xla, _ = _loss_fn(_model_config("gqa_moe_window"), True, length)
-    step, params = _loss_fn(_model_config("gqa_moe_window", strategy, kernel), True, length)
+    unsplit_xla, _ = _loss_fn(_model_config(kind), True, length)
+    step, params = _loss_fn(_model_config(kind, strategy, kernel), True, length)
     want_loss, want_grads = unsplit_xla(params)
     fell_back = attention_kernel.fallback_counts()
     for context in (2, 4):

@@ -408,6 +408,8 @@ FAMILIES = {
         *BF16, "model.moe.num_experts=0", "model.sliding_window=8",
         "model.layer_types=sliding,full", "mesh.context=4", "train.batch_size=2",
         "model.context_strategy=ulysses")),
+    "context_mla": ("h100-2", "configs/deepseek2_16b.py:tiny", (
+        *BF16, "mesh.context=2", "model.moe.capacity_factor=0.0", "train.batch_size=2")),
     # Blackwell: an HGX B200 node, and two GB200 hosts of 4 in one NVLink domain
     "b200_moe": ("b200-8", None, (*BF16, "model.moe.capacity_factor=0.0", "mesh.expert=8")),
     "gb200_moe_2_hosts": ("gb200-8", None, (
@@ -427,6 +429,7 @@ EXPECTED = {
     "f32": ((0, 0), ["dtype float32"], None),
     "context_parallel": ((2, 2), [], None),
     "context_ulysses": ((2, 2), [], None),
+    "context_mla": (None, [], "dense dots"),
     "b200_moe": ((2, 2), [], "dense dots"),
     "gb200_moe_2_hosts": ((2, 2), [], "dense dots"),
 }

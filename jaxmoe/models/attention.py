@@ -17,8 +17,6 @@ from flax import nnx
 from jaxmoe.models.attention_kernel import (
     SPLASH,
     XLA,
-    cudnn_refusal,
-    head_dim_max,
     kernel_attention,
     log_once,
     mesh_platform,
@@ -35,7 +33,7 @@ from jaxmoe.models.attention_math import (  # noqa: F401  (re-exported: kv_cache
     same_segment,
 )
 from jaxmoe.models.attention_window import with_window
-from jaxmoe.models.context_kernels import splash_context_refusal
+from jaxmoe.models.context_kernels import context_kernel
 from jaxmoe.models.context_parallel import ContextLayout, context_attention
 from jaxmoe.models.layers import (
     RMSNorm,
@@ -47,7 +45,6 @@ from jaxmoe.models.layers import (
 )
 from jaxmoe.models.quantization import NONE, Quantization
 from jaxmoe.models.rope_yarn import yarn_attention_factor, yarn_inv_freq
-from jaxmoe.models.splash_attention import splash_refusal
 
 ROPE_TYPES = ("default", "linear", "llama3")  # "yarn": options.py adds it (rope_yarn.py)
 # model.qk_norm: RMSNorm of queries and keys before rotary. head (Qwen3, Qwen3-MoE): over each
@@ -361,12 +358,12 @@ class Attention(nnx.Module):
         k, v = self.project_kv(x_BLD, positions_BL)
         sinks = self.sink_logits()
         platform = mesh_platform()
-        kernel = resolve_attention_kernel(self.kernel, platform)
-        if kernel != XLA:
-            reason = self._context_kernel_refusal(kernel, q, k, v, layout, sinks)
-            if reason:
-                log_once(reason)
-                kernel = XLA
+        strategy = self.context_strategy
+
+        def refuse(kernel):
+            return "" if sinks is None else f"{kernel} takes no {_unsupported(sinks, None)}"
+
+        kernel = context_kernel(self.kernel, q, k, v, layout, strategy=strategy, refuse=refuse)
         o = context_attention(
             q,
             k,
@@ -380,25 +377,6 @@ class Attention(nnx.Module):
             platform=platform,
         )
         return self.project_out(o)
-
-    def _context_kernel_refusal(self, kernel, q, k, v, layout, sinks) -> str:
-        """Why `kernel` cannot run inside this attention's context chunks ("" = it can)."""
-        if sinks is not None:
-            return f"{kernel} takes no {_unsupported(sinks, None)}"
-        strategy = self.context_strategy
-        if strategy == "ring":
-            return f"{kernel} does not run inside ring attention's blocks (model.context_strategy)"
-        # Ulysses attends the whole sequence with the kernel's own causal mode (a document
-        # mask beside it for packed rows); all-gather masks each piece of queries.
-        whole = strategy == "ulysses"
-        if kernel == SPLASH:
-            length = q.shape[1]
-            return splash_refusal(length) if whole else splash_context_refusal(length, layout.parts)
-        if mesh_platform() == "gpu":
-            masked = layout.segment_ids_BL is not None if whole else True
-            reason = cudnn_refusal(q, k, v, masked=masked, head_dim_max=head_dim_max())
-            return reason and f"cuDNN refuses {reason}"
-        return ""
 
     def _kernel(self, q, k, v, mask, causal, segment_ids_BL=None):
         """The output through `model.attention_kernel`'s kernel, or None for the XLA path."""

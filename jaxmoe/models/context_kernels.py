@@ -25,9 +25,46 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmoe.models.attention_kernel import implementation
+from jaxmoe.models.attention_kernel import (
+    SPLASH,
+    XLA,
+    cudnn_refusal,
+    head_dim_max,
+    implementation,
+    log_once,
+    resolve_attention_kernel,
+)
 from jaxmoe.models.attention_math import piece_queries
-from jaxmoe.models.splash_attention import BLOCK, LANES, block_sizes
+from jaxmoe.models.platform import mesh_platform
+from jaxmoe.models.splash_attention import BLOCK, LANES, block_sizes, splash_refusal
+
+
+def context_kernel(requested: str, q, k, v, layout, *, strategy: str, refuse=None) -> str:
+    """The kernel that computes one attention under mesh.context: `model.attention_kernel`
+    = `requested` resolved for the mesh's platform, or XLA where it cannot take these
+    operands (`refuse(kernel)`: the caller's own reason, e.g. sinks, or ""); the reason is
+    logged once, as unsplit attention's are. q/k/v [B, L, heads, d] (the whole length)."""
+    platform = mesh_platform()
+    kernel = resolve_attention_kernel(requested, platform)
+    if kernel == XLA:
+        return XLA
+    refusal = refuse(kernel) if refuse else ""
+    if not refusal and strategy == "ring":
+        refusal = f"{kernel} does not run inside ring attention's blocks (model.context_strategy)"
+    # Ulysses attends the whole sequence with the kernel's own causal mode (a document mask
+    # beside it for packed rows); all-gather masks each piece of queries.
+    whole = strategy == "ulysses"
+    if not refusal and kernel == SPLASH:
+        length = q.shape[1]
+        refusal = splash_refusal(length) if whole else splash_context_refusal(length, layout.parts)
+    if not refusal and platform == "gpu":
+        masked = layout.segment_ids_BL is not None if whole else True
+        reason = cudnn_refusal(q, k, v, masked=masked, head_dim_max=head_dim_max())
+        refusal = reason and f"cuDNN refuses {reason}"
+    if refusal:
+        log_once(refusal)
+        return XLA
+    return kernel
 
 
 def splash_context_refusal(length: int, parts: int) -> str:

@@ -39,6 +39,7 @@ from jaxmoe.models.attention_kernel import (
     log_once,
     resolve_attention_kernel,
 )
+from jaxmoe.models.context_kernels import context_kernel
 from jaxmoe.models.context_parallel import ContextLayout, context_attention, gather_length
 from jaxmoe.models.layers import RMSNorm, adapted_weight, fan_in_init, lora_project, make_param
 from jaxmoe.models.platform import mesh_platform
@@ -265,8 +266,12 @@ class LatentAttention(nnx.Module):
         o = None if context else self._kernel(q, k, v, mask, segment_ids_BL)
         if o is None:
             block = resolve_causal_block(self.causal_block, l) if self.causal_block else 0
-            if context:
-                o = context_attention(q, k, v, mask, scale=self.scale, gathered=True)
+            if context:  # the gathered latent's keys: all-gather's kernels, any strategy
+                kernel = context_kernel(
+                    self.kernel, q, k, v, mask, strategy="all_gather", refuse=_refuse_splash
+                )
+                options = dict(gathered=True, kernel=kernel, platform=mesh_platform())
+                o = context_attention(q, k, v, mask, scale=self.scale, **options)
             elif block:
                 o = grouped_attention(q, k, v, mask, None, self.scale, block)
             else:
@@ -281,7 +286,7 @@ class LatentAttention(nnx.Module):
         if kernel == XLA:
             return None
         if kernel == SPLASH:
-            log_once("splash attention takes no multi-head latent attention")
+            log_once(_refuse_splash(kernel))
             return None
         return kernel_attention(
             q,
@@ -294,6 +299,10 @@ class LatentAttention(nnx.Module):
             platform=platform,
             segment_ids_BL=segment_ids_BL,
         )
+
+
+def _refuse_splash(kernel: str) -> str:
+    return "splash attention takes no multi-head latent attention" if kernel == SPLASH else ""
 
 
 def _pad_last(x, width: int):
