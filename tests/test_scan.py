@@ -1,9 +1,12 @@
 """The scanned layer stack (model.scan_layers) computes what the unrolled stack computes.
 
-The reference is the Python-unrolled model, whose blocks are run one after another: the
-same parameters, laid out per layer, must give the same loss (with the MoE balance and z
-terms) and the same gradients, on one device and on a mesh with fsdp and expert axes.
+The reference is the Python-unrolled model on one device, whose blocks are run one after
+another: the same parameters, laid out per layer, must give the scanned model the same loss
+(with the MoE balance and z terms) and the same gradients, on one device and on a mesh with
+fsdp and expert axes.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +124,22 @@ def hand_stacked(params, name, k, num_layers, head=0):
     return out
 
 
+@functools.cache
+def unrolled_reference(case: str):
+    """(parameters, batch, (loss, extra, grads)) of `case`'s unrolled model on one device:
+    the reference of the scanned model on every mesh, compiled once per case."""
+    unrolled_cfg, _ = configs(case, "one_device")
+    params = init_params(unrolled_cfg)
+    batch = batch_for(unrolled_cfg)
+    return params, batch, loss_and_grads(unrolled_cfg, params, batch)
+
+
 @pytest.mark.parametrize("mesh_name", list(MESHES))
 @pytest.mark.parametrize("case", list(CASES))
 def test_scanned_matches_unrolled(case, mesh_name):
-    unrolled_cfg, scanned_cfg = configs(case, mesh_name)
-    params = init_params(unrolled_cfg)
+    """The scanned model on `mesh_name` against the unrolled one on one device."""
+    _, scanned_cfg = configs(case, mesh_name)
+    params, batch, (loss_u, extra_u, grads_u) = unrolled_reference(case)
     stacked = stack_layers(params, scanned_cfg.model)
     m = scanned_cfg.model
     k = m.moe.every
@@ -144,8 +158,6 @@ def test_scanned_matches_unrolled(case, mesh_name):
     )
     assert jax.tree.map(np.shape, stacked) == jax.tree.map(lambda a: a.shape, spec.abstract_params)
 
-    batch = batch_for(unrolled_cfg)
-    loss_u, extra_u, grads_u = loss_and_grads(unrolled_cfg, params, batch)
     loss_s, extra_s, grads_s = loss_and_grads(scanned_cfg, stacked, batch)
     np.testing.assert_allclose(loss_s, loss_u, rtol=1e-5, atol=1e-6)
     for key in ("weighted_balance_loss", "weighted_router_z_loss", "top2_fraction", "routing_BM"):
