@@ -96,9 +96,8 @@ def _split_run(step, params, context: int):
         ("mqa_window", "all_gather"),
         ("mla", "all_gather"),
         ("mqa_window", "ring"),  # ring: window, sinks and MQA's one K/V head passed around
-        # Ulysses: 2 K/V heads split over 2 devices, repeated to 4 over 4; MQA's one K/V
-        # head repeated; the sinks of each device's heads.
-        pytest.param("gqa_moe", "ulysses", marks=pytest.mark.slow),  # 20-45 s each
+        # Ulysses: MQA's one K/V head repeated, the window, the sinks of each device's heads
+        # (GQA with a dense and an MoE layer: the packed-documents test below).
         pytest.param("mqa_window", "ulysses", marks=pytest.mark.slow),
     ],
 )
@@ -123,6 +122,7 @@ def test_split_sequence_matches_unsplit(kind, strategy, monkeypatch):
             )
 
 
+# Ulysses: GQA's 2 K/V heads split over 2 devices, repeated to 4 over 4 (slow: 20-35 s).
 @pytest.mark.parametrize(
     "strategy", ["all_gather", "ring", pytest.param("ulysses", marks=pytest.mark.slow)]
 )
