@@ -165,7 +165,8 @@ def test_tiny_moe_loss_and_grads_near_unquantized(kind):
             logp = jax.nn.log_softmax(logits[:, :-1])
             return -jnp.take_along_axis(logp, ids[:, 1:, None], -1).mean()
 
-        return nnx.value_and_grad(loss)(model)
+        # One compiled program (as training runs it), not hundreds of op-by-op ones.
+        return nnx.jit(nnx.value_and_grad(loss))(model)
 
     base_loss, base_grads = loss_and_grads("none")
     q_loss, q_grads = loss_and_grads(kind)
