@@ -7,13 +7,6 @@ from pathlib import Path
 
 # Must be set before jax initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-# The tests' programs are tiny and run a few times each, so compiling them is most of the
-# suite's time: LLVM at -O0 compiles XLA:CPU's kernels ~35% faster (a scanned MoE grad on 8
-# devices: 9.4 -> 6.1 s; model init's small programs 8.5 -> 3.9 s) and the losses come out
-# the same (dots and reductions run in XLA's libraries, not in the generated code). Added
-# unless the caller chose a level; subprocesses inherit it with the rest of XLA_FLAGS.
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -51,3 +44,21 @@ from tests.lane_times import (  # noqa: E402, F401
     pytest_sessionfinish,
     pytest_sessionstart,
 )
+
+
+def pytest_configure(config):
+    """LLVM at -O0 for XLA:CPU's kernels, except in the slow lane (`-m slow`).
+
+    The fast tests' programs are tiny and run a few times each, so compiling them is most of
+    their time: at -O0 XLA:CPU compiles ~35% faster (a scanned MoE grad on 8 devices: 9.4 ->
+    6.1 s; model init's small programs 8.5 -> 3.9 s) and the losses come out the same (dots
+    and reductions run in XLA's libraries, not in the generated code). The slow lane's
+    tests train for longer and run processes whose collectives time out when starved, so
+    they keep optimised kernels. Added unless the caller chose a level; subprocesses inherit
+    it with the rest of XLA_FLAGS. Here, not at import: jax reads XLA_FLAGS when its first
+    backend starts, after this hook.
+    """
+    if config.getoption("markexpr", "").strip() == "slow":
+        return
+    if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+        os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
