@@ -328,7 +328,7 @@ def test_mla_through_dot_product_attention_equals_its_xla_path():
             logits, _ = nnx.merge(graph, p)(tokens)
             return jnp.mean(jnp.square(logits)), logits
 
-        (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         outputs[kernel] = (logits, jax.tree.leaves(grads))
     (want, want_grads), (got, got_grads) = outputs["xla"], outputs["dot_product_attention"]
     assert jnp.allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -363,7 +363,7 @@ def test_t5_cross_attention_through_dot_product_attention_equals_its_xla_path():
             return jnp.mean(jnp.square(logits)), logits
 
         before = fallback_counts()
-        (_, logits), grads = jax.value_and_grad(loss, has_aux=True)(params)
+        (_, logits), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
         grew = [r for r, n in fallback_counts().items() if n > before.get(r, 0)]
         outputs[kernel] = (logits, jax.tree.leaves(grads), grew)
     (want, want_grads, none), (got, got_grads, logged) = outputs.values()

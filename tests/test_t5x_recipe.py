@@ -19,7 +19,6 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
-from ml_collections import ConfigDict
 
 from jaxmoe.checkpoints.trees import flatten
 from jaxmoe.config.loading import apply_overrides
@@ -29,6 +28,7 @@ from jaxmoe.conversions.t5x.convert import convert_t5x
 from jaxmoe.errors import ConfigError
 from jaxmoe.models import build_model
 from jaxmoe.models.layers import dropout, make_dropout
+from jaxmoe.models.options import ModelOptions
 from jaxmoe.models.spec import model_params, model_rngs, model_spec
 from jaxmoe.parallel.mesh import make_mesh
 from jaxmoe.parallel.options import MeshOptions
@@ -162,7 +162,7 @@ def test_dropout_is_off_at_eval_and_on_in_training(arch):
 
 
 def test_dropout_scales_kept_values_and_shares_the_mask_along_the_sequence():
-    cfg = ConfigDict({"dropout_rate": 0.25})
+    cfg = ModelOptions(dropout_rate=0.25)
     module = make_dropout(cfg, nnx.Rngs(dropout=0))
     x = jnp.ones((64, 5, 512))
     np.testing.assert_array_equal(dropout(module, x, train=False), x)
@@ -170,7 +170,7 @@ def test_dropout_scales_kept_values_and_shares_the_mask_along_the_sequence():
     assert set(np.unique(y)) == {0.0, np.float32(1 / 0.75)}
     np.testing.assert_array_equal(y, np.broadcast_to(y[:, :1], y.shape))  # T5X's (-2,)
     assert abs((y[:, 0] == 0).mean() - 0.25) < 0.01  # 32768 draws: 4.2 sigma
-    assert make_dropout(ConfigDict({"dropout_rate": 0.0}), nnx.Rngs(dropout=0)) is None
+    assert make_dropout(ModelOptions(dropout_rate=0.0), nnx.Rngs(dropout=0)) is None
 
 
 # --- The converted fixture: recipe, source step, and one uptraining step ---

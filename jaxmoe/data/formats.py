@@ -63,7 +63,7 @@ class RecordFields:
 
     @classmethod
     def of(cls, data) -> "RecordFields":
-        """The fields of the `data` config section (a DataOptions or its ConfigDict)."""
+        """The fields of the `data` config section (DataOptions)."""
         keys = {
             "text": (data.text_key or "text",),
             "prompt_completion": (data.prompt_key, data.completion_key),

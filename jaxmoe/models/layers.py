@@ -78,16 +78,20 @@ def _f32_to_bf16_jvp(primals, tangents):
     return _f32_to_bf16(w), dw.astype(jnp.bfloat16)
 
 
-def make_dropout(cfg, rngs: nnx.Rngs, *, share_along_length: bool = True, rate=None):
+def make_dropout(
+    cfg,  # ModelOptions (not imported: models/options.py imports this module)
+    rngs: nnx.Rngs,
+    *,
+    share_along_length: bool = True,
+    rate: float | None = None,
+):
     """T5X's dropout of `model.dropout_rate` (or `rate`), or None at rate 0 (no RNG state in
     the model).
 
     T5X shares one mask along the sequence axis (broadcast_dims=(-2,)) everywhere except
     after the encoder's final norm; its RNG stream is reseeded every step (steps.py).
     """
-    return dropout_module(
-        float(cfg.dropout_rate if rate is None else rate), rngs, share_along_length
-    )
+    return dropout_module(cfg.dropout_rate if rate is None else rate, rngs, share_along_length)
 
 
 def dropout_module(rate: float, rngs: nnx.Rngs, share_along_length: bool = True):

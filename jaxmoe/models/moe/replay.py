@@ -12,12 +12,13 @@ import jax.numpy as jnp
 
 from jaxmoe.models.ffn import is_moe_layer
 from jaxmoe.models.moe.gates import num_slots
+from jaxmoe.models.options import ModelOptions
 from jaxmoe.models.stack import ScannedStack, stack_layout
 
 
-def moe_layer_ids(cfg) -> list[int]:
+def moe_layer_ids(cfg: ModelOptions) -> list[int]:
     """The decoder layers that are MoE, in model order (the record's layer axis)."""
-    return [i for i in range(int(cfg.num_layers)) if is_moe_layer(cfg, i)]
+    return [i for i in range(cfg.num_layers) if is_moe_layer(cfg, i)]
 
 
 def stack_replays(cfg, stack, routing_BLMK) -> list:
