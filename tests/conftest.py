@@ -1,13 +1,46 @@
 """Test setup: 8 simulated CPU devices, so every sharding layout runs on one host, and a
 persistent XLA compilation cache shared by every test run and by the `jaxmoe ...`
-subprocesses the tests start."""
+subprocesses the tests start.
+
+Device runs: `pytest -m gpu` (or `-m tpu`, `-m "gpu or tpu"`) on a machine with that
+accelerator lets jax see it (the CPU-only default is not set) and runs the tests marked for
+it; elsewhere a marked test is skipped with the reason, unless it is marked
+`gpu(also_on_cpu=True)`: a test that still checks something on the CPU (a Pallas kernel in
+interpret mode, XLA's lowering of jax.nn.dot_product_attention) runs in every lane.
+"""
 
 import os
+import re
+import sys
 from pathlib import Path
 
-# Must be set before jax initialises its backends.
+import pytest
+
+DEVICE_MARKS = ("gpu", "tpu")
+# `-m gpu`, `-m tpu`, `-m "gpu or tpu"`: a run for a device. Read from the command line,
+# before jax starts, because jax must then be free to pick the accelerator.
+DEVICE_RUN = re.compile(r"\s*(gpu|tpu)(\s+or\s+(gpu|tpu))?\s*")
+# The device tests' own code, checked on a laptop: JAXMOE_DEVICE_TESTS_ON_CPU=1 runs the
+# marked tests on the CPU too (they then compare the CPU with itself; for their authors).
+ON_CPU = os.environ.get("JAXMOE_DEVICE_TESTS_ON_CPU") == "1"
+
+
+def _device_run(args: list[str]) -> bool:
+    for i, arg in enumerate(args):
+        expr = args[i + 1] if arg == "-m" and i + 1 < len(args) else None
+        expr = arg[2:] if arg.startswith("-m") and len(arg) > 2 else expr
+        if expr is not None and DEVICE_RUN.fullmatch(expr):
+            return True
+    return False
+
+
+# Must be set before jax initialises its backends. pytest-xdist's workers do not see the
+# command line: they inherit JAXMOE_DEVICE_RUN from the process that read it.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+if _device_run(sys.argv[1:]) or os.environ.get("JAXMOE_DEVICE_RUN") == "1":
+    os.environ["JAXMOE_DEVICE_RUN"] = "1"
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 # Most of the suite's time is XLA compiling the same tiny programs run after run: keep the
@@ -58,7 +91,24 @@ def pytest_configure(config):
     it with the rest of XLA_FLAGS. Here, not at import: jax reads XLA_FLAGS when its first
     backend starts, after this hook.
     """
-    if config.getoption("markexpr", "").strip() == "slow":
+    markexpr = config.getoption("markexpr", "").strip()
+    if DEVICE_RUN.fullmatch(markexpr):
+        # Device tests compare with float64/f32 references at the CPU's tolerances: f32
+        # matmuls in full precision, not TF32 (a GPU's default) or bf16 passes (a TPU's).
+        jax.config.update("jax_default_matmul_precision", "highest")
+    if markexpr == "slow" or DEVICE_RUN.fullmatch(markexpr):
         return
     if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+
+
+def pytest_runtest_setup(item):
+    """A test marked `gpu` or `tpu` runs where jax's backend is that device; elsewhere it
+    is skipped, saying why, unless it is marked also_on_cpu=True (or ON_CPU is set)."""
+    marks = [m for m in map(item.get_closest_marker, DEVICE_MARKS) if m is not None]
+    if not marks or ON_CPU or any(m.kwargs.get("also_on_cpu") for m in marks):
+        return
+    backend, wanted = jax.default_backend(), [m.name for m in marks]
+    if backend not in wanted:
+        devices = " or ".join(name.upper() for name in wanted)
+        pytest.skip(f"needs a {devices} (jax's backend here is {backend}): pytest -m {wanted[0]}")

@@ -188,3 +188,33 @@ def test_measured_peak_against_the_preflight():
     rows = {"dense": {"jaxmoe": {"aot_prediction": predicted, "memory": own}}}
     (line,) = preflight_lines({"models": rows})
     assert line == "preflight dense (h200-1): predicted 40.00 GiB, measured 44.00 GiB"
+
+
+@pytest.mark.slow
+def test_device_tests_import_in_the_image_set(wheel_folder, tmp_path):
+    """The lent GPU's second command (docs/testing.md): after run.sh filled --site, `pytest -m
+    gpu` on the device tests, from a checkout, imports nothing the image and the folder lack.
+    JAXMOE_DEVICE_TESTS_ON_CPU=1 runs them on this CPU (they compare the CPU with itself here:
+    what this checks is the imports and the selection)."""
+    site, report = tmp_path / "site", tmp_path / "imports"
+    report.mkdir()
+    command = ["bash", str(ROOT / "benchmarks" / "gpu" / "run.sh"), "--dry-run"]
+    command += ["--wheels", str(wheel_folder), "--site", str(site), "--out", str(tmp_path / "o")]
+    env = image_env(site, report) | {"PYTHON": sys.executable}
+    assert subprocess.run(command, cwd=tmp_path, env=env, capture_output=True).returncode == 0
+    allowed = set(env["JAXMOE_ALLOW_ONLY"].split(","))
+    for name in closure(["pytest"]):  # the image holds pytest (not in IMAGE's closure here)
+        allowed |= top_level_modules(name)
+    env |= {"JAXMOE_ALLOW_ONLY": ",".join(sorted(allowed)), "JAXMOE_DEVICE_TESTS_ON_CPU": "1"}
+    env |= {"PYTHONPATH": f"{site}:{BLOCKER}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    env |= {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
+    # The checkout's tests and jaxmoe (the device gets the working tree), not its .venv.
+    env["JAXMOE_ALLOW_UNDER"] += f":{ROOT / 'tests'}:{ROOT / 'jaxmoe'}"
+    tests = ["tests/test_on_device.py", "tests/test_moe.py", "tests/test_tpu_kernels.py"]
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *tests],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    # Two device tests and test_moe's layer cases; no TPU-only test.
+    assert re.search(r"\b9 passed, \d+ deselected", run.stdout), run.stdout[-1000:]

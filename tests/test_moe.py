@@ -194,6 +194,8 @@ LAYER_CASES = {
 }
 
 
+@pytest.mark.gpu(also_on_cpu=True)  # `pytest -m gpu`: the dispatches' GPU lowerings
+@pytest.mark.tpu(also_on_cpu=True)
 @pytest.mark.parametrize("case", LAYER_CASES)
 def test_layer_matches_per_token_loop(case, data):
     aux = check_against_reference(moe_config(**LAYER_CASES[case]), data)

@@ -55,6 +55,7 @@ def _attention_jnp(q, k, v, scale, window):
     return jnp.einsum("bhls,bshd->blhd", probs, v)
 
 
+@pytest.mark.tpu(also_on_cpu=True)  # `pytest -m tpu`: the Mosaic kernel itself
 @pytest.mark.parametrize("window", [0, 40])
 def test_splash_matches_loop_and_gradients(window):
     q, k, v = _qkv()
@@ -110,6 +111,7 @@ def _ffn_jnp(x, src, expert, weight, valid, experts):
     return jnp.zeros_like(x).at[src].add(out)
 
 
+@pytest.mark.tpu(also_on_cpu=True)  # `pytest -m tpu`: the Mosaic kernel itself
 def test_megablox_matches_loop_and_gradients():
     rng = np.random.default_rng(2)
     rows, dim, ffn, num_experts = 50, 32, 64, 4
