@@ -208,8 +208,9 @@ def test_device_tests_import_in_the_image_set(wheel_folder, tmp_path):
     env |= {"JAXMOE_ALLOW_ONLY": ",".join(sorted(allowed)), "JAXMOE_DEVICE_TESTS_ON_CPU": "1"}
     env |= {"PYTHONPATH": f"{site}:{BLOCKER}", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
     env |= {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache")}
-    # The checkout's tests and jaxmoe (the device gets the working tree), not its .venv.
-    env["JAXMOE_ALLOW_UNDER"] += f":{ROOT / 'tests'}:{ROOT / 'jaxmoe'}"
+    # The checkout's packages (the device gets the working tree), not its .venv.
+    env["JAXMOE_ALLOW_UNDER"] += "".join(f":{ROOT / d}" for d in ("tests", "jaxmoe", "benchmarks"))
+    env |= {"JAXMOE_TEST_TIMES": str(tmp_path / "times"), "JAXMOE_TEST_LANE": "gpu"}
     tests = ["tests/test_on_device.py", "tests/test_moe.py", "tests/test_tpu_kernels.py"]
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *tests],
@@ -218,3 +219,5 @@ def test_device_tests_import_in_the_image_set(wheel_folder, tmp_path):
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     # Two device tests and test_moe's layer cases; no TPU-only test.
     assert re.search(r"\b9 passed, \d+ deselected", run.stdout), run.stdout[-1000:]
+    (times,) = (tmp_path / "times").glob("*-tests-gpu.json")  # the device lane's own times
+    assert json.loads(times.read_text())["outcomes"] == {"passed": 9}
